@@ -1,0 +1,5 @@
+"""JAX ops over the shared Triton kernels."""
+from .padded_attention import padded_attention
+from .softmax import padded_softmax, padded_softmax_v, softmax
+
+__all__ = ["padded_attention", "padded_softmax", "padded_softmax_v", "softmax"]

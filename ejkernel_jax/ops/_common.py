@@ -1,0 +1,35 @@
+"""Small helpers the jax ops share: argument normalisation before any kernel runs."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from triton_kernels import checks
+
+
+def array_arg(name: str, x) -> jax.Array:
+    if not isinstance(x, (jax.Array, np.ndarray)):
+        raise TypeError(f"{name} must be a jax.Array, got {type(x).__name__}")
+    return jnp.asarray(x)
+
+
+def name_of(x) -> str:
+    return jnp.dtype(x.dtype).name
+
+
+def is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def n_pad_arg(n_pad, batch: int, seq_len: int) -> jax.Array:
+    """Validate ``n_pad`` and return it as int32.
+
+    Values are checked when they are concrete; under ``jax.jit`` they are not known, and the
+    kernels clamp them to ``[0, seq_len]``.
+    """
+    n_pad = array_arg("n_pad", n_pad)
+    checks.n_pad(tuple(n_pad.shape), name_of(n_pad), batch)
+    if batch and is_concrete(n_pad):
+        checks.n_pad_values(int(n_pad.min()), int(n_pad.max()), seq_len)
+    return n_pad.astype(jnp.int32)

@@ -1,0 +1,115 @@
+"""softmax, padded_softmax and padded_softmax_v on jax arrays, with custom VJPs."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ejkernel_jax.launch import device_facts, launch
+from ejkernel_jax.ops._common import array_arg, n_pad_arg, name_of
+from triton_kernels import checks
+from triton_kernels.padded_attention import scores_v_fwd_plan
+from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
+
+
+def _rows_backward(y2d: jax.Array, dy2d: jax.Array) -> jax.Array:
+    plan = softmax_bwd_plan(*y2d.shape, name_of(y2d), device_facts())
+    return launch(plan, y2d, dy2d.astype(y2d.dtype))[0]
+
+
+@jax.custom_vjp
+def _softmax_rows(x2d):
+    return launch(softmax_fwd_plan(*x2d.shape, name_of(x2d), device_facts()), x2d)[0]
+
+
+def _softmax_rows_fwd(x2d):
+    y = _softmax_rows(x2d)
+    return y, y
+
+
+def _softmax_rows_bwd(y, dy):
+    return (_rows_backward(y, dy),)
+
+
+_softmax_rows.defvjp(_softmax_rows_fwd, _softmax_rows_bwd)
+
+
+def _padded_probs(scores, n_pad):
+    batch, seq_len, _ = scores.shape
+    return launch(padded_softmax_fwd_plan(batch, seq_len, name_of(scores), device_facts()), scores, n_pad)[0]
+
+
+@jax.custom_vjp
+def _padded_softmax(scores, n_pad):
+    return _padded_probs(scores, n_pad)
+
+
+def _padded_softmax_fwd(scores, n_pad):
+    y = _padded_probs(scores, n_pad)
+    return y, y
+
+
+def _padded_softmax_bwd(y, dy):
+    # y is 0 outside each row's window, so the plain softmax rule gives 0 there too.
+    seq_len = y.shape[-1]
+    return _rows_backward(y.reshape(-1, seq_len), dy.reshape(-1, seq_len)).reshape(y.shape), None
+
+
+_padded_softmax.defvjp(_padded_softmax_fwd, _padded_softmax_bwd)
+
+
+@jax.custom_vjp
+def _padded_softmax_v(scores, v, n_pad):
+    return launch(scores_v_fwd_plan(tuple(v.shape), name_of(v), device_facts()), scores, v, n_pad)[0]
+
+
+def _padded_softmax_v_fwd(scores, v, n_pad):
+    return _padded_softmax_v(scores, v, n_pad), (scores, v, n_pad)
+
+
+def _padded_softmax_v_bwd(residuals, dout):
+    # Recompute the probabilities with the kernel; dv = P^T dout, dscores = softmax_bwd(P, dout v^T).
+    scores, v, n_pad = residuals
+    p = _padded_probs(scores, n_pad)
+    f32 = jnp.float32
+    dv = jnp.einsum("bij,bid->bjd", p.astype(f32), dout.astype(f32)).astype(v.dtype)
+    dp = jnp.einsum("bid,bjd->bij", dout.astype(f32), v.astype(f32))
+    seq_len = scores.shape[-1]
+    dscores = _rows_backward(p.reshape(-1, seq_len), dp.reshape(-1, seq_len)).reshape(scores.shape)
+    return dscores, dv, None
+
+
+_padded_softmax_v.defvjp(_padded_softmax_v_fwd, _padded_softmax_v_bwd)
+
+
+def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Softmax along ``axis`` with float32 math; rows of only -inf give zeros, not NaN."""
+    x = array_arg("x", x)
+    axis = checks.softmax(tuple(x.shape), name_of(x), axis)
+    moved = jnp.moveaxis(x, axis, -1)
+    y = _softmax_rows(moved.reshape(math.prod(moved.shape[:-1]), moved.shape[-1]))
+    return jnp.moveaxis(y.reshape(moved.shape), -1, axis)
+
+
+def _padded_inputs(scores, n_pad):
+    scores = array_arg("scores", scores)
+    batch, seq_len = checks.padded_scores(tuple(scores.shape), name_of(scores))
+    return scores, n_pad_arg(n_pad, batch, seq_len)
+
+
+def padded_softmax(scores: jax.Array, n_pad: jax.Array) -> jax.Array:
+    """Causal softmax of ``[batch, seq, seq]`` scores whose first ``n_pad[b]`` tokens are padding.
+
+    Row ``i`` of batch ``b`` normalises over columns ``n_pad[b] <= j <= i``; padding rows are 0.
+    """
+    scores, n_pad = _padded_inputs(scores, n_pad)
+    return _padded_softmax(scores, n_pad)
+
+
+def padded_softmax_v(scores: jax.Array, v: jax.Array, n_pad: jax.Array) -> jax.Array:
+    """``padded_softmax(scores, n_pad) @ v`` in one kernel; v is ``[batch, seq, head_dim]``."""
+    scores, n_pad = _padded_inputs(scores, n_pad)
+    v = array_arg("v", v)
+    checks.values_for_scores(tuple(v.shape), name_of(v), *scores.shape[:2], name_of(scores))
+    return _padded_softmax_v(scores, v, n_pad)

@@ -1,0 +1,1 @@
+"""Pallas kernels, by target."""

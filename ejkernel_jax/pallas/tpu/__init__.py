@@ -1,0 +1,1 @@
+"""Pallas TPU kernels. Off TPU they run in Pallas interpret mode."""

@@ -1,0 +1,41 @@
+"""Small helpers the torch ops share: argument normalisation before any kernel runs."""
+from __future__ import annotations
+
+import torch
+
+from ejkernel_torch.launch import device_facts, dtype_name
+from triton_kernels import checks
+
+
+def tensor_arg(name: str, x) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def same_device(**tensors: torch.Tensor) -> torch.device:
+    items = list(tensors.items())
+    device = items[0][1].device
+    for name, t in items[1:]:
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {items[0][0]} is on {device}; move them to one device")
+    device_facts(device)  # unsupported device types fail here, before any work
+    return device
+
+
+def name_of(x: torch.Tensor) -> str:
+    try:
+        return dtype_name(x.dtype)
+    except TypeError:
+        return str(x.dtype).removeprefix("torch.")
+
+
+def n_pad_arg(n_pad, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """Validate ``n_pad`` (values too: a host sync on CUDA) and return it as int32 on ``device``."""
+    n_pad = tensor_arg("n_pad", n_pad)
+    checks.n_pad(tuple(n_pad.shape), name_of(n_pad), batch)
+    if n_pad.device != device:
+        raise ValueError(f"n_pad is on {n_pad.device} but the other inputs are on {device}")
+    if batch:
+        checks.n_pad_values(int(n_pad.min()), int(n_pad.max()), seq_len)
+    return n_pad.to(torch.int32).contiguous()

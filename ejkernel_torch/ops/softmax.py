@@ -1,0 +1,113 @@
+"""softmax, padded_softmax and padded_softmax_v on torch tensors, with autograd."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ejkernel_torch.launch import device_facts, dtype_name, launch
+from ejkernel_torch.ops._common import n_pad_arg, name_of, same_device, tensor_arg
+from triton_kernels import checks
+from triton_kernels.padded_attention import scores_v_fwd_plan
+from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
+
+
+def _softmax_rows_backward(y2d: torch.Tensor, dy2d: torch.Tensor) -> torch.Tensor:
+    plan = softmax_bwd_plan(*y2d.shape, dtype_name(y2d.dtype), device_facts(y2d.device))
+    return launch(plan, y2d, dy2d.to(y2d.dtype).contiguous())[0]
+
+
+class _SoftmaxRows(torch.autograd.Function):
+    """Softmax over the last axis of a contiguous 2-D tensor."""
+
+    @staticmethod
+    def forward(ctx, x2d):
+        plan = softmax_fwd_plan(*x2d.shape, dtype_name(x2d.dtype), device_facts(x2d.device))
+        y = launch(plan, x2d)[0]
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return _softmax_rows_backward(y, dy)
+
+
+class _PaddedSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores, n_pad):
+        y = _padded_probs(scores, n_pad)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        # Same rule as plain softmax: y is 0 outside each row's window, so the gradient is too.
+        (y,) = ctx.saved_tensors
+        seq_len = y.shape[-1]
+        return _softmax_rows_backward(y.view(-1, seq_len), dy.reshape(-1, seq_len)).view_as(y), None
+
+
+class _PaddedSoftmaxV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores, v, n_pad):
+        plan = scores_v_fwd_plan(tuple(v.shape), dtype_name(v.dtype), device_facts(v.device))
+        out = launch(plan, scores, v, n_pad)[0]
+        ctx.save_for_backward(scores, v, n_pad)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        # Recompute the probabilities with the kernel; scores are seq x seq already, so the
+        # backward may be too. dv = P^T dout, dP = dout v^T, dscores = softmax_bwd(P, dP).
+        scores, v, n_pad = ctx.saved_tensors
+        p = _padded_probs(scores, n_pad)
+        dout = dout.to(v.dtype)
+        dv = torch.matmul(p.transpose(1, 2).float(), dout.float()).to(v.dtype)
+        dp = torch.matmul(dout.float(), v.transpose(1, 2).float())
+        seq_len = scores.shape[-1]
+        dscores = _softmax_rows_backward(p.view(-1, seq_len), dp.view(-1, seq_len)).view_as(scores)
+        return dscores, dv, None
+
+
+def _padded_probs(scores: torch.Tensor, n_pad: torch.Tensor) -> torch.Tensor:
+    batch, seq_len, _ = scores.shape
+    plan = padded_softmax_fwd_plan(batch, seq_len, dtype_name(scores.dtype), device_facts(scores.device))
+    return launch(plan, scores, n_pad)[0]
+
+
+def softmax(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
+    """Softmax along ``axis`` with float32 math; rows of only -inf give zeros, not NaN."""
+    x = tensor_arg("x", x)
+    axis = checks.softmax(tuple(x.shape), name_of(x), axis)
+    same_device(x=x)
+    moved = x.movedim(axis, -1)
+    shape = moved.shape
+    y = _SoftmaxRows.apply(moved.contiguous().reshape(math.prod(shape[:-1]), shape[-1]))
+    return y.reshape(shape).movedim(-1, axis)
+
+
+def _padded_inputs(scores, n_pad):
+    scores = tensor_arg("scores", scores)
+    batch, seq_len = checks.padded_scores(tuple(scores.shape), name_of(scores))
+    device = same_device(scores=scores)
+    return scores.contiguous(), n_pad_arg(n_pad, batch, seq_len, device)
+
+
+def padded_softmax(scores: torch.Tensor, n_pad: torch.Tensor) -> torch.Tensor:
+    """Causal softmax of ``[batch, seq, seq]`` scores whose first ``n_pad[b]`` tokens are padding.
+
+    Row ``i`` of batch ``b`` normalises over columns ``n_pad[b] <= j <= i``; padding rows are 0.
+    """
+    scores, n_pad = _padded_inputs(scores, n_pad)
+    return _PaddedSoftmax.apply(scores, n_pad)
+
+
+def padded_softmax_v(scores: torch.Tensor, v: torch.Tensor, n_pad: torch.Tensor) -> torch.Tensor:
+    """``padded_softmax(scores, n_pad) @ v`` in one kernel; v is ``[batch, seq, head_dim]``."""
+    scores, n_pad = _padded_inputs(scores, n_pad)
+    v = tensor_arg("v", v)
+    batch, seq_len = scores.shape[:2]
+    checks.values_for_scores(tuple(v.shape), name_of(v), batch, seq_len, name_of(scores))
+    same_device(scores=scores, v=v)
+    return _PaddedSoftmaxV.apply(scores, v.contiguous(), n_pad)

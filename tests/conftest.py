@@ -1,0 +1,58 @@
+"""Shared fixtures: every test that takes ``fw`` runs once per framework.
+
+A test is written against the small ``Framework`` adapter below (numpy in, numpy out,
+gradients through the framework's own autodiff), so the same assertions check the torch
+front and the jax front.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np
+import pytest
+
+from tests import frameworks
+
+FRAMEWORKS = ("torch", "jax")
+
+
+@pytest.fixture(params=FRAMEWORKS)
+def fw(request) -> frameworks.Framework:
+    return frameworks.get(request.param)
+
+
+@pytest.fixture
+def torch_fw() -> frameworks.Framework:
+    return frameworks.get("torch")
+
+
+@pytest.fixture
+def jax_fw() -> frameworks.Framework:
+    return frameworks.get("jax")
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs():
+    """Kernel outputs start as NaN (floats) / a sentinel (ints), so unwritten elements fail."""
+    from triton_kernels import debug
+
+    with debug.poison_outputs(True):
+        yield
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    # Fresh inputs per test, reproducible from the test id.
+    seed = abs(hash(request.node.nodeid)) % (2**32)
+    return np.random.default_rng(seed)
+
+
+def pytest_collection_modifyitems(config, items):
+    if frameworks.cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,118 @@
+"""Framework adapters for the shared suite: numpy <-> framework arrays, VJPs, devices.
+
+Tests use only this interface, so each test runs unchanged for torch and for jax:
+
+    x = fw.asarray(np_x, "bfloat16")       # on the framework's default device
+    y = fw.ops.softmax(x)                   # fw.ops is ejkernel_torch or ejkernel_jax
+    np_y = fw.to_numpy(y)                   # float arrays come back as float64
+    grads = fw.vjp(fn, [x], cotangent)      # list of numpy arrays
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+
+@functools.cache
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class Framework:
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+    # -- modules --------------------------------------------------------------
+    @property
+    def ops(self):
+        if self.name == "torch":
+            import ejkernel_torch
+
+            return ejkernel_torch
+        import ejkernel_jax
+
+        return ejkernel_jax
+
+    @property
+    def device(self) -> str:
+        return "cuda" if cuda_available() else "cpu"
+
+    # -- arrays ---------------------------------------------------------------
+    def dtype(self, name: str):
+        if self.name == "torch":
+            import torch
+
+            return getattr(torch, name)
+        import jax.numpy as jnp
+
+        return jnp.dtype(name)
+
+    def asarray(self, a, dtype: str | None = None):
+        a = np.asarray(a)
+        if self.name == "torch":
+            import torch
+
+            t = torch.from_numpy(np.array(a, copy=True, order="C")).to(self.device)
+            return t.to(self.dtype(dtype)) if dtype else t
+        import jax.numpy as jnp
+
+        x = jnp.asarray(a)
+        return x.astype(dtype) if dtype else x
+
+    def to_numpy(self, x) -> np.ndarray:
+        """Float arrays come back as float64 (bf16 has no numpy dtype), ints unchanged."""
+        if self.name == "torch":
+            import torch
+
+            x = x.detach().cpu()
+            if x.is_floating_point():
+                x = x.to(torch.float64)
+            return x.numpy()
+        a = np.asarray(x)
+        if np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16":
+            return a.astype(np.float64)
+        return a
+
+    # -- autodiff ---------------------------------------------------------------
+    def vjp(self, fn: Callable, primals: Sequence[Any], cotangent) -> list[np.ndarray]:
+        """Gradients of ``sum(fn(*primals) * cotangent)`` w.r.t. every primal."""
+        if self.name == "torch":
+            leaves = [p.detach().clone().requires_grad_(True) for p in primals]
+            out = fn(*leaves)
+            out.backward(cotangent)
+            return [self.to_numpy(p.grad) for p in leaves]
+        import jax
+
+        _, pullback = jax.vjp(fn, *primals)
+        return [self.to_numpy(g) for g in pullback(cotangent)]
+
+
+@functools.cache
+def get(name: str) -> Framework:
+    return Framework(name)
+
+
+def rel_error(out: np.ndarray, ref: np.ndarray) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN anywhere in ``out`` gives inf."""
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    denom = np.linalg.norm(ref)
+    num = np.linalg.norm(out - ref)
+    return float(num / denom) if denom > 0 else float(num)
+
+
+# Relative-error bounds vs a float64 reference, per input dtype.
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}

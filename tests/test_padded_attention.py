@@ -1,0 +1,99 @@
+"""padded_attention: forward and gradients vs float64, padding rows, parity, bad input."""
+import numpy as np
+import pytest
+
+from tests import references as ref
+from tests.frameworks import TOLERANCE, rel_error
+
+DTYPES = ["float32", "float16", "bfloat16"]
+GRAD_TOLERANCE = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+def _case(fw, rng, batch, seq, head_dim, dtype):
+    qkv = [fw.asarray(rng.standard_normal((batch, seq, head_dim)), dtype) for _ in range(3)]
+    n_pad = rng.integers(0, seq + 1, size=batch).astype(np.int32)
+    n_pad[0] = 0
+    if batch > 1:
+        n_pad[-1] = seq  # a sequence made only of padding
+    return qkv, [fw.to_numpy(t) for t in qkv], fw.asarray(n_pad), n_pad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch, seq, head_dim", [(1, 1, 16), (3, 17, 24), (2, 127, 64), (2, 100, 3), (2, 65, 256)])
+def test_forward_matches_float64(fw, rng, batch, seq, head_dim, dtype):
+    qkv, qkv_np, n_pad, n_pad_np = _case(fw, rng, batch, seq, head_dim, dtype)
+    out = fw.to_numpy(fw.ops.padded_attention(*qkv, n_pad))
+    expected = ref.forward(ref.padded_attention, *qkv_np, n_pad_np)
+    assert rel_error(out, expected) < TOLERANCE[dtype]
+    for b, pad in enumerate(n_pad_np):  # padding queries give exact zeros, never NaN
+        assert not out[b, :pad].any()
+
+
+def test_long_sequence(fw, rng):
+    qkv, qkv_np, n_pad, n_pad_np = _case(fw, rng, 2, 1000, 32, "float32")
+    out = fw.to_numpy(fw.ops.padded_attention(*qkv, n_pad))
+    assert rel_error(out, ref.forward(ref.padded_attention, *qkv_np, n_pad_np)) < TOLERANCE["float32"]
+
+
+def test_softmax_scale(fw, rng):
+    qkv, qkv_np, n_pad, n_pad_np = _case(fw, rng, 2, 33, 16, "float32")
+    out = fw.to_numpy(fw.ops.padded_attention(*qkv, n_pad, softmax_scale=0.7))
+    expected = ref.forward(ref.padded_attention, *qkv_np, n_pad_np, softmax_scale=0.7)
+    assert rel_error(out, expected) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch, seq, head_dim", [(3, 17, 24), (2, 130, 64), (1, 1, 16)])
+def test_gradients_match_float64(fw, rng, batch, seq, head_dim, dtype):
+    qkv, qkv_np, n_pad, n_pad_np = _case(fw, rng, batch, seq, head_dim, dtype)
+    dout = fw.asarray(rng.standard_normal((batch, seq, head_dim)), dtype)
+    grads = fw.vjp(lambda q, k, v: fw.ops.padded_attention(q, k, v, n_pad), qkv, dout)
+    expected = ref.vjp(ref.padded_attention, [*qkv_np, n_pad_np], fw.to_numpy(dout), n_diff=3)
+    for name, got, want in zip("qkv", grads, expected):
+        assert rel_error(got, want) < GRAD_TOLERANCE[dtype], name
+    for b, pad in enumerate(n_pad_np):  # padding tokens get exactly zero gradient
+        for got in grads:
+            assert not got[b, :pad].any()
+
+
+def test_torch_and_jax_agree(torch_fw, jax_fw, rng):
+    qkv = [rng.standard_normal((3, 77, 40)).astype(np.float32) for _ in range(3)]
+    n_pad = np.array([0, 9, 77], np.int32)
+    dout = rng.standard_normal((3, 77, 40)).astype(np.float32)
+    results = []
+    for f in (torch_fw, jax_fw):
+        args = [f.asarray(a) for a in qkv]
+        npad = f.asarray(n_pad)
+        out = f.to_numpy(f.ops.padded_attention(*args, npad))
+        grads = f.vjp(lambda q, k, v: f.ops.padded_attention(q, k, v, npad), args, f.asarray(dout))
+        results.append([out, *grads])
+    for a, b in zip(*results):
+        assert np.max(np.abs(a - b)) <= 1e-6
+
+
+def _bad_cases():
+    q = np.zeros((2, 5, 8), np.float32)
+    return [
+        (dict(q=np.zeros((5, 8), np.float32)), ValueError, "q must be 3-D"),
+        (dict(k=np.zeros((2, 6, 8), np.float32)), ValueError, "k must have the shape of q"),
+        (dict(v=np.zeros((2, 5, 8), np.float16)), TypeError, "q, k, v must share one dtype"),
+        (dict(q=q.astype(np.int32)), TypeError, "q must be a float"),
+        (dict(q=np.zeros((2, 5, 300), np.float32), k=np.zeros((2, 5, 300), np.float32),
+              v=np.zeros((2, 5, 300), np.float32)), ValueError, "head_dim must be between 1 and 256"),
+        (dict(n_pad=np.array([0, 9], np.int32)), ValueError, r"n_pad values must lie in \[0, 5\]"),
+        (dict(n_pad=np.array([[0, 1]], np.int32)), ValueError, r"n_pad must have shape \(2,\)"),
+    ]
+
+
+@pytest.mark.parametrize("kwargs, error, match", _bad_cases())
+def test_bad_input(fw, kwargs, error, match):
+    args = dict(q=np.zeros((2, 5, 8), np.float32), k=np.zeros((2, 5, 8), np.float32),
+                v=np.zeros((2, 5, 8), np.float32), n_pad=np.zeros(2, np.int32)) | kwargs
+    with pytest.raises(error, match=match):
+        fw.ops.padded_attention(*(fw.asarray(args[n]) for n in ("q", "k", "v", "n_pad")))
+
+
+def test_bad_scale(fw):
+    x = fw.asarray(np.zeros((1, 4, 8), np.float32))
+    with pytest.raises(TypeError, match="softmax_scale"):
+        fw.ops.padded_attention(x, x, x, fw.asarray(np.zeros(1, np.int32)), softmax_scale="big")

@@ -1,0 +1,105 @@
+"""padded_softmax and padded_softmax_v vs float64, gradients, parity and bad input."""
+import numpy as np
+import pytest
+
+from tests import references as ref
+from tests.frameworks import TOLERANCE, rel_error
+
+DTYPES = ["float32", "float16", "bfloat16"]
+GRAD_TOLERANCE = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+def _case(fw, rng, batch, seq, dtype, head_dim=None):
+    scores = fw.asarray(rng.standard_normal((batch, seq, seq)) * 2, dtype)
+    n_pad_np = rng.integers(0, seq + 1, size=batch).astype(np.int32)
+    n_pad_np[0] = 0  # always one unpadded sequence
+    if batch > 1:
+        n_pad_np[-1] = seq  # and one made entirely of padding
+    case = dict(scores=scores, scores_np=fw.to_numpy(scores), n_pad=fw.asarray(n_pad_np), n_pad_np=n_pad_np)
+    if head_dim:
+        v = fw.asarray(rng.standard_normal((batch, seq, head_dim)), dtype)
+        case.update(v=v, v_np=fw.to_numpy(v))
+    return case
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch, seq", [(1, 1), (3, 17), (2, 127), (3, 300)])
+def test_padded_softmax_matches_float64(fw, rng, batch, seq, dtype):
+    c = _case(fw, rng, batch, seq, dtype)
+    y = fw.to_numpy(fw.ops.padded_softmax(c["scores"], c["n_pad"]))
+    expected = ref.forward(ref.padded_softmax, c["scores_np"], c["n_pad_np"])
+    assert rel_error(y, expected) < TOLERANCE[dtype]
+    for b, pad in enumerate(c["n_pad_np"]):  # padding rows and columns are exactly zero
+        assert not y[b, :pad].any() and not y[b, :, :pad].any()
+
+
+def test_padded_softmax_long_rows(fw, rng):
+    c = _case(fw, rng, 2, 1000, "float32")
+    y = fw.to_numpy(fw.ops.padded_softmax(c["scores"], c["n_pad"]))
+    assert rel_error(y, ref.forward(ref.padded_softmax, c["scores_np"], c["n_pad_np"])) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_padded_softmax_gradient(fw, rng, dtype):
+    c = _case(fw, rng, 3, 33, dtype)
+    dy = fw.asarray(rng.standard_normal((3, 33, 33)), dtype)
+    (ds,) = fw.vjp(lambda s: fw.ops.padded_softmax(s, c["n_pad"]), [c["scores"]], dy)
+    (ds_ref,) = ref.vjp(ref.padded_softmax, [c["scores_np"], c["n_pad_np"]], fw.to_numpy(dy), n_diff=1)
+    assert rel_error(ds, ds_ref) < GRAD_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch, seq, head_dim", [(1, 1, 16), (3, 17, 24), (2, 127, 64), (2, 200, 3)])
+def test_padded_softmax_v_matches_float64(fw, rng, batch, seq, head_dim, dtype):
+    c = _case(fw, rng, batch, seq, dtype, head_dim)
+    out = fw.to_numpy(fw.ops.padded_softmax_v(c["scores"], c["v"], c["n_pad"]))
+    expected = ref.forward(ref.padded_softmax_v, c["scores_np"], c["v_np"], c["n_pad_np"])
+    assert rel_error(out, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_padded_softmax_v_gradient(fw, rng, dtype):
+    c = _case(fw, rng, 3, 29, dtype, head_dim=40)
+    dout = fw.asarray(rng.standard_normal((3, 29, 40)), dtype)
+    grads = fw.vjp(lambda s, v: fw.ops.padded_softmax_v(s, v, c["n_pad"]), [c["scores"], c["v"]], dout)
+    expected = ref.vjp(ref.padded_softmax_v, [c["scores_np"], c["v_np"], c["n_pad_np"]], fw.to_numpy(dout), n_diff=2)
+    for got, want in zip(grads, expected):
+        assert rel_error(got, want) < GRAD_TOLERANCE[dtype]
+
+
+def test_torch_and_jax_agree(torch_fw, jax_fw, rng):
+    scores = rng.standard_normal((3, 45, 45)).astype(np.float32)
+    v = rng.standard_normal((3, 45, 32)).astype(np.float32)
+    n_pad = np.array([0, 7, 45], np.int32)
+    for op, args in [("padded_softmax", (scores, n_pad)), ("padded_softmax_v", (scores, v, n_pad))]:
+        outs = [f.to_numpy(getattr(f.ops, op)(*(f.asarray(a) for a in args))) for f in (torch_fw, jax_fw)]
+        assert np.max(np.abs(outs[0] - outs[1])) <= 1e-6, op
+
+
+def _bad_scores_cases():
+    ok = np.zeros((2, 5, 5), np.float32)
+    return [
+        (dict(scores=np.zeros((2, 5, 4), np.float32)), ValueError, "scores must be square"),
+        (dict(scores=np.zeros((5, 5), np.float32)), ValueError, "scores must be 3-D"),
+        (dict(scores=np.zeros((2, 5, 5), np.int32)), TypeError, "scores must be a float"),
+        (dict(scores=ok, n_pad=np.array([0, 6], np.int32)), ValueError, r"n_pad values must lie in \[0, 5\]"),
+        (dict(scores=ok, n_pad=np.array([-1, 0], np.int32)), ValueError, "n_pad values"),
+        (dict(scores=ok, n_pad=np.array([0, 1, 2], np.int32)), ValueError, r"n_pad must have shape \(2,\)"),
+        (dict(scores=ok, n_pad=np.array([0.0, 1.0], np.float32)), TypeError, "n_pad must be an integer"),
+    ]
+
+
+@pytest.mark.parametrize("kwargs, error, match", _bad_scores_cases())
+def test_bad_input(fw, kwargs, error, match):
+    args = dict(n_pad=np.zeros((kwargs["scores"].shape[0],), np.int32)) | kwargs
+    with pytest.raises(error, match=match):
+        fw.ops.padded_softmax(fw.asarray(args["scores"]), fw.asarray(args["n_pad"]))
+
+
+def test_bad_values(fw):
+    scores = fw.asarray(np.zeros((2, 5, 5), np.float32))
+    n_pad = fw.asarray(np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match=r"v must have shape \[2, 5, head_dim\]"):
+        fw.ops.padded_softmax_v(scores, fw.asarray(np.zeros((2, 4, 8), np.float32)), n_pad)
+    with pytest.raises(TypeError, match="scores, v must share one dtype"):
+        fw.ops.padded_softmax_v(scores, fw.asarray(np.zeros((2, 5, 8), np.float16)), n_pad)

@@ -1,0 +1,89 @@
+"""softmax: forward and backward vs float64, long rows, parity, bad input — for each framework."""
+import numpy as np
+import pytest
+
+from tests import references as ref
+from tests.frameworks import TOLERANCE, rel_error
+
+DTYPES = ["float32", "float16", "bfloat16"]
+SHAPES = [(1, 1), (17, 127), (5, 1000), (3, 2, 33)]
+GRAD_TOLERANCE = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+def _inputs(fw, rng, shape, dtype, scale=3.0):
+    x = fw.asarray(rng.standard_normal(shape) * scale, dtype)
+    return x, fw.to_numpy(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_matches_float64(fw, rng, shape, dtype):
+    x, x_np = _inputs(fw, rng, shape, dtype)
+    y = fw.ops.softmax(x)
+    assert str(y.dtype).endswith(dtype)
+    assert rel_error(fw.to_numpy(y), ref.forward(ref.softmax, x_np)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("axis", [0, 1, -2])
+def test_any_axis(fw, rng, axis):
+    x, x_np = _inputs(fw, rng, (7, 9, 11), "float32")
+    y = fw.ops.softmax(x, axis=axis)
+    assert rel_error(fw.to_numpy(y), ref.forward(ref.softmax, x_np, axis)) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("n_cols", [32769, 100_000])
+def test_rows_longer_than_one_block(fw, rng, n_cols):
+    x, x_np = _inputs(fw, rng, (3, n_cols), "float32", scale=10.0)
+    y = fw.ops.softmax(x)
+    assert rel_error(fw.to_numpy(y), ref.forward(ref.softmax, x_np)) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(17, 127), (2, 40_000)])
+def test_gradient_matches_float64(fw, rng, shape, dtype):
+    x, x_np = _inputs(fw, rng, shape, dtype)
+    dy, dy_np = _inputs(fw, rng, shape, dtype, scale=1.0)
+    (dx,) = fw.vjp(fw.ops.softmax, [x], dy)
+    (dx_ref,) = ref.vjp(ref.softmax, [x_np], dy_np, n_diff=1)
+    assert rel_error(dx, dx_ref) < GRAD_TOLERANCE[dtype]
+
+
+def test_rows_of_only_minus_inf_give_zeros(fw):
+    x = np.array([[-np.inf] * 5, [0.0, -np.inf, 1.0, -np.inf, 2.0]], np.float32)
+    y = fw.to_numpy(fw.ops.softmax(fw.asarray(x)))
+    assert np.array_equal(y[0], np.zeros(5))
+    np.testing.assert_allclose(y[1], ref.forward(ref.softmax, x)[1], rtol=1e-6)
+
+
+def test_torch_and_jax_agree(torch_fw, jax_fw, rng):
+    x = rng.standard_normal((33, 517)).astype(np.float32)
+    yt = torch_fw.to_numpy(torch_fw.ops.softmax(torch_fw.asarray(x)))
+    yj = jax_fw.to_numpy(jax_fw.ops.softmax(jax_fw.asarray(x)))
+    assert np.max(np.abs(yt - yj)) <= 1e-6
+
+
+def test_empty_rows_and_columns(fw):
+    for shape in [(0, 5), (4, 0)]:
+        y = fw.ops.softmax(fw.asarray(np.zeros(shape, np.float32)))
+        assert tuple(y.shape) == shape
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (lambda fw: fw.asarray(np.ones((3, 4), np.int32)), TypeError, "x must be a float"),
+        (lambda fw: fw.asarray(np.float32(1.0)), ValueError, "at least one dimension"),
+        (lambda fw: [[1.0, 2.0]], TypeError, "x must be a"),
+    ],
+)
+def test_bad_input(fw, bad, error, match):
+    with pytest.raises(error, match=match):
+        fw.ops.softmax(bad(fw))
+
+
+def test_bad_axis(fw):
+    x = fw.asarray(np.ones((3, 4), np.float32))
+    with pytest.raises(ValueError, match="axis=2"):
+        fw.ops.softmax(x, axis=2)
+    with pytest.raises(TypeError, match="axis must be an int"):
+        fw.ops.softmax(x, axis=1.0)

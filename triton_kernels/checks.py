@@ -1,0 +1,104 @@
+"""Argument checks shared by both fronts: shapes and dtype names in, clear errors out.
+
+Each front turns its arrays into (shape, dtype name) and calls these before any kernel runs, so
+the two fronts reject the same inputs with the same messages.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .plan import FLOAT_DTYPES
+
+INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8")
+
+
+def float_input(name: str, dtype: str) -> None:
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a float16, bfloat16 or float32 array, got {dtype}")
+
+
+def int_input(name: str, dtype: str) -> None:
+    if dtype not in INT_DTYPES:
+        raise TypeError(f"{name} must be an integer array, got {dtype}")
+
+
+def ndim(name: str, shape: Sequence[int], expected: int, layout: str) -> None:
+    if len(shape) != expected:
+        raise ValueError(f"{name} must be {expected}-D {layout}, got shape {tuple(shape)}")
+
+
+def same_dtype(names: Sequence[str], dtypes: Sequence[str]) -> None:
+    if len(set(dtypes)) > 1:
+        pairs = ", ".join(f"{n}={d}" for n, d in zip(names, dtypes))
+        raise TypeError(f"{', '.join(names)} must share one dtype, got {pairs}")
+
+
+def axis(name: str, axis_value, rank: int) -> int:
+    if isinstance(axis_value, bool) or not isinstance(axis_value, int):
+        raise TypeError(f"{name} must be an int, got {axis_value!r}")
+    if not -rank <= axis_value < rank:
+        raise ValueError(f"{name}={axis_value} is out of range for an array of rank {rank}")
+    return axis_value % rank
+
+
+def softmax(x_shape: Sequence[int], x_dtype: str, axis_value) -> int:
+    float_input("x", x_dtype)
+    if len(x_shape) == 0:
+        raise ValueError("x must have at least one dimension, got a scalar")
+    return axis("axis", axis_value, len(x_shape))
+
+
+def n_pad(n_pad_shape: Sequence[int], n_pad_dtype: str, batch: int) -> None:
+    int_input("n_pad", n_pad_dtype)
+    if tuple(n_pad_shape) != (batch,):
+        raise ValueError(f"n_pad must have shape ({batch},) (one count per batch row), got {tuple(n_pad_shape)}")
+
+
+def n_pad_values(lowest: int, highest: int, seq_len: int) -> None:
+    if lowest < 0 or highest > seq_len:
+        raise ValueError(f"n_pad values must lie in [0, {seq_len}] (the sequence length), got [{lowest}, {highest}]")
+
+
+def padded_scores(scores_shape: Sequence[int], scores_dtype: str) -> tuple[int, int]:
+    float_input("scores", scores_dtype)
+    ndim("scores", scores_shape, 3, "[batch, seq, seq]")
+    batch, s1, s2 = scores_shape
+    if s1 != s2:
+        raise ValueError(f"scores must be square in its last two axes [batch, seq, seq], got {tuple(scores_shape)}")
+    return batch, s1
+
+
+def values_for_scores(v_shape: Sequence[int], v_dtype: str, batch: int, seq_len: int, scores_dtype: str) -> None:
+    float_input("v", v_dtype)
+    ndim("v", v_shape, 3, "[batch, seq, head_dim]")
+    if tuple(v_shape[:2]) != (batch, seq_len):
+        raise ValueError(f"v must have shape [{batch}, {seq_len}, head_dim] to match scores, got {tuple(v_shape)}")
+    head_dim(v_shape[2])
+    same_dtype(("scores", "v"), (scores_dtype, v_dtype))
+
+
+def head_dim(d: int) -> None:
+    if not 1 <= d <= 256:
+        raise ValueError(f"head_dim must be between 1 and 256, got {d}")
+
+
+def single_head_qkv(shapes: Sequence[Sequence[int]], dtypes: Sequence[str]) -> tuple[int, int, int]:
+    names = ("q", "k", "v")
+    for name, shape, dtype in zip(names, shapes, dtypes):
+        float_input(name, dtype)
+        ndim(name, shape, 3, "[batch, seq, head_dim]")
+    for name, shape in zip(names[1:], shapes[1:]):
+        if tuple(shape) != tuple(shapes[0]):
+            raise ValueError(f"{name} must have the shape of q {tuple(shapes[0])}, got {tuple(shape)}")
+    same_dtype(names, dtypes)
+    batch, seq_len, d = shapes[0]
+    head_dim(d)
+    return batch, seq_len, d
+
+
+def softmax_scale(value, d: int) -> float:
+    if value is None:
+        return d ** -0.5
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"softmax_scale must be a Python float or None, got {value!r}")
+    return float(value)

@@ -1,0 +1,112 @@
+"""Run a launch plan under the Triton interpreter, chosen per launch.
+
+No process-wide ``TRITON_INTERPRET`` switch: the kernel's raw Python function is wrapped in an
+``InterpretedFunction`` for this launch only. Two things make that work in a process that also
+compiles kernels for a GPU:
+
+* ``@triton.jit`` functions the kernel reaches (our helpers, and ``tl.zeros``/``tl.max``/...
+  from Triton's own standard library) are ``JITFunction`` objects that refuse to run outside a
+  compiled kernel. For the launch they are swapped for interpreted twins, which is what
+  ``TRITON_INTERPRET=1`` does once at import time.
+* The interpreter patches ``triton.language`` (builtins, tensor methods) while it runs and does
+  not always undo nested patches. Every namespace touched is snapshotted before the launch and
+  restored after it, so a later GPU compile in the same process sees pristine modules.
+
+Both steps hold one lock; do not compile GPU kernels from another thread while an interpreted
+launch runs. The interpreter reads and writes memory through torch-style CPU tensors
+(``data_ptr``, ``untyped_storage``); callers pass CPU torch tensors (the jax front wraps its
+numpy buffers without copying).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+import threading
+from typing import Any, Sequence
+
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+from .plan import LaunchPlan
+
+try:  # Imported lazily by the launch path; load it now, while jit functions are still unswapped.
+    import triton.experimental.gluon  # noqa: F401
+except ImportError:
+    pass
+
+_lock = threading.RLock()
+
+
+@functools.cache
+def _interpreted(fn) -> InterpretedFunction:
+    return InterpretedFunction(fn)
+
+
+def _language_namespaces() -> list[Any]:
+    modules = [m for name, m in list(sys.modules.items()) if name.startswith("triton.language") and m]
+    classes = [v for v in vars(tl.core).values() if inspect.isclass(v)]
+    return modules + classes
+
+
+def _reachable_module_dicts(fn) -> list[dict]:
+    """Globals of ``fn`` and of every jit function reachable through module globals."""
+    dicts, seen, todo = [], set(), [fn.__globals__] + [vars(m) for m in _language_namespaces()
+                                                       if inspect.ismodule(m)]
+    while todo:
+        namespace = todo.pop()
+        if id(namespace) in seen:
+            continue
+        seen.add(id(namespace))
+        dicts.append(namespace)
+        todo.extend(v.fn.__globals__ for v in list(namespace.values()) if isinstance(v, JITFunction))
+    return dicts
+
+
+@contextlib.contextmanager
+def _restored(objects: Sequence[Any]):
+    """Put back every attribute of ``objects`` (modules or classes) changed inside the block.
+
+    Names the interpreter *adds* to a module (it injects its own globals next to the functions
+    it rewrites, and caches those rewrites) are kept: they shadow nothing.
+    """
+    saved = [(obj, dict(vars(obj))) for obj in objects]
+    try:
+        yield
+    finally:
+        for obj, before in saved:
+            now = vars(obj)
+            for name, value in before.items():
+                if now.get(name, _MISSING) is not value:
+                    setattr(obj, name, value)
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _interpreter_scope(fn):
+    module_dicts = _reachable_module_dicts(fn)
+    with _restored(_language_namespaces()):
+        swapped = []
+        for namespace in module_dicts:
+            for name, value in list(namespace.items()):
+                if isinstance(value, JITFunction):
+                    namespace[name] = _interpreted(value.fn)
+                    swapped.append((namespace, name, value))
+        try:
+            yield
+        finally:
+            for namespace, name, value in swapped:
+                namespace[name] = value
+
+
+def run_interpreted(plan: LaunchPlan, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
+    """Launch ``plan`` on CPU torch tensors; ``outputs`` are written in place."""
+    if plan.is_empty:
+        return
+    args = plan.runtime_args(inputs, outputs)
+    with _lock, _interpreter_scope(plan.kernel.fn):
+        _interpreted(plan.kernel.fn)[plan.grid](*args, **plan.constexpr_dict)

@@ -1,0 +1,226 @@
+"""Launch plans: everything about a kernel launch that is decided once, from shapes and device facts.
+
+A ``LaunchPlan`` names the kernel, the grid, which kernel parameters are input arrays, runtime
+scalars, outputs and constexprs, and the compile options (``num_warps``, ``num_stages``,
+``enable_fp_fusion``). The torch launcher and the jax launcher both obey a plan verbatim, so the
+same inputs compile to the same binary in both frameworks.
+
+Kernel parameter order is fixed by jax-triton's calling convention, which the torch launcher
+follows too: input arrays and runtime scalars (in any order), then the outputs, then constexprs.
+
+Why the plan also controls specialization: Triton specializes an integer argument on whether it
+is divisible by 16 when launched from torch, while jax-triton never does (it only turns the value
+1 into a constant). The extra divisibility fact changes the layout the compiler picks, hence the
+order of floating-point reductions, hence the last bit of a softmax. Every kernel used by a plan
+must therefore list its runtime scalars in ``do_not_specialize_on_alignment``; the plan checks it.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+# Max dynamic shared memory per block (opt-in), bytes, by compute capability. Both fronts use
+# this table (jax cannot query it), so both derive the same plan on the same GPU.
+_SHARED_MEMORY = {
+    (7, 0): 98_304,
+    (7, 5): 65_536,
+    (8, 0): 166_912,
+    (8, 6): 101_376,
+    (8, 7): 166_912,
+    (8, 9): 101_376,
+    (9, 0): 232_448,
+    (10, 0): 232_448,
+    (12, 0): 101_376,
+}
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+_TRITON_TYPE = {
+    "float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64",
+    "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64",
+    "uint8": "u8", "uint16": "u16", "uint32": "u32", "uint64": "u64", "bool": "i1",
+}
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """Plain facts about the device a plan is made for. Plans depend on nothing else."""
+
+    platform: str  # "cpu" (Triton interpreter) or "cuda"
+    capability: tuple[int, int] | None = None
+    shared_memory: int = 1 << 30  # bytes one program may use; the interpreter has no limit
+    num_sms: int = 1
+
+    @classmethod
+    def cpu(cls) -> "DeviceFacts":
+        return cls("cpu")
+
+    @classmethod
+    def cuda(cls, capability: tuple[int, int], num_sms: int) -> "DeviceFacts":
+        capability = tuple(capability)
+        smem = _SHARED_MEMORY.get(capability)
+        if smem is None:  # unknown part: the largest known value at or below its capability
+            known = [c for c in _SHARED_MEMORY if c <= capability] or [min(_SHARED_MEMORY)]
+            smem = _SHARED_MEMORY[max(known)]
+        return cls("cuda", capability, smem, int(num_sms))
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.platform == "cpu"
+
+
+HOPPER = DeviceFacts.cuda((9, 0), 132)
+
+
+@dataclass(frozen=True)
+class Output:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    zeroed: bool = False  # the launcher fills it with zeros before the launch
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    kernel: Any  # a triton.JITFunction
+    grid: tuple[int, ...]
+    inputs: tuple[str, ...]  # array parameters, in kernel order
+    input_dtypes: tuple[str, ...]
+    outputs: tuple[Output, ...]
+    scalars: tuple[tuple[str, int | float], ...] = ()
+    constexprs: tuple[tuple[str, Any], ...] = ()
+    num_warps: int = 4
+    num_stages: int = 2
+    enable_fp_fusion: bool = True
+    # (input index, output index): the output starts as a copy of that input.
+    aliases: tuple[tuple[int, int], ...] = field(default=())
+
+    def __post_init__(self):
+        _check_plan(self)
+
+    # -- what the launchers need ------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+    @property
+    def is_empty(self) -> bool:
+        return any(g == 0 for g in self.grid)
+
+    @property
+    def constexpr_dict(self) -> dict[str, Any]:
+        return dict(self.constexprs)
+
+    @property
+    def scalar_dict(self) -> dict[str, int | float]:
+        return dict(self.scalars)
+
+    def runtime_args(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Any]:
+        """Input arrays, scalars and outputs in kernel parameter order (constexprs excluded)."""
+        if len(inputs) != len(self.inputs):
+            raise ValueError(f"{self.name}: expected {len(self.inputs)} inputs, got {len(inputs)}")
+        by_name = dict(zip(self.inputs, inputs))
+        by_name.update(self.scalars)
+        by_name.update((o.name, a) for o, a in zip(self.outputs, outputs))
+        return [by_name[n] for n in self.kernel.arg_names if n in by_name]
+
+    def signature(self) -> dict[str, str]:
+        """Triton signature as jax-triton builds it (used for ahead-of-time compiles)."""
+        sig = {}
+        dtypes = dict(zip(self.inputs, self.input_dtypes))
+        dtypes.update((o.name, o.dtype) for o in self.outputs)
+        for name in self.kernel.arg_names:
+            if name in dtypes:
+                sig[name] = "*" + _TRITON_TYPE[dtypes[name]]
+            elif name in self.scalar_dict:
+                value = self.scalar_dict[name]
+                sig[name] = "constexpr" if _is_one(value) else scalar_type(value)
+            else:
+                sig[name] = "constexpr"
+        return sig
+
+    def aot_constexprs(self) -> dict[str, Any]:
+        consts = dict(self.constexprs)
+        consts.update((n, 1) for n, v in self.scalars if _is_one(v))
+        return consts
+
+
+def _is_one(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value == 1
+
+
+def scalar_type(value: int | float) -> str:
+    """Triton type of a plan's runtime scalar: int32 or float32 (see ``_check_scalar``)."""
+    return "fp32" if isinstance(value, float) else "i32"
+
+
+def fp32(value: float) -> float:
+    """``value`` rounded to float32, so every launcher passes the same bits."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _check_scalar(plan_name: str, name: str, value) -> None:
+    # torch's launcher types a Python float as fp32 and jax-triton as fp64 (unless it is a
+    # numpy float32); ints >= 2**31 are i64 in one and u32 in the other. Plans therefore hold
+    # only int32-range ints and fp32-exact floats; the jax launcher passes floats as float32.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{plan_name}: scalar {name} must be int or float, got {value!r}")
+    if isinstance(value, int) and not -(2**31) <= value < 2**31:
+        raise ValueError(f"{plan_name}: scalar {name}={value} does not fit int32")
+    if isinstance(value, float) and fp32(value) != value:
+        raise ValueError(f"{plan_name}: scalar {name}={value!r} is not float32-exact; use fp32()")
+
+
+def _check_plan(plan: LaunchPlan) -> None:
+    kernel = plan.kernel
+    names = list(kernel.arg_names)
+    params = {p.name: p for p in kernel.params}
+    runtime = set(plan.inputs) | set(plan.scalar_dict)
+    outs = [o.name for o in plan.outputs]
+    consts = set(plan.constexpr_dict)
+    given = list(plan.inputs) + list(plan.scalar_dict) + outs + list(consts)
+    if sorted(given) != sorted(names):
+        raise ValueError(f"plan for {plan.name} binds {sorted(given)}, kernel takes {sorted(names)}")
+    order = [n for n in names]
+    first_out = min(order.index(o) for o in outs) if outs else len(order)
+    last_runtime = max((order.index(n) for n in runtime), default=-1)
+    first_const = min((order.index(n) for n in consts), default=len(order))
+    last_out = max((order.index(o) for o in outs), default=-1)
+    if not (last_runtime < first_out and last_out < first_const):
+        raise ValueError(f"{plan.name}: kernel parameters must be inputs/scalars, outputs, constexprs")
+    for n in consts:
+        if not params[n].is_constexpr:
+            raise ValueError(f"{plan.name}: {n} is passed as constexpr but not declared tl.constexpr")
+    for n, value in plan.scalars:
+        _check_scalar(plan.name, n, value)
+        if isinstance(value, int) and not params[n].do_not_specialize_on_alignment:
+            raise ValueError(
+                f"{plan.name}: runtime scalar {n} must be listed in do_not_specialize_on_alignment "
+                "(otherwise torch and jax-triton compile different binaries)"
+            )
+    if len(plan.input_dtypes) != len(plan.inputs):
+        raise ValueError(f"{plan.name}: one dtype per input expected")
+    if not 1 <= len(plan.grid) <= 3 or any(g < 0 for g in plan.grid):
+        raise ValueError(f"{plan.name}: bad grid {plan.grid}")
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_float_dtype(name: str, dtype: str) -> None:
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {dtype}")
+
+
+def shapes_key(shapes: Mapping[str, Sequence[int]]) -> tuple:
+    return tuple(sorted((k, tuple(v)) for k, v in shapes.items()))

@@ -1,0 +1,187 @@
+"""Row softmax over the last axis (forward and backward), plain and left-padded causal.
+
+Every row ``r`` has a window of valid columns ``[lo_r, hi_r)``; columns outside it get
+probability 0. Plain softmax uses ``[0, n_cols)``. The padded causal variant reads a
+``[batch, seq, seq]`` score tensor whose first ``n_pad[b]`` tokens are left padding: row ``i``
+of batch ``b`` keeps columns ``n_pad[b] <= j <= i`` and padding rows (``i < n_pad[b]``) are
+all zeros. A row with nothing valid (or only -inf logits) is all zeros, never NaN.
+
+Math is float32 whatever the storage dtype. Rows that fit one block are read once
+(``ONE_PASS``); longer rows are streamed twice: an online max/sum pass, then a write pass.
+"""
+from __future__ import annotations
+
+import functools
+
+import triton
+import triton.language as tl
+
+from .plan import DeviceFacts, LaunchPlan, Output, cdiv, check_float_dtype, next_power_of_2
+
+# --------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _softmax_fwd_rows(x_ptr, y_ptr, rows, row_ok, lo, hi, n_cols,
+                      BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
+    cols = tl.arange(0, BLOCK_N)
+    base = rows.to(tl.int64)[:, None] * n_cols
+    lo = lo[:, None]
+    hi = hi[:, None]
+    if ONE_PASS:
+        c = cols[None, :]
+        keep = row_ok[:, None] & (c >= lo) & (c < hi)
+        x = tl.load(x_ptr + base + c, mask=keep, other=-float("inf")).to(tl.float32)
+        m = tl.max(x, axis=1)
+        m = tl.where(m == -float("inf"), 0.0, m)  # empty row: exp(-inf - 0) = 0, no NaN
+        e = tl.exp(x - m[:, None])
+        s = tl.sum(e, axis=1)
+        y = e / tl.where(s > 0, s, 1.0)[:, None]
+        tl.store(y_ptr + base + c, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (c < n_cols))
+    else:
+        # Pass 1: per-lane running max and sum (no reductions inside the loop).
+        m_lane = tl.full([rows.shape[0], BLOCK_N], -float("inf"), tl.float32)
+        l_lane = tl.zeros([rows.shape[0], BLOCK_N], tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols[None, :]
+            keep = row_ok[:, None] & (c >= lo) & (c < hi)
+            x = tl.load(x_ptr + base + c, mask=keep, other=-float("inf")).to(tl.float32)
+            m_new = tl.maximum(m_lane, x)
+            m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
+            l_lane = l_lane * tl.exp(m_lane - m_ref) + tl.exp(x - m_ref)
+            m_lane = m_new
+        m = tl.max(m_lane, axis=1)
+        m = tl.where(m == -float("inf"), 0.0, m)
+        s = tl.sum(l_lane * tl.exp(m_lane - m[:, None]), axis=1)
+        s = tl.where(s > 0, s, 1.0)
+        # Pass 2: normalize and write every column (zeros outside the window).
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols[None, :]
+            keep = row_ok[:, None] & (c >= lo) & (c < hi)
+            x = tl.load(x_ptr + base + c, mask=keep, other=-float("inf")).to(tl.float32)
+            y = tl.exp(x - m[:, None]) / s[:, None]
+            tl.store(y_ptr + base + c, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (c < n_cols))
+
+
+@triton.jit
+def _softmax_bwd_rows(y_ptr, dy_ptr, dx_ptr, rows, row_ok, n_cols,
+                      BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
+    # dx = y * (dy - sum(y * dy)); y is 0 outside the window, so dx is too.
+    cols = tl.arange(0, BLOCK_N)
+    base = rows.to(tl.int64)[:, None] * n_cols
+    if ONE_PASS:
+        c = cols[None, :]
+        keep = row_ok[:, None] & (c < n_cols)
+        y = tl.load(y_ptr + base + c, mask=keep, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + base + c, mask=keep, other=0.0).to(tl.float32)
+        dot = tl.sum(y * dy, axis=1)
+        tl.store(dx_ptr + base + c, (y * (dy - dot[:, None])).to(dx_ptr.dtype.element_ty), mask=keep)
+    else:
+        acc = tl.zeros([rows.shape[0], BLOCK_N], tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols[None, :]
+            keep = row_ok[:, None] & (c < n_cols)
+            y = tl.load(y_ptr + base + c, mask=keep, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + base + c, mask=keep, other=0.0).to(tl.float32)
+            acc += y * dy
+        dot = tl.sum(acc, axis=1)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols[None, :]
+            keep = row_ok[:, None] & (c < n_cols)
+            y = tl.load(y_ptr + base + c, mask=keep, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + base + c, mask=keep, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + base + c, (y * (dy - dot[:, None])).to(dx_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit(do_not_specialize_on_alignment=["n_rows", "n_cols"])
+def softmax_fwd_kernel(x_ptr, n_rows, n_cols, y_ptr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    lo = tl.zeros([BLOCK_M], tl.int32)
+    hi = lo + n_cols
+    _softmax_fwd_rows(x_ptr, y_ptr, rows, rows < n_rows, lo, hi, n_cols, BLOCK_N, ONE_PASS)
+
+
+@triton.jit(do_not_specialize_on_alignment=["n_rows", "seq_len"])
+def padded_softmax_fwd_kernel(x_ptr, n_pad_ptr, n_rows, seq_len, y_ptr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    query = rows % seq_len
+    pad = tl.load(n_pad_ptr + rows // seq_len, mask=row_ok, other=0)
+    hi = tl.where(query >= pad, query + 1, pad)  # padding rows: empty window [pad, pad)
+    _softmax_fwd_rows(x_ptr, y_ptr, rows, row_ok, pad, hi, seq_len, BLOCK_N, ONE_PASS)
+
+
+@triton.jit(do_not_specialize_on_alignment=["n_rows", "n_cols"])
+def softmax_bwd_kernel(y_ptr, dy_ptr, n_rows, n_cols, dx_ptr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    _softmax_bwd_rows(y_ptr, dy_ptr, dx_ptr, rows, rows < n_rows, n_cols, BLOCK_N, ONE_PASS)
+
+
+# --------------------------------------------------------------------------------------------
+# plans
+
+# Longest row kept in registers in one block; longer rows stream in MAX_BLOCK_N chunks.
+MAX_ONE_PASS = 32768
+STREAM_BLOCK_N = 4096
+ELEMENTS_PER_PROGRAM = 4096
+
+
+def _row_tiling(n_rows: int, n_cols: int, facts: DeviceFacts) -> dict:
+    one_pass = n_cols <= MAX_ONE_PASS
+    block_n = next_power_of_2(max(n_cols, 16)) if one_pass else STREAM_BLOCK_N
+    # The interpreter pays per program, not per element: give it few, large programs.
+    per_program, max_rows = (1 << 16, 1024) if facts.is_cpu else (ELEMENTS_PER_PROGRAM, 64)
+    block_m = max(1, min(per_program // block_n, next_power_of_2(max(n_rows, 1)), max_rows))
+    elements = block_m * block_n
+    num_warps = max(1, min(16, elements // 512))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, ONE_PASS=one_pass), num_warps
+
+
+@functools.lru_cache(maxsize=512)
+def softmax_fwd_plan(n_rows: int, n_cols: int, dtype: str, facts: DeviceFacts) -> LaunchPlan:
+    check_float_dtype("x", dtype)
+    consts, warps = _row_tiling(n_rows, n_cols, facts)
+    return LaunchPlan(
+        kernel=softmax_fwd_kernel,
+        grid=(cdiv(n_rows, consts["BLOCK_M"]) if n_cols else 0,),
+        inputs=("x_ptr",), input_dtypes=(dtype,),
+        scalars=(("n_rows", n_rows), ("n_cols", n_cols)),
+        outputs=(Output("y_ptr", (n_rows, n_cols), dtype),),
+        constexprs=tuple(consts.items()),
+        num_warps=warps, num_stages=1, enable_fp_fusion=True,
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def softmax_bwd_plan(n_rows: int, n_cols: int, dtype: str, facts: DeviceFacts) -> LaunchPlan:
+    check_float_dtype("y", dtype)
+    consts, warps = _row_tiling(n_rows, n_cols, facts)
+    return LaunchPlan(
+        kernel=softmax_bwd_kernel,
+        grid=(cdiv(n_rows, consts["BLOCK_M"]) if n_cols else 0,),
+        inputs=("y_ptr", "dy_ptr"), input_dtypes=(dtype, dtype),
+        scalars=(("n_rows", n_rows), ("n_cols", n_cols)),
+        outputs=(Output("dx_ptr", (n_rows, n_cols), dtype),),
+        constexprs=tuple(consts.items()),
+        num_warps=warps, num_stages=1, enable_fp_fusion=True,
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def padded_softmax_fwd_plan(batch: int, seq_len: int, dtype: str, facts: DeviceFacts) -> LaunchPlan:
+    check_float_dtype("scores", dtype)
+    n_rows = batch * seq_len
+    consts, warps = _row_tiling(n_rows, seq_len, facts)
+    return LaunchPlan(
+        kernel=padded_softmax_fwd_kernel,
+        grid=(cdiv(n_rows, consts["BLOCK_M"]) if seq_len else 0,),
+        inputs=("x_ptr", "n_pad_ptr"), input_dtypes=(dtype, "int32"),
+        scalars=(("n_rows", n_rows), ("seq_len", seq_len)),
+        outputs=(Output("y_ptr", (batch, seq_len, seq_len), dtype),),
+        constexprs=tuple(consts.items()),
+        num_warps=warps, num_stages=1, enable_fp_fusion=True,
+    )
