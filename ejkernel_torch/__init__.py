@@ -1,6 +1,5 @@
 """PyTorch face of the ejkernel bridge: the shared Triton kernels as torch ops with autograd."""
 from . import reference
-from .launch import launch
 from .ops import padded_attention, padded_softmax, padded_softmax_v, softmax
 
-__all__ = ["launch", "padded_attention", "padded_softmax", "padded_softmax_v", "reference", "softmax"]
+__all__ = ["padded_attention", "padded_softmax", "padded_softmax_v", "reference", "softmax"]

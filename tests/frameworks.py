@@ -43,6 +43,12 @@ class Framework:
 
         return ejkernel_jax
 
+    def launch(self, plan, *arrays):
+        """Run a LaunchPlan through this framework's launcher."""
+        import importlib
+
+        return importlib.import_module(f"ejkernel_{self.name}.launch").launch(plan, *arrays)
+
     @property
     def device(self) -> str:
         return "cuda" if cuda_available() else "cpu"

@@ -1,0 +1,40 @@
+"""Tiny kernels that exercise launcher features: poisoning, zeroed outputs, aliases."""
+import triton
+import triton.language as tl
+
+from triton_kernels.plan import LaunchPlan, Output
+
+
+@triton.jit(do_not_specialize_on_alignment=["n"])
+def write_first_half_kernel(x_ptr, n, y_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n // 2), mask=offs < n // 2)
+
+
+@triton.jit(do_not_specialize_on_alignment=["n"])
+def accumulate_kernel(x_ptr, acc_ptr, n, sum_ptr, out_ptr, BLOCK: tl.constexpr):
+    # sum_ptr is zeroed by the launcher; out_ptr aliases acc_ptr (starts as a copy of it).
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    tl.atomic_add(sum_ptr, tl.sum(x, axis=0))
+    tl.store(out_ptr + offs, tl.load(out_ptr + offs, mask=mask) + x, mask=mask)
+
+
+@triton.jit
+def unmarked_scalar_kernel(x_ptr, n, y_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def half_plan(n: int) -> LaunchPlan:
+    return LaunchPlan(kernel=write_first_half_kernel, grid=(1,), inputs=("x_ptr",), input_dtypes=("float32",),
+                      scalars=(("n", n),), outputs=(Output("y_ptr", (n,), "float32"),),
+                      constexprs=(("BLOCK", triton.next_power_of_2(n)),))
+
+
+def accumulate_plan(n: int, block: int = 16) -> LaunchPlan:
+    return LaunchPlan(kernel=accumulate_kernel, grid=(triton.cdiv(n, block),), inputs=("x_ptr", "acc_ptr"),
+                      input_dtypes=("float32", "float32"), scalars=(("n", n),),
+                      outputs=(Output("sum_ptr", (1,), "float32", zeroed=True), Output("out_ptr", (n,), "float32")),
+                      constexprs=(("BLOCK", block),), aliases=((1, 1),))

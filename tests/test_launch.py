@@ -1,0 +1,148 @@
+"""The launch machinery: plans, both launchers, the interpreter scope, jit/vmap, jax-triton import."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from tests import kernels_for_tests as kt
+from tests import references as ref
+from tests.frameworks import rel_error
+from triton_kernels.plan import LaunchPlan, Output, fp32
+
+
+def _launch(fw, plan, *arrays):
+    return fw.launch(plan, *(fw.asarray(a) for a in arrays))
+
+
+# -- plans --------------------------------------------------------------------------------------
+
+
+def test_plan_rejects_specialized_scalars():
+    with pytest.raises(ValueError, match="do_not_specialize_on_alignment"):
+        LaunchPlan(kernel=kt.unmarked_scalar_kernel, grid=(1,), inputs=("x_ptr",), input_dtypes=("float32",),
+                   scalars=(("n", 4),), outputs=(Output("y_ptr", (4,), "float32"),), constexprs=(("BLOCK", 4),))
+
+
+def test_plan_rejects_wrong_bindings_and_order():
+    with pytest.raises(ValueError, match="binds"):
+        LaunchPlan(kernel=kt.write_first_half_kernel, grid=(1,), inputs=("x_ptr",), input_dtypes=("float32",),
+                   outputs=(Output("y_ptr", (4,), "float32"),), constexprs=(("BLOCK", 4),))
+    with pytest.raises(ValueError, match="inputs/scalars, outputs, constexprs"):
+        LaunchPlan(kernel=kt.write_first_half_kernel, grid=(1,), inputs=("y_ptr",), input_dtypes=("float32",),
+                   scalars=(("n", 4),), outputs=(Output("x_ptr", (4,), "float32"),), constexprs=(("BLOCK", 4),))
+
+
+def test_plan_scalars_are_int32_and_fp32_exact():
+    with pytest.raises(ValueError, match="does not fit int32"):
+        kt.half_plan(2**31)
+    assert fp32(0.1) != 0.1 and fp32(fp32(0.1)) == fp32(0.1)
+
+
+# -- launchers -------------------------------------------------------------------------------------
+
+
+def test_unwritten_outputs_are_poisoned(fw):
+    y = fw.to_numpy(_launch(fw, kt.half_plan(10), np.arange(10, dtype=np.float32))[0])
+    np.testing.assert_array_equal(y[:5], np.arange(5))
+    assert np.isnan(y[5:]).all()
+
+
+def test_zeroed_outputs_and_aliases(fw, rng):
+    x = rng.standard_normal(37).astype(np.float32)
+    acc = rng.standard_normal(37).astype(np.float32)
+    total, out = (fw.to_numpy(a) for a in _launch(fw, kt.accumulate_plan(37), x, acc))
+    np.testing.assert_allclose(total, [x.sum()], rtol=1e-5)
+    np.testing.assert_allclose(out, acc + x, rtol=1e-6)
+
+
+def test_launch_checks_input_dtypes(fw):
+    with pytest.raises(ValueError, match="input x_ptr must be"):
+        _launch(fw, kt.half_plan(4), np.zeros(4, np.int32))
+
+
+def test_interpreted_launch_leaves_triton_language_intact(fw):
+    before = (tl.load, tl.core.load, tl.zeros, tl.max, tl.tensor.__dict__.get("__bool__"), tl.dtype.to_ir)
+    _launch(fw, kt.half_plan(8), np.ones(8, np.float32))
+    fw.ops.softmax(fw.asarray(np.ones((3, 5), np.float32)))
+    after = (tl.load, tl.core.load, tl.zeros, tl.max, tl.tensor.__dict__.get("__bool__"), tl.dtype.to_ir)
+    assert all(a is b for a, b in zip(before, after))
+    assert isinstance(tl.zeros, JITFunction) and isinstance(kt.write_first_half_kernel, JITFunction)
+    assert "TRITON_INTERPRET" not in os.environ
+
+
+# -- jax transformations -------------------------------------------------------------------------------
+
+
+def test_jax_jit_grad_and_vmap(jax_fw, rng):
+    import jax
+    import jax.numpy as jnp
+
+    import ejkernel_jax as ejk
+
+    x = rng.standard_normal((4, 6, 33)).astype(np.float32)
+    expected = ref.forward(ref.softmax, x)
+    assert rel_error(np.asarray(jax.jit(ejk.softmax)(x)), expected) < 1e-6
+    assert rel_error(np.asarray(jax.vmap(ejk.softmax)(jnp.asarray(x))), expected) < 1e-6
+    assert rel_error(np.asarray(jax.vmap(jax.vmap(ejk.softmax))(jnp.asarray(x))), expected) < 1e-6
+
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    grad = jax.jit(jax.grad(lambda a: jnp.sum(ejk.softmax(a) * dy)))(jnp.asarray(x))
+    (expected_grad,) = ref.vjp(ref.softmax, [x], dy, n_diff=1)
+    assert rel_error(np.asarray(grad), expected_grad) < 1e-5
+
+
+def test_jax_vmap_of_padded_attention_over_extra_axis(rng):
+    import jax
+    import jax.numpy as jnp
+
+    import ejkernel_jax as ejk
+
+    q, k, v = (rng.standard_normal((3, 2, 19, 16)).astype(np.float32) for _ in range(3))
+    n_pad = np.array([[0, 4], [2, 19], [0, 0]], np.int32)
+    out = jax.vmap(ejk.padded_attention)(*(jnp.asarray(a) for a in (q, k, v, n_pad)))
+    expected = np.stack([ref.forward(ref.padded_attention, q[i], k[i], v[i], n_pad[i]) for i in range(3)])
+    assert rel_error(np.asarray(out), expected) < 1e-5
+
+    loss = lambda q: jnp.sum(jax.vmap(ejk.padded_attention)(q, *(jnp.asarray(a) for a in (k, v, n_pad))) ** 2)
+    dq = jax.jit(jax.grad(loss))(jnp.asarray(q))
+    for i in range(3):
+        out_i = ref.forward(ref.padded_attention, q[i], k[i], v[i], n_pad[i])
+        (dq_ref,) = ref.vjp(ref.padded_attention, [q[i], k[i], v[i], n_pad[i]], 2 * out_i, n_diff=1)
+        assert rel_error(np.asarray(dq[i]), dq_ref) < 1e-5
+
+
+def test_jax_n_pad_under_jit_is_clamped_not_checked(rng):
+    import jax
+
+    import ejkernel_jax as ejk
+
+    scores = rng.standard_normal((2, 6, 6)).astype(np.float32)
+    y = jax.jit(ejk.padded_softmax)(scores, np.array([-3, 99], np.int32))
+    expected = ref.forward(ref.padded_softmax, scores, np.array([0, 6], np.int32))
+    np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-6, atol=1e-7)
+
+
+# -- jax-triton import hygiene ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache_dir", ["/tmp/my-triton-cache", None])
+def test_jax_triton_import_restores_triton_cache_dir(tmp_path, cache_dir):
+    # A stand-in jax_triton that does what the real one does at import time.
+    (tmp_path / "jax_triton.py").write_text('import os\nos.environ["TRITON_CACHE_DIR"] = ""\n')
+    script = textwrap.dedent("""
+        import os
+        from ejkernel_jax import launch
+        launch._jax_triton()
+        print(repr(os.environ.get("TRITON_CACHE_DIR")))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+    if cache_dir:
+        env["TRITON_CACHE_DIR"] = cache_dir
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.getcwd(), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == repr(cache_dir)
