@@ -1,0 +1,90 @@
+"""Array helpers for the jax front: abstract values, chunking, stable reductions, test inputs."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def abstractify(tree: Any) -> Any:
+    """Arrays (jax or numpy) replaced by ``jax.ShapeDtypeStruct`` of the same shape and dtype."""
+
+    def leaf(x):
+        if isinstance(x, (jax.Array, np.ndarray)):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return x
+
+    return jax.tree.map(leaf, tree)
+
+
+def chunk_array(x: jax.Array, chunk_size: int, axis: int = 0, pad_value: float = 0) -> jax.Array:
+    """Split ``axis`` into ``[num_chunks, chunk_size]``, padding its end with ``pad_value``."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    axis = axis % x.ndim
+    length = x.shape[axis]
+    num_chunks = -(-length // chunk_size)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, num_chunks * chunk_size - length)
+    x = jnp.pad(x, pad, constant_values=pad_value)
+    return x.reshape(x.shape[:axis] + (num_chunks, chunk_size) + x.shape[axis + 1:])
+
+
+def unchunk_array(x: jax.Array, original_length: int, axis: int = 0) -> jax.Array:
+    """Inverse of ``chunk_array(..., axis=axis)``: merge the two axes it made, drop the padding.
+
+    ``axis`` names the axis as ``chunk_array`` was given it (so ``-1`` round-trips too).
+    """
+    axis = axis % (x.ndim - 1)
+    merged = x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+    return jax.lax.slice_in_dim(merged, 0, original_length, axis=axis)
+
+
+def log_sum_exp(x: jax.Array, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> jax.Array:
+    """``log(sum(exp(x)))`` without overflow; an all ``-inf`` slice gives ``-inf``, not NaN."""
+    m = jnp.max(x, axis=axis, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))  # -inf/inf max: shift by 0 instead
+    out = jnp.log(jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True)) + m
+    return out if keepdims else jnp.squeeze(out, axis=axis)
+
+
+def safe_divide(numerator, denominator, min_denominator: float = 1e-10):
+    """``numerator / denominator`` with denominators smaller than ``min_denominator`` in magnitude
+    replaced by ``±min_denominator`` (sign kept; 0 counts as positive)."""
+    den = jnp.asarray(denominator)
+    floor = jnp.where(den < 0, -min_denominator, min_denominator).astype(den.dtype)
+    return numerator / jnp.where(jnp.abs(den) < min_denominator, floor, den)
+
+
+def _to_numpy(x) -> np.ndarray:
+    a = np.asarray(x)
+    return a.astype(np.float64) if a.dtype.kind == "f" or a.dtype.name == "bfloat16" else a
+
+
+def assert_allclose(actual, expected, rtol: float = 1e-5, atol: float = 1e-8, equal_nan: bool = True,
+                    err_msg: str = "") -> None:
+    """``np.testing.assert_allclose`` on jax arrays (bfloat16 included), shapes checked first."""
+    a, e = _to_numpy(actual), _to_numpy(expected)
+    if a.shape != e.shape:
+        raise AssertionError(f"shape mismatch: {a.shape} vs {e.shape} {err_msg}")
+    np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, equal_nan=equal_nan, err_msg=err_msg)
+
+
+def generate_attention_inputs(batch_size: int = 2, seq_len: int = 128, num_heads: int = 8, head_dim: int = 64,
+                              dtype=jnp.float32, seed: int = 0, *, kv_seq_len: int | None = None,
+                              num_kv_heads: int | None = None, scale: float = 1.0) -> dict[str, jax.Array]:
+    """Random ``query``/``key``/``value`` in ``[batch, seq, heads, head_dim]``.
+
+    Drawn with numpy from ``seed``, so the torch front's function gives the same values: a
+    ready-made input for torch-vs-jax parity checks.
+    """
+    rng = np.random.default_rng(seed)
+    kv_seq_len = seq_len if kv_seq_len is None else kv_seq_len
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    shapes = {"query": (batch_size, seq_len, num_heads, head_dim),
+              "key": (batch_size, kv_seq_len, num_kv_heads, head_dim),
+              "value": (batch_size, kv_seq_len, num_kv_heads, head_dim)}
+    return {name: jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(dtype)
+            for name, shape in shapes.items()}

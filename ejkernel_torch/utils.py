@@ -1,0 +1,203 @@
+"""Small utilities of the torch front, mirroring ``ejkernel_jax.utils``.
+
+Device identity (``device_fingerprint``, ``config_key``) is formatted by ``triton_kernels`` so
+both fronts produce the same strings on the same device and share config-cache entries.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from triton_kernels.config_cache import CacheKey, cpu_fingerprint, gpu_fingerprint, host_memory_usage
+from triton_kernels.params import BwdParams, FwdParams, short_hash, stable_json
+
+__all__ = [
+    "BwdParams", "FwdParams", "abstractify", "assert_allclose", "chunk_array", "config_key",
+    "device_fingerprint", "generate_attention_inputs", "get_device_platform", "get_memory_usage",
+    "log_sum_exp", "safe_divide", "short_hash", "stable_json", "timer", "unchunk_array",
+]
+
+# -- devices ----------------------------------------------------------------------------------
+
+
+def _device(device=None) -> torch.device:
+    """A torch.device from ``None`` (current CUDA device, else CPU), a tensor, a string or an int."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if isinstance(device, torch.Tensor):
+        return device.device
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def device_fingerprint(device=None) -> str:
+    """Stable identity of a device for config caches, e.g. ``cuda|NVIDIA H100 80GB HBM3|sm90|132sm``.
+
+    Built from ``torch.cuda.get_device_properties`` (never nvidia-smi); equal to
+    ``ejkernel_jax.utils.device_fingerprint`` on the same device.
+    """
+    dev = _device(device)
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        vendor = "rocm" if torch.version.hip else "cuda"
+        return gpu_fingerprint(vendor, p.name, (p.major, p.minor), p.multi_processor_count)
+    if dev.type == "cpu":
+        return cpu_fingerprint()
+    return f"{dev.type}|unknown"
+
+
+def get_device_platform(device=None) -> str:
+    """``"gpu"``, ``"tpu"``, ``"cpu"`` or ``"unknown"`` (the jax front's vocabulary)."""
+    return {"cuda": "gpu", "cpu": "cpu", "xla": "tpu"}.get(_device(device).type, "unknown")
+
+
+def config_key(op: str, version: int | str, device=None, **shapes: Any) -> CacheKey:
+    """Config-cache key for ``op`` on ``device``; tensors in ``shapes`` count by shape and dtype."""
+    return CacheKey(device_fingerprint(device), op, version, dict(shapes))
+
+
+def get_memory_usage(device=None) -> dict[str, int]:
+    """``{"allocated", "reserved", "limit"}`` in bytes: CUDA allocator stats, or this process on CPU."""
+    dev = _device(device)
+    if dev.type == "cuda":
+        return {
+            "allocated": torch.cuda.memory_allocated(dev),
+            "reserved": torch.cuda.memory_reserved(dev),
+            "limit": torch.cuda.get_device_properties(dev).total_memory,
+        }
+    return host_memory_usage()
+
+
+class Timing:
+    seconds: float = float("nan")
+
+
+@contextlib.contextmanager
+def timer(name: str = "Operation", verbose: bool = True) -> Iterator[Timing]:
+    """Wall time of the block (CUDA work included: synchronizes on entry and exit)."""
+    timing = Timing()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    try:
+        yield timing
+    finally:
+        sync()
+        timing.seconds = time.perf_counter() - start
+        if verbose:
+            print(f"{name} took {timing.seconds:.6f} s")
+
+
+# -- structures -------------------------------------------------------------------------------
+
+
+def _tree_map(fn, tree):
+    if isinstance(tree, dict):
+        return type(tree)((k, _tree_map(fn, v)) for k, v in tree.items())
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
+        return type(tree)(*(_tree_map(fn, v) for v in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_tree_map(fn, v) for v in tree)
+    return fn(tree)
+
+
+def abstractify(tree: Any) -> Any:
+    """Tensors (and numpy arrays) replaced by ``meta`` tensors of the same shape and dtype."""
+
+    def leaf(x):
+        if isinstance(x, np.ndarray):
+            x = torch.from_numpy(x)
+        if isinstance(x, torch.Tensor):
+            return torch.empty(x.shape, dtype=x.dtype, device="meta")
+        return x
+
+    return _tree_map(leaf, tree)
+
+
+# -- arrays -------------------------------------------------------------------------------------
+
+
+def chunk_array(x: torch.Tensor, chunk_size: int, axis: int = 0, pad_value: float = 0) -> torch.Tensor:
+    """Split ``axis`` into ``[num_chunks, chunk_size]``, padding its end with ``pad_value``."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    axis = axis % x.ndim
+    length = x.shape[axis]
+    num_chunks = -(-length // chunk_size)
+    pad = num_chunks * chunk_size - length
+    if pad:
+        fill = x.new_full(x.shape[:axis] + (pad,) + x.shape[axis + 1:], pad_value)
+        x = torch.cat([x, fill], dim=axis)
+    return x.reshape(x.shape[:axis] + (num_chunks, chunk_size) + x.shape[axis + 1:])
+
+
+def unchunk_array(x: torch.Tensor, original_length: int, axis: int = 0) -> torch.Tensor:
+    """Inverse of ``chunk_array(..., axis=axis)``: merge the two axes it made, drop the padding.
+
+    ``axis`` names the axis as ``chunk_array`` was given it (so ``-1`` round-trips too).
+    """
+    axis = axis % (x.ndim - 1)
+    merged = x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+    return merged.narrow(axis, 0, original_length)
+
+
+def log_sum_exp(x: torch.Tensor, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> torch.Tensor:
+    """``log(sum(exp(x)))`` without overflow; an all ``-inf`` slice gives ``-inf``, not NaN."""
+    if axis is None:
+        out = log_sum_exp(x.reshape(-1), 0)
+        return out.reshape((1,) * x.ndim) if keepdims else out
+    m = torch.amax(x, dim=axis, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # -inf/inf max: shift by 0 instead
+    out = torch.log(torch.sum(torch.exp(x - m), dim=axis, keepdim=True)) + m
+    return out if keepdims else out.squeeze(axis)
+
+
+def safe_divide(numerator, denominator, min_denominator: float = 1e-10):
+    """``numerator / denominator`` with denominators smaller than ``min_denominator`` in magnitude
+    replaced by ``±min_denominator`` (sign kept; 0 counts as positive)."""
+    den = torch.as_tensor(denominator)
+    floor = torch.where(den < 0, -min_denominator, min_denominator).to(den.dtype)
+    return numerator / torch.where(den.abs() < min_denominator, floor, den)
+
+
+def _to_numpy(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        return (x.to(torch.float64) if x.is_floating_point() else x).numpy()
+    return np.asarray(x)
+
+
+def assert_allclose(actual, expected, rtol: float = 1e-5, atol: float = 1e-8, equal_nan: bool = True,
+                    err_msg: str = "") -> None:
+    """``np.testing.assert_allclose`` on tensors (bfloat16 included), shapes checked first."""
+    a, e = _to_numpy(actual), _to_numpy(expected)
+    if a.shape != e.shape:
+        raise AssertionError(f"shape mismatch: {a.shape} vs {e.shape} {err_msg}")
+    np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, equal_nan=equal_nan, err_msg=err_msg)
+
+
+def generate_attention_inputs(batch_size: int = 2, seq_len: int = 128, num_heads: int = 8, head_dim: int = 64,
+                              dtype=torch.float32, seed: int = 0, *, kv_seq_len: int | None = None,
+                              num_kv_heads: int | None = None, scale: float = 1.0,
+                              device=None) -> dict[str, torch.Tensor]:
+    """Random ``query``/``key``/``value`` in ``[batch, seq, heads, head_dim]``.
+
+    Drawn with numpy from ``seed``, so the jax front's function gives the same values: a
+    ready-made input for torch-vs-jax parity checks.
+    """
+    rng = np.random.default_rng(seed)
+    kv_seq_len = seq_len if kv_seq_len is None else kv_seq_len
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    shapes = {"query": (batch_size, seq_len, num_heads, head_dim),
+              "key": (batch_size, kv_seq_len, num_kv_heads, head_dim),
+              "value": (batch_size, kv_seq_len, num_kv_heads, head_dim)}
+    dev = _device(device)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return {name: torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).to(dev, dtype)
+            for name, shape in shapes.items()}

@@ -1,0 +1,275 @@
+"""Packed-sequence helpers: cu_seqlens, position/sequence ids, chunk indices, segment-id masks.
+
+The torch twin of ``ejkernel_jax.xla_utils``: same names, arguments and results (see that
+module for the conventions). Outputs live on the input's device. ``total_tokens=`` /
+``total_chunks=`` avoid the host sync that reading ``cu_seqlens[-1]`` costs, and keep shapes
+static under ``torch.compile``; value checks are skipped while compiling.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+__all__ = [
+    "cdiv", "identity_dtype_convert", "mask_to_segment_ids", "prepare_chunk_indices",
+    "prepare_chunk_offsets", "prepare_cu_seqlens_from_mask", "prepare_lens",
+    "prepare_lens_from_mask", "prepare_position_ids", "prepare_sequence_ids",
+    "prepare_token_indices", "segment_ids_to_mask",
+]
+
+
+def cdiv(a, b):
+    """Ceiling division for ints and integer tensors."""
+    return -(-a // b)
+
+
+# -- validation --------------------------------------------------------------------------------
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _dtype(dtype) -> torch.dtype:
+    """torch dtypes, and names shared with the jax front ("bfloat16")."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", str(dtype))
+    resolved = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise TypeError(f"not a dtype: {dtype!r}")
+    return resolved
+
+
+def _is_int(x: torch.Tensor) -> bool:
+    return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+
+
+def _int_tensor(x, name: str, ndim: int | None = None) -> torch.Tensor:
+    x = torch.as_tensor(x)
+    if not _is_int(x):
+        raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
+    return x
+
+
+def _mask_tensor(mask, name: str) -> torch.Tensor:
+    mask = torch.as_tensor(mask)
+    if mask.dtype != torch.bool:
+        if not _is_int(mask):
+            raise TypeError(f"{name} must be bool or integer (nonzero = valid), got {mask.dtype}")
+        mask = mask != 0
+    return mask
+
+
+def _cu_seqlens(cu_seqlens) -> torch.Tensor:
+    cu = _int_tensor(cu_seqlens, "cu_seqlens", ndim=1)
+    if cu.shape[0] < 1:
+        raise ValueError("cu_seqlens must hold at least one boundary, got an empty array")
+    if not _compiling():
+        lens = torch.diff(cu)
+        if bool((lens < 0).any()):
+            raise ValueError(f"cu_seqlens must be non-decreasing (lengths >= 0), got lengths {lens.tolist()}")
+    return cu
+
+
+def _chunk_size(chunk_size) -> int:
+    chunk_size = operator.index(chunk_size)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    return chunk_size
+
+
+def _static_size(size, bounds: torch.Tensor, arg: str, fn: str) -> int:
+    """The output length: ``size`` if given (checked when possible), else ``bounds[-1]``."""
+    if size is None:
+        return int(bounds[-1])
+    if isinstance(size, torch.Tensor):
+        raise TypeError(f"{fn}: {arg} must be a Python int, got a tensor")
+    size = operator.index(size)
+    if size < 0:
+        raise ValueError(f"{fn}: {arg} must be >= 0, got {size}")
+    if not _compiling() and size < int(bounds[-1]):
+        raise ValueError(f"{fn}: {arg}={size} is smaller than the {int(bounds[-1])} cu_seqlens needs")
+    return size
+
+
+def _layout(bounds: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For slots 0..size-1: the segment of ``bounds`` holding each slot and the offset in it."""
+    slot = torch.arange(size, dtype=bounds.dtype, device=bounds.device)
+    # Last boundary <= slot; right=True skips empty segments (repeated boundaries).
+    owner = torch.searchsorted(bounds, slot, right=True).to(bounds.dtype) - 1
+    valid = (slot >= bounds[0]) & (slot < bounds[-1])
+    owner = torch.where(valid, owner, -1)
+    offset = torch.where(valid, slot - bounds[owner.clamp(min=0)], -1)
+    return owner, offset
+
+
+# -- cu_seqlens -----------------------------------------------------------------------------------
+
+
+def prepare_lens(cu_seqlens) -> torch.Tensor:
+    """Sequence lengths: ``prepare_lens([0, 5, 12, 18]) == [5, 7, 6]``."""
+    cu = _cu_seqlens(cu_seqlens)
+    return cu[1:] - cu[:-1]
+
+
+def prepare_lens_from_mask(mask) -> torch.Tensor:
+    """Valid tokens per row of a ``[batch, seq]`` mask (bool, or integer with nonzero = valid), int32."""
+    mask = _mask_tensor(mask, "mask")
+    if mask.ndim != 2:
+        raise ValueError(f"mask must be 2-D [batch, seq], got shape {tuple(mask.shape)}")
+    return mask.sum(dim=-1, dtype=torch.int32)
+
+
+def prepare_cu_seqlens_from_mask(mask, out_dtype=torch.int32) -> torch.Tensor:
+    """``[0, cumsum(lens)]``: ``[[1,1,1,0],[1,1,0,0]] -> [0, 3, 5]``."""
+    lens = prepare_lens_from_mask(mask)
+    out_dtype = _dtype(out_dtype)
+    if out_dtype.is_floating_point or out_dtype.is_complex or out_dtype == torch.bool:
+        raise TypeError(f"out_dtype must be an integer dtype, got {out_dtype}")
+    zero = torch.zeros(1, dtype=out_dtype, device=lens.device)
+    return torch.cat([zero, torch.cumsum(lens, dim=0, dtype=out_dtype)])
+
+
+# -- per token ----------------------------------------------------------------------------------------
+
+
+def prepare_position_ids(cu_seqlens, total_tokens: int | None = None) -> torch.Tensor:
+    """Position of each token in its sequence: ``[0, 3, 5, 9] -> [0,1,2, 0,1, 0,1,2,3]``."""
+    cu = _cu_seqlens(cu_seqlens)
+    return _layout(cu, _static_size(total_tokens, cu, "total_tokens", "prepare_position_ids"))[1]
+
+
+def prepare_sequence_ids(cu_seqlens, total_tokens: int | None = None) -> torch.Tensor:
+    """Sequence of each token: ``[0, 3, 5, 9] -> [0,0,0, 1,1, 2,2,2,2]``."""
+    cu = _cu_seqlens(cu_seqlens)
+    return _layout(cu, _static_size(total_tokens, cu, "total_tokens", "prepare_sequence_ids"))[0]
+
+
+def prepare_token_indices(cu_seqlens, total_tokens: int | None = None) -> torch.Tensor:
+    """``[total_tokens, 2]`` rows of ``(sequence id, position id)``."""
+    cu = _cu_seqlens(cu_seqlens)
+    owner, offset = _layout(cu, _static_size(total_tokens, cu, "total_tokens", "prepare_token_indices"))
+    return torch.stack([owner, offset], dim=1)
+
+
+# -- per chunk --------------------------------------------------------------------------------------
+
+
+def prepare_chunk_offsets(cu_seqlens, chunk_size: int) -> torch.Tensor:
+    """``[0, cumsum(ceil(len / chunk_size))]``: where each sequence's chunks start."""
+    cu = _cu_seqlens(cu_seqlens)
+    chunks = cdiv(cu[1:] - cu[:-1], _chunk_size(chunk_size))
+    zero = torch.zeros(1, dtype=cu.dtype, device=cu.device)
+    return torch.cat([zero, torch.cumsum(chunks, dim=0, dtype=cu.dtype)])
+
+
+def prepare_chunk_indices(cu_seqlens, chunk_size: int, total_chunks: int | None = None) -> torch.Tensor:
+    """``[total_chunks, 2]`` rows of ``(sequence id, chunk index within the sequence)``."""
+    offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
+    owner, offset = _layout(offsets, _static_size(total_chunks, offsets, "total_chunks", "prepare_chunk_indices"))
+    return torch.stack([owner, offset], dim=1)
+
+
+# -- gradients ------------------------------------------------------------------------------------------
+
+
+class _IdentityGradCast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.dtype = dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+
+def identity_dtype_convert(dtype):
+    """A function that returns its input unchanged and casts the incoming gradient to ``dtype``.
+
+    Gradient values are rounded through ``dtype``; torch's autograd then casts them to the
+    input's dtype (the jax version leaves them in ``dtype``).
+    """
+    dtype = _dtype(dtype)
+
+    def identity(x: torch.Tensor) -> torch.Tensor:
+        return _IdentityGradCast.apply(x, dtype)
+
+    return identity
+
+
+# -- segment ids <-> masks ------------------------------------------------------------------------------
+
+
+def segment_ids_to_mask(segment_ids, dtype=torch.bool, return_separate_masks: bool = False):
+    """Attention mask ``[..., Q, K]`` from segment ids ``[..., L]`` or a tuple ``(q_ids, kv_ids)``.
+
+    Query i attends key j iff both ids are equal and positive (ids <= 0 are padding). With
+    ``return_separate_masks`` returns ``(q_valid [..., Q], kv_valid [..., K], mask)``. A list is
+    one array of ids, never a pair: pass the pair as a tuple.
+    """
+    if isinstance(segment_ids, tuple):
+        if len(segment_ids) != 2:
+            raise ValueError("segment_ids as a tuple must be (q_segment_ids, kv_segment_ids), "
+                             f"got {len(segment_ids)} items")
+        q = _int_tensor(segment_ids[0], "q_segment_ids")
+        kv = _int_tensor(segment_ids[1], "kv_segment_ids")
+    else:
+        q = kv = _int_tensor(segment_ids, "segment_ids")
+    if q.ndim < 1 or kv.ndim < 1:
+        raise ValueError("segment_ids must have a sequence axis (ndim >= 1)")
+    if q.shape[:-1] != kv.shape[:-1]:
+        raise ValueError(f"q and kv segment ids need the same batch dims, got {tuple(q.shape)} and {tuple(kv.shape)}")
+    dtype = _dtype(dtype)
+    q_valid, kv_valid = q > 0, kv > 0
+    mask = (q[..., :, None] == kv[..., None, :]) & q_valid[..., :, None] & kv_valid[..., None, :]
+    if return_separate_masks:
+        return q_valid.to(dtype), kv_valid.to(dtype), mask.to(dtype)
+    return mask.to(dtype)
+
+
+def _pattern_ids(m: torch.Tensor) -> torch.Tensor:
+    """Rows of ``m [..., Q, K]`` labelled 1, 2, ... by distinct pattern in order of first
+    appearance; all-false rows get -1."""
+    f = m.to(torch.float32)
+    count = f.sum(-1)
+    # 0/1 products summed in float32 are exact (K < 2**24), TF32 or not.
+    common = f @ f.transpose(-1, -2)
+    same = (common == count[..., :, None]) & (common == count[..., None, :])
+    first = same.to(torch.uint8).argmax(dim=-1)  # earliest row with the same pattern
+    valid = count > 0
+    is_new = (first == torch.arange(m.shape[-2], device=m.device)) & valid
+    label = torch.cumsum(is_new, dim=-1, dtype=torch.int32)
+    return torch.where(valid, torch.gather(label, -1, first), -1)
+
+
+def mask_to_segment_ids(mask, per_head: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_segment_ids, kv_segment_ids)`` (int32, -1 for padding) describing ``mask``.
+
+    ``mask`` is ``[Q, K]``, ``[B, Q, K]`` or ``[B, H, Q, K]``; ids come back as ``[..., Q]`` and
+    ``[..., K]``. A 4-D mask is merged over heads (a key is visible if any head sees it) unless
+    ``per_head``, which gives ``[B, H, Q]`` and ``[B, H, K]``.
+
+    Queries with the same row pattern share an id (1, 2, ... in order of first appearance, -1
+    for rows that see nothing); each key takes the id of the queries that see it (-1 if none).
+    For any mask that ``segment_ids_to_mask`` can produce this is its exact inverse, up to
+    renumbering. Other masks (causal, banded) have no segment-id form; for them the result is
+    not meant to reproduce the mask. Costs ``O(Q^2)`` memory per mask.
+    """
+    m = _mask_tensor(mask, "mask")
+    if m.ndim not in (2, 3, 4):
+        raise ValueError(f"mask must be [Q, K], [B, Q, K] or [B, H, Q, K], got shape {tuple(m.shape)}")
+    if per_head and m.ndim != 4:
+        raise ValueError(f"per_head=True needs a 4-D [B, H, Q, K] mask, got shape {tuple(m.shape)}")
+    if m.ndim == 4 and not per_head:
+        m = m.any(dim=1)
+    kv_shape = m.shape[:-2] + m.shape[-1:]
+    if m.shape[-2] == 0:  # no queries: nothing to label, and argmax needs a non-empty axis
+        return m.new_zeros(m.shape[:-1], dtype=torch.int32), m.new_full(kv_shape, -1, dtype=torch.int32)
+    q_ids = _pattern_ids(m)
+    kv_ids = torch.where(m, q_ids[..., :, None], -1).amax(dim=-2)
+    return q_ids, kv_ids.to(torch.int32)

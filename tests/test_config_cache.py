@@ -1,0 +1,212 @@
+"""The config cache shared by both fronts: round trip, opt-in autotuning, bad files, concurrency."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+
+from triton_kernels import config_cache as cc
+from triton_kernels.config_cache import CacheKey, ConfigCache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEY = CacheKey("cpu|test", "softmax", 1, {"x": {"shape": [4, 128], "dtype": "float32"}})
+HEURISTIC = {"BLOCK": 128, "num_warps": 4}
+CANDIDATES = [{"BLOCK": 64, "num_warps": 2}, {"BLOCK": 128, "num_warps": 4}, {"BLOCK": 256, "num_warps": 8}]
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return ConfigCache(tmp_path / "configs.json")
+
+
+def fake_bench(times):
+    calls = []
+
+    def bench(config):
+        calls.append(config)
+        t = times[config["BLOCK"]]
+        if isinstance(t, Exception):
+            raise t
+        return t
+
+    bench.calls = calls
+    return bench
+
+
+def test_round_trip(cache):
+    assert cache.lookup(KEY) is None
+    stored = cache.store(KEY, {"BLOCK": 64, "shape": (1, 2)}, source="test")
+    assert stored == {"BLOCK": 64, "shape": [1, 2]}  # what JSON gives back, also in this process
+    fresh = ConfigCache(cache.path)  # another process's view
+    assert fresh.lookup(KEY) == stored
+    doc = json.loads(cache.path.read_text())
+    assert doc["format"] == "ejkernel-config-cache" and doc["version"] == 1
+    (entry,) = doc["entries"].values()
+    assert entry["config"] == stored and entry["source"] == "test"
+    other_shape = CacheKey(KEY.device, KEY.op, KEY.version, {"x": {"shape": [4, 256], "dtype": "float32"}})
+    other_version = CacheKey(KEY.device, KEY.op, 2, KEY.shapes)
+    other_device = CacheKey("cuda|H100|sm90|132sm", KEY.op, KEY.version, KEY.shapes)
+    assert all(fresh.lookup(k) is None for k in (other_shape, other_version, other_device))
+
+
+def test_reads_see_other_writers(cache):
+    assert cache.lookup(KEY) is None
+    ConfigCache(cache.path).store(KEY, {"BLOCK": 32})
+    assert cache.lookup(KEY) == {"BLOCK": 32}
+
+
+def test_heuristic_by_default_and_never_stored(cache, monkeypatch):
+    monkeypatch.delenv(cc.AUTOTUNE_ENV, raising=False)
+    bench = fake_bench({64: 1.0, 128: 2.0, 256: 3.0})
+    assert cc.select_config(KEY, HEURISTIC, CANDIDATES, bench, cache=cache) == HEURISTIC
+    assert cc.get_config(KEY, lambda: HEURISTIC, cache=cache) == HEURISTIC
+    assert bench.calls == [] and not cache.path.exists()
+
+
+@pytest.mark.parametrize("how", ["argument", "env"])
+def test_autotune_opt_in(cache, monkeypatch, how):
+    monkeypatch.delenv(cc.AUTOTUNE_ENV, raising=False)
+    kwargs = {"autotune": True} if how == "argument" else {}
+    if how == "env":
+        monkeypatch.setenv(cc.AUTOTUNE_ENV, "1")
+    bench = fake_bench({64: 3.0, 128: 1.0, 256: RuntimeError("out of resources: shared memory")})
+    assert cc.select_config(KEY, HEURISTIC, CANDIDATES, bench, cache=cache, **kwargs) == CANDIDATES[1]
+    assert len(bench.calls) == 3
+    # from now on every caller gets the tuned config without timing anything
+    assert cc.select_config(KEY, {"BLOCK": 1}, CANDIDATES, bench, cache=cache, **kwargs) == CANDIDATES[1]
+    assert cc.get_config(KEY, {"BLOCK": 1}, cache=ConfigCache(cache.path)) == CANDIDATES[1]
+    assert len(bench.calls) == 3
+
+
+def test_autotune_flag_parsing(monkeypatch):
+    for value, expected in [("1", True), ("true", True), ("ON", True), ("0", False), ("", False)]:
+        monkeypatch.setenv(cc.AUTOTUNE_ENV, value)
+        assert cc.autotune_enabled() is expected
+    assert cc.autotune_enabled(False) is False
+
+
+def test_tune_details(cache):
+    bench = fake_bench({64: 2.0, 128: 2.0, 256: float("nan")})
+    assert cc.tune(KEY, CANDIDATES, bench, cache=cache) == CANDIDATES[0]  # tie: earlier wins
+    assert cc.tune(KEY, CANDIDATES, fake_bench({64: 9.0, 128: 1.0, 256: 9.0}), cache=cache) == CANDIDATES[0]
+    assert cc.tune(KEY, CANDIDATES, fake_bench({64: 9.0, 128: 1.0, 256: 9.0}), cache=cache,
+                   force=True) == CANDIDATES[1]
+    assert ConfigCache(cache.path).lookup(KEY) == CANDIDATES[1]
+    with pytest.raises(RuntimeError, match="no candidate ran.*boom"):
+        cc.tune(CacheKey("d", "op", 1), CANDIDATES, fake_bench({b: ValueError("boom") for b in (64, 128, 256)}),
+                cache=cache)
+
+
+def test_first_stored_config_wins(cache):
+    assert cache.store(KEY, {"BLOCK": 64}) == {"BLOCK": 64}
+    assert ConfigCache(cache.path).store(KEY, {"BLOCK": 128}) == {"BLOCK": 64}
+    assert cache.store(KEY, {"BLOCK": 128}, overwrite=True) == {"BLOCK": 128}
+
+
+def test_both_frameworks_share_the_tuned_entry(cache, torch_fw, jax_fw):
+    import numpy as np
+
+    from ejkernel_jax.utils import config_key as jax_key
+    from ejkernel_torch.utils import config_key as torch_key
+
+    x = np.zeros((4, 128), np.float32)
+    tuned = cc.tune(torch_key("softmax", 1, x=torch_fw.asarray(x, "bfloat16")), CANDIDATES,
+                    fake_bench({64: 3.0, 128: 2.0, 256: 1.0}), cache=cache)
+    assert tuned == CANDIDATES[2]
+    assert cc.get_config(jax_key("softmax", 1, x=jax_fw.asarray(x, "bfloat16")), HEURISTIC, cache=cache) == tuned
+    assert cc.get_config(jax_key("softmax", 1, x=jax_fw.asarray(x, "float16")), HEURISTIC, cache=cache) == HEURISTIC
+
+
+@pytest.mark.parametrize("content, why", [
+    ("{not json", "not valid JSON"),
+    ('{"some": "other tool"}', "not an ejkernel config cache"),
+    ('{"format": "ejkernel-config-cache", "version": 99, "entries": {}}', "format version 99"),
+    ("\udcff", "could not be read"),
+])
+def test_corrupt_or_foreign_file_is_ignored(cache, content, why):
+    cache.path.write_bytes(content.encode("utf-8", "surrogateescape"))
+    with pytest.warns(UserWarning, match=why):
+        assert cache.lookup(KEY) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per version of the file, not per lookup
+        assert cc.get_config(KEY, HEURISTIC, cache=cache) == HEURISTIC
+    with pytest.warns(UserWarning, match="moved it to"):
+        cache.store(KEY, {"BLOCK": 8})
+    assert cache.path.with_name("configs.json.bad").read_bytes() == content.encode("utf-8", "surrogateescape")
+    assert ConfigCache(cache.path).lookup(KEY) == {"BLOCK": 8}
+
+
+def test_malformed_entries_are_dropped(cache):
+    cache.store(KEY, {"BLOCK": 16})
+    doc = json.loads(cache.path.read_text())
+    doc["entries"]["junk"] = "not an entry"
+    cache.path.write_text(json.dumps(doc))
+    with pytest.warns(UserWarning, match="1 malformed"):
+        assert ConfigCache(cache.path).lookup(KEY) == {"BLOCK": 16}
+
+
+def test_unwritable_location_warns_and_keeps_config_in_memory(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    cache = ConfigCache(blocker / "configs.json")  # its folder cannot be created
+    with pytest.warns(UserWarning, match="could not write"):
+        assert cache.store(KEY, {"BLOCK": 4}) == {"BLOCK": 4}
+    assert cache.lookup(KEY) == {"BLOCK": 4}
+
+
+def test_location_from_env(tmp_path, monkeypatch):
+    monkeypatch.setenv(cc.CACHE_ENV, str(tmp_path / "mine.json"))
+    assert cc.default_cache_path() == tmp_path / "mine.json"
+    assert cc.get_cache() is cc.get_cache(tmp_path / "mine.json")
+    monkeypatch.setenv(cc.CACHE_ENV, str(tmp_path))
+    assert cc.default_cache_path() == tmp_path / "configs.json"
+    monkeypatch.delenv(cc.CACHE_ENV)
+    assert cc.default_cache_path().parts[-3:] == (".cache", "ejkernel", "configs.json")
+
+
+WRITER = textwrap.dedent("""
+    import json, sys, time
+    from triton_kernels.config_cache import CacheKey, ConfigCache
+    path, who, n, start = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+    cache = ConfigCache(path)
+    while time.time() < start:  # both writers begin together
+        time.sleep(0.001)
+    won = cache.store(CacheKey("dev", "race", 1), {"writer": who})
+    for i in range(n):
+        cache.store(CacheKey("dev", f"op-{who}", 1, {"i": i}), {"i": i, "writer": who})
+    print(json.dumps(won))
+""")
+
+
+def test_two_processes_writing_at_once(tmp_path):
+    path = tmp_path / "configs.json"
+    n, start = 40, time.time() + 1.0
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), who, str(n), str(start)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+             for who in ("a", "b")]
+    reads = 0
+    while any(p.poll() is None for p in procs):  # a reader never sees a half-written file
+        if path.exists():
+            doc = json.loads(path.read_text())
+            assert doc["format"] == "ejkernel-config-cache"
+            reads += 1
+        time.sleep(0.002)
+    results = [p.communicate() for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in results]
+    assert reads > 0
+    entries = ConfigCache(path).entries()
+    assert len(entries) == 2 * n + 1  # nobody lost anybody's entries
+    for who in ("a", "b"):
+        for i in range(n):
+            assert ConfigCache(path).lookup(CacheKey("dev", f"op-{who}", 1, {"i": i})) == {"i": i, "writer": who}
+    # both processes ended up with the same config for the key they raced on
+    won = {out.strip() for out, _ in results}
+    assert len(won) == 1 and json.loads(won.pop()) == ConfigCache(path).lookup(CacheKey("dev", "race", 1))
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]

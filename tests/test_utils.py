@@ -1,0 +1,259 @@
+"""Kernel utilities: params and their rules (triton_kernels), and each front's utils."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from triton_kernels.params import (
+    BwdParams,
+    FwdParams,
+    attention_smem_bytes,
+    check_params,
+    check_shared_memory,
+    select_num_stages,
+    select_num_warps,
+    shared_memory_limit,
+    short_hash,
+    stable_json,
+)
+from triton_kernels.plan import HOPPER, DeviceFacts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TURING = DeviceFacts.cuda((7, 5), 40)
+
+
+def utils(fw):
+    if fw.name == "torch":
+        from ejkernel_torch import utils as u
+    else:
+        from ejkernel_jax import utils as u
+    return u
+
+
+def run_python(code: str, **env) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": ROOT, **env}, cwd=ROOT)
+    return out.stdout.strip()
+
+
+# -- FwdParams / BwdParams ----------------------------------------------------------------------
+
+
+def test_params_dict_merge_and_validation():
+    base = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4)
+    assert base.to_dict() == {"q_blocksize": 128, "kv_blocksize": 64, "num_warps": 4}
+    merged = FwdParams.merge(base, {"kv_blocksize": 32, "num_stages": 3})
+    assert merged == FwdParams(q_blocksize=128, kv_blocksize=32, num_warps=4, num_stages=3)
+    assert FwdParams.merge(None, base) == base and FwdParams.merge(base, None) == base
+    assert FwdParams.coerce(None) == FwdParams() and FwdParams.coerce({"num_warps": 8}).num_warps == 8
+    assert FwdParams.from_dict(base.to_dict()) == base
+    with pytest.raises(ValueError, match="power of two"):
+        FwdParams(q_blocksize=96)
+    with pytest.raises(ValueError, match="num_warps"):
+        BwdParams(num_warps=3)
+    with pytest.raises(ValueError, match="positive"):
+        FwdParams(num_stages=0)
+    with pytest.raises(TypeError, match="num_stages"):
+        FwdParams(num_stages=True)
+    with pytest.raises(ValueError, match="blocksize_q"):
+        FwdParams.from_dict({"blocksize_q": 64})
+    with pytest.raises(TypeError, match="FwdParams"):
+        FwdParams.coerce(64)
+    assert {FwdParams(num_warps=4): 1}[FwdParams(num_warps=4)] == 1  # usable as a plan-cache key
+
+
+def test_bwd_from_fwd():
+    fwd = FwdParams(q_blocksize=128, kv_blocksize=16, blocksize_m=64, num_warps=8, num_stages=3)
+    assert BwdParams.from_fwd_params(fwd) == BwdParams(q_blocksize=64, kv_blocksize=16, blocksize_m=32,
+                                                       num_warps=8, num_stages=3)
+    assert BwdParams.from_fwd_params(fwd, scale=1.0).q_blocksize == 128
+    assert BwdParams.from_fwd_params(None) == BwdParams()
+
+
+def test_stable_hash_is_the_same_in_other_processes():
+    params = FwdParams(q_blocksize=64, num_warps=4)
+    assert params.stable_hash() == FwdParams(num_warps=4, q_blocksize=64).stable_hash()
+    assert params.stable_hash() != FwdParams(q_blocksize=64, num_warps=8).stable_hash()
+    code = ("from triton_kernels.params import FwdParams, short_hash; "
+            "print(FwdParams(q_blocksize=64, num_warps=4).stable_hash(), "
+            "short_hash({'b': {3, 1, 2}, 'a': (1.5, None, 'x')}))")
+    seen = {run_python(code, PYTHONHASHSEED=str(seed)) for seed in (1, 2)}
+    assert seen == {f"{params.stable_hash()} {short_hash({'a': [1.5, None, 'x'], 'b': {2, 3, 1}})}"}
+
+
+# -- stable_json / short_hash ----------------------------------------------------------------------
+
+
+def test_stable_json_is_canonical():
+    assert stable_json({"b": (1, 2), "a": {"z": None, "y": 1.5}}) == '{"a":{"y":1.5,"z":null},"b":[1,2]}'
+    assert short_hash({"x": 1}) == hashlib.sha256(b'{"x":1}').hexdigest()[:16]
+    assert stable_json({2, 10, 1}) == "[1,2,10]"
+    assert stable_json({"b", 1}) == stable_json({1, "b"})  # mixed types still have one order
+    assert stable_json({1: "a"}) == '{"1":"a"}'
+    with pytest.raises(TypeError, match="stable"):
+        stable_json(object())
+    with pytest.raises(TypeError, match="collide"):
+        stable_json({1: "a", "1": "b"})
+
+
+def test_stable_json_same_for_torch_and_jax_arrays(torch_fw, jax_fw):
+    a = np.zeros((2, 3), np.float32)
+    for name in ("float32", "bfloat16", "int32", "bool"):
+        t, j = torch_fw.asarray(a, name), jax_fw.asarray(a, name)
+        expected = f'{{"dtype":"{name}","shape":[2,3]}}'
+        assert stable_json(t) == stable_json(j) == expected
+        assert stable_json(torch_fw.dtype(name)) == stable_json(jax_fw.dtype(name)) == f'"{name}"'
+    assert stable_json(np.float32(2.5)) == "2.5"
+
+
+def test_triton_kernels_modules_import_no_framework():
+    code = ("import sys, triton_kernels.params, triton_kernels.config_cache; "
+            "print(sorted(m for m in ('torch', 'jax', 'numpy') if m in sys.modules))")
+    assert run_python(code) == "[]"
+
+
+# -- warps, stages, shared memory ------------------------------------------------------------------
+
+
+def test_select_num_warps():
+    assert select_num_warps(16, 16) == 1
+    assert select_num_warps(64, 64) == 4
+    assert select_num_warps(128, 64) == 8
+    assert select_num_warps(128, 128, head_dim=256) == 8
+    assert select_num_warps(32, 32, head_dim=128) == 4
+    assert all(w in (1, 2, 4, 8) for w in (select_num_warps(m, n) for m in (16, 64, 256) for n in (16, 128)))
+
+
+def test_select_num_stages_and_shared_memory(monkeypatch):
+    per_stage = attention_smem_bytes(0, 64, 128, "bfloat16", num_stages=1)  # K+V tiles: 32 KiB
+    assert per_stage == 2 * 64 * 128 * 2
+    assert select_num_stages(per_stage, HOPPER) == 4  # capped
+    assert select_num_stages(per_stage, TURING) == 2  # 64 KiB fits two, and pre-Ampere caps at 2
+    assert select_num_stages(per_stage, DeviceFacts.cpu()) == 1
+    assert select_num_stages(per_stage, HOPPER, fixed_smem=160_000) == 2
+    with pytest.raises(ValueError, match="shared memory"):
+        select_num_stages(per_stage, TURING, fixed_smem=40_000)
+    assert shared_memory_limit(HOPPER) == 232_448
+    monkeypatch.setenv("EJKERNEL_TRITON_SMEM_LIMIT", "50000")
+    assert shared_memory_limit(HOPPER) == 50_000
+    assert select_num_stages(per_stage, HOPPER) == 1
+    monkeypatch.setenv("EJKERNEL_TRITON_SMEM_LIMIT", "lots")
+    with pytest.raises(ValueError, match="EJKERNEL_TRITON_SMEM_LIMIT"):
+        shared_memory_limit(HOPPER)
+
+
+def test_oversized_config_is_rejected_clearly():
+    params = FwdParams(q_blocksize=256, kv_blocksize=256, num_stages=4)
+    smem = attention_smem_bytes(256, 256, 256, "float32", num_stages=4)
+    with pytest.raises(ValueError, match=r"flash_attention fwd .*q_blocksize.*sm90 allows 232448"):
+        check_params(params, HOPPER, smem, "flash_attention fwd")
+    check_params(FwdParams(q_blocksize=64, kv_blocksize=64, num_stages=2), HOPPER,
+                 attention_smem_bytes(64, 64, 64, "float16", 2))
+    check_shared_memory(10**8, DeviceFacts.cpu())  # the interpreter has no limit
+
+
+# -- per-front utilities -----------------------------------------------------------------------------
+
+
+def test_fingerprint_and_keys_agree_across_fronts(torch_fw, jax_fw):
+    t, j = utils(torch_fw), utils(jax_fw)
+    assert t.device_fingerprint() == j.device_fingerprint()
+    assert t.device_fingerprint().split("|")[0] in ("cpu", "cuda", "rocm")
+    assert t.get_device_platform() == j.get_device_platform() in ("cpu", "gpu")
+    q = np.zeros((1, 8, 2, 16), np.float32)
+    tk = t.config_key("attn", 1, q=torch_fw.asarray(q, "bfloat16"), causal=True)
+    jk = j.config_key("attn", 1, q=jax_fw.asarray(q, "bfloat16"), causal=True)
+    assert tk == jk and tk.text == jk.text
+    assert '{"dtype":"bfloat16","shape":[1,8,2,16]}' in tk.text
+
+
+def test_generate_attention_inputs_identical_across_fronts(torch_fw, jax_fw):
+    t = utils(torch_fw).generate_attention_inputs(2, 5, 4, 8, "float32", seed=3, kv_seq_len=7, num_kv_heads=2)
+    j = utils(jax_fw).generate_attention_inputs(2, 5, 4, 8, "float32", seed=3, kv_seq_len=7, num_kv_heads=2)
+    assert t.keys() == j.keys() == {"query", "key", "value"}
+    assert torch_fw.to_numpy(t["query"]).shape == (2, 5, 4, 8)
+    assert torch_fw.to_numpy(t["key"]).shape == (2, 7, 2, 8)
+    for name in t:
+        assert np.array_equal(torch_fw.to_numpy(t[name]), jax_fw.to_numpy(j[name]))
+    other = utils(jax_fw).generate_attention_inputs(2, 5, 4, 8, "float32", seed=4)
+    assert not np.array_equal(jax_fw.to_numpy(other["query"]), jax_fw.to_numpy(j["query"]))
+
+
+def test_abstractify(fw):
+    u = utils(fw)
+    tree = {"q": fw.asarray(np.ones((2, 3)), "bfloat16"), "rest": [fw.asarray(np.arange(4)), 5, "x"]}
+    abstract = u.abstractify(tree)
+    assert abstract["rest"][1:] == [5, "x"]
+    assert tuple(abstract["q"].shape) == (2, 3) and str(abstract["q"].dtype).endswith("bfloat16")
+    assert stable_json(abstract) == stable_json(tree)
+    if fw.name == "torch":
+        assert abstract["q"].device.type == "meta"
+    else:
+        import jax
+
+        assert isinstance(abstract["q"], jax.ShapeDtypeStruct)
+
+
+@pytest.mark.parametrize("length,chunk,axis", [(10, 4, 0), (8, 4, 1), (3, 5, -1)])
+def test_chunk_round_trip(fw, length, chunk, axis):
+    u = utils(fw)
+    shape = [2, 2]
+    shape[axis] = length
+    x = np.arange(np.prod(shape)).reshape(shape) + 1
+    chunked = fw.to_numpy(u.chunk_array(fw.asarray(x), chunk, axis=axis, pad_value=-7))
+    num = -(-length // chunk)
+    ax = axis % 2
+    assert chunked.shape[ax:ax + 2] == (num, chunk)
+    flat = chunked.reshape(shape[:ax] + [num * chunk] + shape[ax + 1:])
+    assert (np.take(flat, range(length, num * chunk), axis=ax) == -7).all()
+    back = u.unchunk_array(u.chunk_array(fw.asarray(x), chunk, axis=axis), length, axis=axis)
+    assert np.array_equal(fw.to_numpy(back), x)
+
+
+def test_log_sum_exp(fw):
+    u = utils(fw)
+    x = np.array([[1000.0, 1001.0, 1002.0], [-np.inf, -np.inf, -np.inf], [0.5, -np.inf, 2.0]])
+    got = fw.to_numpy(u.log_sum_exp(fw.asarray(x), axis=1))
+    ref = np.array([1002 + np.log1p(np.exp(-1) + np.exp(-2)), -np.inf, np.log(np.exp(0.5) + np.exp(2.0))])
+    rtol = 1e-6  # fw.asarray feeds float32 (jax has no x64 here)
+    np.testing.assert_allclose(got, ref, rtol=rtol)
+    assert fw.to_numpy(u.log_sum_exp(fw.asarray(x), axis=1, keepdims=True)).shape == (3, 1)
+    whole = fw.to_numpy(u.log_sum_exp(fw.asarray(x[::2])))
+    assert whole.shape == () and np.isclose(whole, np.log(np.exp(x[::2] - 1002).sum()) + 1002, rtol=rtol)
+
+
+def test_safe_divide(fw):
+    u = utils(fw)
+    den = np.array([0.0, -1e-12, 1e-12, 2.0, -4.0])
+    got = fw.to_numpy(u.safe_divide(fw.asarray(np.ones(5)), fw.asarray(den)))
+    np.testing.assert_allclose(got, [1e10, -1e10, 1e10, 0.5, -0.25])
+
+
+def test_assert_allclose(fw):
+    u = utils(fw)
+    a = fw.asarray(np.array([1.0, 2.0, np.nan]), "bfloat16")
+    u.assert_allclose(a, fw.asarray(np.array([1.0, 2.0, np.nan]), "float32"))
+    with pytest.raises(AssertionError, match="Mismatch"):
+        u.assert_allclose(a, fw.asarray(np.array([1.0, 2.5, np.nan])))
+    with pytest.raises(AssertionError, match="shape"):
+        u.assert_allclose(a, fw.asarray(np.ones(2)))
+
+
+def test_timer_and_memory(fw, capsys):
+    u = utils(fw)
+    with u.timer("nap") as t:
+        time.sleep(0.02)
+    assert 0.015 < t.seconds < 5 and "nap took" in capsys.readouterr().out
+    with u.timer(verbose=False):
+        pass
+    assert capsys.readouterr().out == ""
+    mem = u.get_memory_usage()
+    assert set(mem) == {"allocated", "reserved", "limit"} and mem["limit"] > mem["allocated"] >= 0
+    json.dumps(mem)  # plain ints

@@ -1,0 +1,338 @@
+"""One persistent cache of chosen kernel configs, shared by the torch and the jax front.
+
+An entry is keyed by (device fingerprint, op, op version, shape/dtype key) and holds a plain
+JSON config (block sizes, warps, stages). Both fronts build the same key for the same inputs on
+the same device (the fingerprint and ``stable_json`` are framework-neutral), so once either
+framework has tuned a config, both launch it and bitwise torch-vs-jax parity still holds.
+
+By default nothing is tuned: ``get_config`` returns a cached entry or the op's heuristic.
+Autotuning is opt-in, per call (``autotune=True``) or per process (``EJKERNEL_AUTOTUNE=1``).
+
+The file (``EJKERNEL_CONFIG_CACHE``, default ``~/.cache/ejkernel/configs.json``) is only ever
+replaced whole (temp file in the same folder + ``os.replace``), so readers never see half a
+file; writers take an exclusive ``flock`` on a side lock file around read-merge-write, so two
+processes storing at once keep each other's entries. A corrupt or foreign file is ignored with
+a warning, and moved aside (``<name>.bad``) before the next write; it never raises.
+
+Standard library only: both fronts import this module.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from .params import stable_json
+
+try:  # POSIX only; elsewhere writes are still atomic, but a race may drop one writer's entry
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
+
+CACHE_ENV = "EJKERNEL_CONFIG_CACHE"
+AUTOTUNE_ENV = "EJKERNEL_AUTOTUNE"
+FORMAT = "ejkernel-config-cache"
+FORMAT_VERSION = 1
+
+Config = dict[str, Any]
+
+# --------------------------------------------------------------------------------------------
+# Host and device identity (formatting shared by both fronts, so their fingerprints agree)
+# --------------------------------------------------------------------------------------------
+
+
+def cpu_fingerprint() -> str:
+    """``cpu|<arch>|<model>``: what the Triton interpreter's speed depends on."""
+    model = ""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    return f"cpu|{platform.machine()}|{model or platform.processor()}"
+
+
+def gpu_fingerprint(vendor: str, name: str, capability: tuple[int, int] | str, num_sms: int) -> str:
+    """``cuda|NVIDIA H100 80GB HBM3|sm90|132sm`` from properties both frameworks expose."""
+    if isinstance(capability, str):  # jax reports "9.0"
+        capability = tuple(int(p) for p in capability.split(".")[:2])
+    major, minor = capability
+    return f"{vendor}|{name.strip()}|sm{major}{minor}|{int(num_sms)}sm"
+
+
+def host_memory_usage() -> dict[str, int]:
+    """Resident memory of this process and the machine's total, in bytes (Linux; 0 if unknown)."""
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+    rss = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * page
+    total = 0
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        total = os.sysconf("SC_PHYS_PAGES") * page
+    return {"allocated": rss, "reserved": rss, "limit": total}
+
+
+# --------------------------------------------------------------------------------------------
+# Keys
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Where one chosen config lives. ``shapes`` may hold arrays and dtypes: it is kept as plain
+    data (arrays as shape + dtype), so keys built by either front compare and hash equal."""
+
+    device: str
+    op: str
+    version: int | str
+    shapes: Any = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "shapes", json.loads(stable_json(self.shapes)))
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+    @property
+    def text(self) -> str:
+        return stable_json([self.device, self.op, self.version, self.shapes])
+
+
+def make_key(device: str, op: str, version: int | str, **shapes: Any) -> CacheKey:
+    """``make_key(fp, "flash_attention_fwd", 1, q=q, k=k, causal=True)``."""
+    return CacheKey(device, op, version, dict(shapes))
+
+
+# --------------------------------------------------------------------------------------------
+# The file
+# --------------------------------------------------------------------------------------------
+
+
+def default_cache_path() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        path = Path(env).expanduser()
+        return path / "configs.json" if env.endswith(("/", os.sep)) or path.is_dir() else path
+    return Path.home() / ".cache" / "ejkernel" / "configs.json"
+
+
+def _normalize_config(config: Mapping[str, Any]) -> Config:
+    """The config as it will read back from JSON (tuples become lists, etc.)."""
+    if not isinstance(config, Mapping):
+        raise TypeError(f"a config must be a dict, got {type(config).__name__}")
+    return json.loads(stable_json(dict(config)))
+
+
+def _parse(text: str) -> tuple[dict[str, dict], str | None]:
+    """Entries of a cache file's text, and why (part of) it was ignored, if it was."""
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        return {}, f"is not valid JSON ({e})"
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        return {}, "is not an ejkernel config cache"
+    if doc.get("version") != FORMAT_VERSION:
+        return {}, f"has format version {doc.get('version')!r}, this library reads {FORMAT_VERSION}"
+    raw = doc.get("entries")
+    if not isinstance(raw, dict):
+        return {}, "has no entries table"
+    entries = {k: v for k, v in raw.items() if isinstance(v, dict) and isinstance(v.get("config"), dict)}
+    problem = f"has {len(raw) - len(entries)} malformed entries" if len(entries) != len(raw) else None
+    return entries, problem
+
+
+class ConfigCache:
+    """A view of one cache file. Reads are cheap (re-parsed only when the file changes)."""
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = Path(path).expanduser() if path is not None else default_cache_path()
+        self._lock = threading.Lock()
+        self._stamp: tuple | None = None
+        self._entries: dict[str, dict] = {}
+        self._local: dict[str, dict] = {}  # stored but not persisted (unwritable location)
+
+    # -- reading ------------------------------------------------------------------------------
+    def _file_stamp(self) -> tuple | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def _read_file(self) -> tuple[dict[str, dict], str | None, bool]:
+        """(entries, problem, file exists)."""
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return {}, None, False
+        except (OSError, UnicodeDecodeError) as e:
+            return {}, f"could not be read ({e})", True
+        return (*_parse(text), True)
+
+    def entries(self) -> dict[str, dict]:
+        """All entries, keyed by ``CacheKey.text``."""
+        with self._lock:
+            stamp = self._file_stamp()
+            if stamp != self._stamp:
+                entries, problem, _ = self._read_file()
+                if problem:  # once per version of the file, not on every lookup
+                    warnings.warn(f"config cache {self.path} {problem}; ignoring it", stacklevel=3)
+                self._entries, self._stamp = entries, stamp
+            return {**self._entries, **self._local}
+
+    def lookup(self, key: CacheKey) -> Config | None:
+        entry = self.entries().get(key.text)
+        return dict(entry["config"]) if entry is not None else None
+
+    # -- writing ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _file_lock(self):
+        lock_path = self.path.with_name(self.path.name + ".lock")
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock; the lock file stays (deleting it races)
+
+    def _replace(self, entries: dict[str, dict]) -> None:
+        doc = {"format": FORMAT, "version": FORMAT_VERSION, "entries": entries}
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name + ".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def store(self, key: CacheKey, config: Mapping[str, Any], *, overwrite: bool = False,
+              **meta: Any) -> Config:
+        """Record ``config`` for ``key`` and return the config now on file for it.
+
+        Unless ``overwrite``, an entry another process stored first is kept and returned: every
+        process then converges on one config per key, which is what keeps torch and jax runs
+        launching the same binary. An unwritable location warns and keeps the entry in memory.
+        """
+        config = _normalize_config(config)
+        entry = {"config": config, "written": time.time(), **json.loads(stable_json(meta))}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self._file_lock():
+                current, problem, exists = self._read_file()
+                if problem and exists and not current:
+                    backup = self.path.with_name(self.path.name + ".bad")
+                    os.replace(self.path, backup)
+                    warnings.warn(f"config cache {self.path} {problem}; moved it to {backup}", stacklevel=2)
+                old = current.get(key.text)
+                if old is not None and not overwrite:
+                    return dict(old["config"])
+                current[key.text] = entry
+                self._replace(current)
+        except OSError as e:
+            warnings.warn(f"could not write config cache {self.path} ({e}); "
+                          "the config is kept for this process only", stacklevel=2)
+            with self._lock:
+                self._local[key.text] = entry
+        return dict(config)
+
+
+_caches: dict[Path, ConfigCache] = {}
+_caches_lock = threading.Lock()
+
+
+def get_cache(path: str | os.PathLike | None = None) -> ConfigCache:
+    """The process-wide view of the cache at ``path`` (default: from ``EJKERNEL_CONFIG_CACHE``)."""
+    resolved = Path(path).expanduser() if path is not None else default_cache_path()
+    with _caches_lock:
+        if resolved not in _caches:
+            _caches[resolved] = ConfigCache(resolved)
+        return _caches[resolved]
+
+
+# --------------------------------------------------------------------------------------------
+# What ops call
+# --------------------------------------------------------------------------------------------
+
+
+def autotune_enabled(autotune: bool | None = None) -> bool:
+    """The explicit argument if given, else ``EJKERNEL_AUTOTUNE`` (1/true/yes/on)."""
+    if autotune is not None:
+        return bool(autotune)
+    return os.environ.get(AUTOTUNE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def get_config(key: CacheKey, heuristic: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+               *, cache: ConfigCache | None = None) -> Config:
+    """The cached config for ``key`` if one was tuned, else the heuristic's (not stored)."""
+    hit = (cache or get_cache()).lookup(key)
+    if hit is not None:
+        return hit
+    return _normalize_config(heuristic() if callable(heuristic) else heuristic)
+
+
+def tune(key: CacheKey, candidates: Iterable[Mapping[str, Any]],
+         bench_fn: Callable[[Config], float], *, cache: ConfigCache | None = None,
+         force: bool = False) -> Config:
+    """Time every candidate with ``bench_fn(config) -> seconds or ms``, store and return the best.
+
+    A cached entry is returned without timing unless ``force``. Candidates that raise (e.g.
+    out of shared memory) or time as non-finite are skipped; ties go to the earlier candidate,
+    so the choice is deterministic given the timings.
+    """
+    cache = cache or get_cache()
+    if not force:
+        hit = cache.lookup(key)
+        if hit is not None:
+            return hit
+    best, best_time, failures = None, math.inf, []
+    for candidate in candidates:
+        config = _normalize_config(candidate)
+        try:
+            t = float(bench_fn(dict(config)))
+        except Exception as e:  # a config the device cannot run is just not a candidate
+            failures.append(f"{config}: {type(e).__name__}: {e}")
+            continue
+        if math.isfinite(t) and t < best_time:
+            best, best_time = config, t
+    if best is None:
+        detail = "; ".join(failures) or "no candidates given"
+        raise RuntimeError(f"autotuning {key.op}: no candidate ran ({detail})")
+    return cache.store(key, best, overwrite=force, source="autotune", time=best_time,
+                       failed=len(failures))
+
+
+def select_config(key: CacheKey, heuristic: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+                  candidates: Iterable[Mapping[str, Any]] | None = None,
+                  bench_fn: Callable[[Config], float] | None = None, *,
+                  autotune: bool | None = None, cache: ConfigCache | None = None) -> Config:
+    """The one call an op makes: cached config, else tuned (if enabled), else heuristic."""
+    cache = cache or get_cache()
+    hit = cache.lookup(key)
+    if hit is not None:
+        return hit
+    if autotune_enabled(autotune) and candidates is not None and bench_fn is not None:
+        return tune(key, candidates, bench_fn, cache=cache)
+    return get_config(key, heuristic, cache=cache)
+
+
+__all__ = [
+    "AUTOTUNE_ENV", "CACHE_ENV", "CacheKey", "ConfigCache", "autotune_enabled", "cpu_fingerprint",
+    "default_cache_path", "get_cache", "get_config", "gpu_fingerprint", "host_memory_usage",
+    "make_key", "select_config", "tune",
+]
