@@ -1,0 +1,265 @@
+"""Public entry point: ``blocksparse_attention`` on ``[batch, seq, heads, head_dim]``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import info as info_lib
+from . import kernel as kernel_lib
+from . import masks as mask_lib
+
+__all__ = ["BlockSizes", "blocksparse_attention"]
+
+_BLOCK_LADDER = (512, 256, 128, 64, 32, 16, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes per pass.  ``None`` picks a default: the forward sizes fall back to
+    the largest of 512, 256, ..., 8 dividing the sequence (else the whole sequence);
+    the dQ and dK/dV sizes fall back to the forward ones.
+
+    On a real TPU (Mosaic tiling) each size must equal its whole sequence or be a
+    multiple of 128, except ``block_q`` and ``block_kv_dkv``: multiples of 8.
+    """
+
+    block_q: int | None = None
+    block_kv: int | None = None
+    block_q_dq: int | None = None
+    block_kv_dq: int | None = None
+    block_q_dkv: int | None = None
+    block_kv_dkv: int | None = None
+
+    def resolve(self, q_len: int, kv_len: int, *, tpu: bool) -> BlockSizes:
+        pick = lambda value, default: default if value is None else value
+        bq = pick(self.block_q, _default_block(q_len))
+        bkv = pick(self.block_kv, _default_block(kv_len))
+        out = BlockSizes(
+            bq,
+            bkv,
+            pick(self.block_q_dq, bq),
+            pick(self.block_kv_dq, bkv),
+            pick(self.block_q_dkv, bq),
+            pick(self.block_kv_dkv, bkv),
+        )
+        # (field, sequence length, multiple required by Mosaic tiling on TPU)
+        rules = [
+            ("block_q", q_len, 8),
+            ("block_kv", kv_len, 128),
+            ("block_q_dq", q_len, 128),
+            ("block_kv_dq", kv_len, 128),
+            ("block_q_dkv", q_len, 128),
+            ("block_kv_dkv", kv_len, 8),
+        ]
+        for name, length, multiple in rules:
+            b = getattr(out, name)
+            if not isinstance(b, (int, np.integer)) or b <= 0:
+                raise ValueError(f"block_sizes.{name} must be a positive int, got {b!r}")
+            if length % b:
+                raise ValueError(f"block_sizes.{name}={b} must divide the sequence length {length}")
+            if tpu and b != length and b % multiple:
+                raise ValueError(
+                    f"block_sizes.{name}={b} must be a multiple of {multiple} on TPU (or equal {length})"
+                )
+        return out
+
+
+def _default_block(length: int) -> int:
+    return next((b for b in _BLOCK_LADDER if length % b == 0), length)
+
+
+def _convenience_mask(q_len, kv_len, causal, sliding_window, chunk_size) -> mask_lib.Mask:
+    """The mask for causal / sliding_window / chunk_size, bottom-right aligned."""
+    shape = (q_len, kv_len)
+    offset = kv_len - q_len  # the last query sits on the last key
+    parts = []
+    if sliding_window is not None:
+        if isinstance(sliding_window, (int, np.integer)):
+            left, right = int(sliding_window), int(sliding_window)
+        else:
+            try:
+                left, right = sliding_window
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"sliding_window must be an int or a (left, right) pair, got {sliding_window!r}"
+                ) from None
+        if (left is not None and left < 0) or (right is not None and right < 0):
+            raise ValueError(f"sliding_window must be >= 0, got {sliding_window!r}")
+        parts.append(mask_lib.LocalMask(shape, (left, 0 if causal else right), offset))
+    elif causal and chunk_size is None:
+        parts.append(mask_lib.CausalMask(shape, offset))
+    if chunk_size is not None:
+        parts.append(mask_lib.ChunkedCausalMask(shape, chunk_size, offset=offset))
+    if not parts:
+        return mask_lib.FullMask(shape)
+    out = parts[0]
+    for p in parts[1:]:
+        out = out & p
+    return out
+
+
+def _resolve_mask(mask, causal, sliding_window, chunk_size, heads, q_len, kv_len):
+    """-> ("static", MultiHeadMask) or ("dynamic", bool jax.Array [1 | heads, Sq, Skv])."""
+    if mask is None:
+        return "static", mask_lib.MultiHeadMask(
+            [_convenience_mask(q_len, kv_len, causal, sliding_window, chunk_size)]
+        )
+    if causal or sliding_window is not None or chunk_size is not None:
+        raise ValueError("pass either mask or causal/sliding_window/chunk_size, not both")
+    if isinstance(mask, np.ndarray):
+        if mask.ndim == 2:
+            mask = mask_lib.NumpyMask(mask)
+        elif mask.ndim == 3:
+            mask = mask_lib.MultiHeadMask([mask_lib.NumpyMask(m) for m in mask])
+    if isinstance(mask, mask_lib.Mask):
+        if not isinstance(mask, mask_lib.MultiHeadMask):
+            if len(mask.shape) != 2:
+                raise ValueError(f"mask must be 2-D or a MultiHeadMask, got shape {mask.shape}")
+            mask = mask_lib.MultiHeadMask([mask])
+        kind = "static"
+    elif isinstance(mask, jax.Array):
+        if mask.dtype != jnp.bool_:
+            raise ValueError(f"mask must be boolean, got dtype {mask.dtype}")
+        if mask.ndim == 2:
+            mask = mask[None]
+        kind = "dynamic"
+    else:
+        raise ValueError(
+            f"mask must be a Mask, a numpy bool array or a bool jax.Array, got {type(mask).__name__}"
+        )
+    if len(mask.shape) != 3 or mask.shape[0] not in (1, heads) or tuple(mask.shape[1:]) != (q_len, kv_len):
+        raise ValueError(
+            f"mask shape {tuple(mask.shape)} must be (q_len, kv_len)=({q_len}, {kv_len}), "
+            f"optionally with a leading head axis of 1 or {heads}"
+        )
+    return kind, mask
+
+
+def _pass_info(mask_kind, mask, block_shape, is_dkv) -> tuple[kernel_lib.PassInfo, Any]:
+    if mask_kind == "static":
+        mi, fn = info_lib.process_mask(mask, block_shape, is_dkv=is_dkv)
+        partial = mi.partial_mask_blocks
+    else:
+        mi, fn = info_lib.process_dynamic_mask(mask, block_shape, is_dkv=is_dkv)
+        partial = mi.partial_mask_blocks.reshape(-1, *mi.partial_mask_blocks.shape[-2:])
+    return kernel_lib.PassInfo(mi.data_next, mi.block_mask, mi.mask_next, partial, mi.q_sequence), fn
+
+
+def _segment_ids(q_segment_ids, kv_segment_ids, batch, q_len, kv_len):
+    if q_segment_ids is None and kv_segment_ids is None:
+        return None, None
+    if q_segment_ids is None or kv_segment_ids is None:
+        if q_len != kv_len:
+            raise ValueError("q_segment_ids and kv_segment_ids must both be given when q_len != kv_len")
+        q_segment_ids = kv_segment_ids if q_segment_ids is None else q_segment_ids
+        kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
+    for name, ids, length in (
+        ("q_segment_ids", q_segment_ids, q_len),
+        ("kv_segment_ids", kv_segment_ids, kv_len),
+    ):
+        if tuple(ids.shape) != (batch, length):
+            raise ValueError(
+                f"{name} must have shape (batch, seq)=({batch}, {length}), got {tuple(ids.shape)}"
+            )
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer, got dtype {ids.dtype}")
+    return jnp.asarray(q_segment_ids, jnp.int32), jnp.asarray(kv_segment_ids, jnp.int32)
+
+
+def blocksparse_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mask: Any = None,
+    causal: bool = False,
+    sliding_window: int | tuple[int | None, int | None] | None = None,
+    chunk_size: int | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    block_sizes: BlockSizes | dict | None = None,
+    interpret: Any = None,
+    return_lse: bool = False,
+):
+    """Block-sparse attention (Pallas TPU kernels; Pallas interpret mode elsewhere).
+
+    Args:
+      q: ``[batch, q_len, heads, head_dim]``.
+      k: ``[batch, kv_len, kv_heads, head_dim]``; ``heads % kv_heads == 0`` (MHA,
+        GQA, MQA: query head ``h`` reads kv head ``h // (heads // kv_heads)``).
+      v: ``[batch, kv_len, kv_heads, v_head_dim]``.
+      mask: a 2-D ``Mask`` shared by all heads, a ``MultiHeadMask`` (1 or ``heads``
+        masks), a numpy bool array ``[q_len, kv_len]`` / ``[heads, q_len, kv_len]``,
+        or a bool ``jax.Array`` of those shapes (dynamic mask: traced, every block
+        kept).  Static masks are analysed once per block shape and cached.
+      causal, sliding_window, chunk_size: build the mask when ``mask`` is None.
+        Aligned bottom-right when ``q_len != kv_len`` (the last query sees the last
+        key), like ``flash_attention``.  ``sliding_window`` is ``w`` (left ``w`` and,
+        unless causal, right ``w``) or ``(left, right)``.  ``chunk_size`` means causal
+        attention inside chunks (Llama-4); combined with a window by intersection.
+      q_segment_ids, kv_segment_ids: ``[batch, seq]`` ints; a query attends only to
+        keys with an **equal** id (the splash convention: every id, 0 and negatives
+        included, is an ordinary segment; there are no padding ids).  If only one is
+        given and ``q_len == kv_len`` it is used for both.
+      softmax_scale: default ``head_dim ** -0.5``.
+      logits_soft_cap: ``cap * tanh(logits / cap)`` applied to the scaled logits.
+      block_sizes: ``BlockSizes`` (or a dict of its fields) per pass.
+      interpret: Pallas interpret mode; default: on unless the backend is TPU.
+      return_lse: also return the float32 log-sum-exp ``[batch, heads, q_len]``.
+
+    Returns:
+      ``out [batch, q_len, heads, v_head_dim]`` in ``q.dtype`` (and ``lse``).  Rows
+      with no allowed key give 0 output, lse ``-inf`` and zero gradients.
+    """
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"q, k, v must be 4-D [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, {v.shape}"
+        )
+    B, Sq, H, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(
+            f"k shape {k.shape} does not match q shape {q.shape} (batch and head_dim must agree)"
+        )
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v shape {v.shape} must match k shape {k.shape} except in head_dim")
+    Skv, Hkv = k.shape[1], k.shape[2]
+    if H % Hkv:
+        raise ValueError(f"q heads ({H}) must be a multiple of kv heads ({Hkv})")
+    if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
+
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    if isinstance(block_sizes, dict):
+        block_sizes = BlockSizes(**block_sizes)
+    bs = (block_sizes or BlockSizes()).resolve(Sq, Skv, tpu=interpret is False)
+
+    mask_kind, mask = _resolve_mask(mask, causal, sliding_window, chunk_size, H, Sq, Skv)
+    fwd_info, fwd_fn = _pass_info(mask_kind, mask, (bs.block_q, bs.block_kv), False)
+    dq_info, dq_fn = _pass_info(mask_kind, mask, (bs.block_q_dq, bs.block_kv_dq), False)
+    dkv_info, dkv_fn = _pass_info(mask_kind, mask, (bs.block_q_dkv, bs.block_kv_dkv), True)
+    q_seg, kv_seg = _segment_ids(q_segment_ids, kv_segment_ids, B, Sq, Skv)
+
+    cfg = kernel_lib.Config(
+        fwd=kernel_lib.PassConfig(bs.block_q, bs.block_kv, fwd_fn),
+        dq=kernel_lib.PassConfig(bs.block_q_dq, bs.block_kv_dq, dq_fn),
+        dkv=kernel_lib.PassConfig(bs.block_q_dkv, bs.block_kv_dkv, dkv_fn),
+        scale=float(D**-0.5 if softmax_scale is None else softmax_scale),
+        soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        interpret=interpret,
+    )
+    to_heads = lambda x: jnp.swapaxes(x, 1, 2)  # [B, S, H, D] <-> [B, H, S, D]
+    out, lse = kernel_lib.attention(
+        cfg, to_heads(q), to_heads(k), to_heads(v), q_seg, kv_seg, fwd_info, dq_info, dkv_info
+    )
+    out = to_heads(out)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,463 @@
+"""Pallas blocksparse attention vs a dense float64 reference (interpret mode off TPU),
+plus lowering of every kernel for TPU on this machine."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejkernel_jax.pallas.tpu.blocksparse_attention import (
+    BlockSizes,
+    CausalMask,
+    LocalMask,
+    MultiHeadMask,
+    NumpyMask,
+    blocksparse_attention,
+    make_causal_mask,
+    make_random_mask,
+)
+
+# Relative Frobenius error bounds (float32 / bfloat16 inputs).
+TOL = {"float32": {"out": 5e-6, "grad": 2e-5}, "bfloat16": {"out": 8e-3, "grad": 1.2e-2}}
+
+
+# --------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------
+def reference(q, k, v, allowed, do, dlse, *, scale, cap=None):
+    """Dense float64 attention.  ``allowed``: bool [B|1, H|1, Sq, Skv].
+
+    Returns out, lse, dq, dk, dv; fully masked rows give 0 / -inf / zero gradients."""
+    q, k, v, do, dlse = (np.asarray(x, np.float64) for x in (q, k, v, do, dlse))
+    B, Sq, H, D = q.shape
+    g = H // k.shape[2]
+    kk, vv = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    allowed = np.broadcast_to(allowed, (B, H, Sq, k.shape[1]))
+    s = np.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    z = cap * np.tanh(s / cap) if cap else s
+    zmax = np.where(allowed, z, -np.inf).max(-1, keepdims=True)
+    e = np.where(allowed, np.exp(z - np.where(np.isfinite(zmax), zmax, 0.0)), 0.0)
+    l = e.sum(-1, keepdims=True)
+    p = e / np.where(l == 0, 1.0, l)
+    out = np.einsum("bhqk,bkhd->bqhd", p, vv)
+    with np.errstate(divide="ignore"):
+        lse = np.where(l[..., 0] == 0, -np.inf, np.log(l[..., 0]) + zmax[..., 0])
+    dp = np.einsum("bqhd,bkhd->bhqk", do, vv)
+    di = np.einsum("bqhd,bqhd->bhq", do, out)
+    ds = p * (dp - di[..., None] + dlse[..., None])
+    if cap:
+        ds = ds * (1.0 - np.tanh(s / cap) ** 2)
+    dq = scale * np.einsum("bhqk,bkhd->bqhd", ds, kk)
+    group_sum = lambda x: x.reshape(*x.shape[:2], -1, g, x.shape[-1]).sum(3)
+    dk = group_sum(scale * np.einsum("bhqk,bqhd->bkhd", ds, q))
+    dv = group_sum(np.einsum("bhqk,bqhd->bkhd", p, do))
+    return out, lse, dq, dk, dv
+
+
+def rel_err(x, ref):
+    x = np.asarray(x, np.float64)
+    assert np.isfinite(x).all(), "non-finite values"  # NaN never passes
+    return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def make_inputs(rng, B, Sq, Skv, H, Hkv, D, Dv=None, dtype="float32"):
+    Dv = Dv or D
+    cast = lambda a: jnp.asarray(a, jnp.float32).astype(dtype)
+    q = cast(rng.standard_normal((B, Sq, H, D)))
+    k = cast(rng.standard_normal((B, Skv, Hkv, D)))
+    v = cast(rng.standard_normal((B, Skv, Hkv, Dv)))
+    do = cast(rng.standard_normal((B, Sq, H, Dv)))
+    dlse = jnp.asarray(rng.standard_normal((B, H, Sq)), jnp.float32)
+    return q, k, v, do, dlse
+
+
+def check(q, k, v, do, dlse, allowed, *, cap=None, scale=None, use_dlse=True, **kwargs):
+    """Run forward + VJP and compare with the reference; returns the kernel results."""
+    scale_ = q.shape[-1] ** -0.5 if scale is None else scale
+
+    def f(q, k, v):
+        return blocksparse_attention(
+            q, k, v, logits_soft_cap=cap, softmax_scale=scale, return_lse=True, **kwargs
+        )
+
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    dlse = dlse if use_dlse else jnp.zeros_like(dlse)
+    dq, dk, dv = vjp((do, dlse))
+    ref = reference(q, k, v, allowed, do, dlse, scale=scale_, cap=cap)
+    tol = TOL[jnp.dtype(q.dtype).name]
+    assert out.shape == q.shape[:3] + v.shape[3:] and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == jnp.float32
+    assert rel_err(out, ref[0]) < tol["out"]
+    lse, ref_lse = np.asarray(lse), ref[1]
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=tol["out"] * 10, rtol=tol["out"])
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref[2:]):
+        assert got.shape == want.shape and got.dtype == q.dtype, name
+        assert rel_err(got, want) < tol["grad"], name
+    return out, lse, (dq, dk, dv)
+
+
+def bottom_right(Sq, Skv, fn):
+    """Dense convenience mask: query i sits at key position i + Skv - Sq."""
+    q = np.arange(Sq)[:, None] + Skv - Sq
+    kv = np.arange(Skv)[None, :]
+    return fn(q, kv)
+
+
+# --------------------------------------------------------------------------------------
+# Numerics (interpret mode)
+# --------------------------------------------------------------------------------------
+S = 64
+CASES = {
+    # name: (H, Hkv, kwargs, dense mask fn of (q position, kv), block sizes)
+    "causal-mha": (2, 2, dict(causal=True), lambda q, kv: q >= kv, BlockSizes(16, 32, 32, 16, 16, 16)),
+    "window-gqa": (
+        4,
+        2,
+        dict(sliding_window=(8, 4)),
+        lambda q, kv: (q - 8 <= kv) & (kv <= q + 4),
+        BlockSizes(16, 16),
+    ),
+    "causal-window-gqa": (
+        4,
+        2,
+        dict(causal=True, sliding_window=10),
+        lambda q, kv: (q - 10 <= kv) & (kv <= q),
+        BlockSizes(8, 16, 16, 8, 32, 8),
+    ),
+    "chunked-mqa": (
+        4,
+        1,
+        dict(chunk_size=24),
+        lambda q, kv: (q // 24 == kv // 24) & (q >= kv),
+        BlockSizes(16, 16),
+    ),
+    "full-mqa": (2, 1, dict(), lambda q, kv: np.ones(np.broadcast(q, kv).shape, bool), BlockSizes(32, 32)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_convenience_masks(name, rng):
+    H, Hkv, kwargs, fn, bs = CASES[name]
+    q, k, v, do, dlse = make_inputs(rng, 2, S, S, H, Hkv, 32)
+    check(q, k, v, do, dlse, bottom_right(S, S, fn), block_sizes=bs, **kwargs)
+
+
+def test_per_head_masks_mqa(rng):
+    """Different static masks per head: schedule rows per head, mask blocks loaded."""
+    H = 3
+    dense = [make_random_mask((S, S), 0.7, 1), make_causal_mask((S, S)), make_random_mask((S, S), 0.3, 2)]
+    for d in dense:
+        d[:, 0] = True
+    dense[0][:, 16:32] = False  # whole empty blocks
+    mask = MultiHeadMask([NumpyMask(d) for d in dense])
+    q, k, v, do, dlse = make_inputs(rng, 1, S, S, H, 1, 16)
+    check(q, k, v, do, dlse, np.stack(dense)[None], mask=mask, block_sizes=BlockSizes(16, 16, 8, 32, 32, 8))
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "numpy2d"])
+def test_array_masks(kind, rng):
+    dense = make_random_mask((S, S), 0.5, 4)
+    if kind == "dynamic":
+        dense = np.stack([dense, make_random_mask((S, S), 0.5, 5)])
+    dense[..., 40:, :] |= make_causal_mask((S, S))[40:]  # some full blocks
+    dense[..., :16, 32:] = False  # and empty ones
+    mask = jnp.asarray(dense) if kind == "dynamic" else dense
+    q, k, v, do, dlse = make_inputs(rng, 1, S, S, 2, 2, 32)
+    allowed = dense[None] if kind == "dynamic" else dense
+    check(q, k, v, do, dlse, allowed, mask=mask, block_sizes=BlockSizes(16, 16))
+    # A dynamic mask is traced (a jit argument); a 2-D one is shared by all heads.
+    if kind == "dynamic":
+        f = jax.jit(lambda m, q, k, v: blocksparse_attention(q, k, v, mask=m, block_sizes=BlockSizes(16, 16)))
+        shared = ~dense[0]
+        shared[:, 0] = True
+        out = f(jnp.asarray(shared), q, k, v)
+        ref = reference(q, k, v, shared, do, dlse, scale=32**-0.5)[0]
+        assert rel_err(out, ref) < TOL["float32"]["out"]
+
+
+@pytest.mark.parametrize("Sq,Skv", [(40, 72), (64, 40)])
+def test_cross_attention_odd_sizes(Sq, Skv, rng):
+    """q_len != kv_len, causal aligned bottom-right; with Sq > Skv the first rows see
+    no key at all (output 0, lse -inf, zero gradients).  Odd head dims."""
+    q, k, v, do, dlse = make_inputs(rng, 1, Sq, Skv, 2, 1, 24, Dv=40)
+    out, lse, (dq, _, _) = check(
+        q,
+        k,
+        v,
+        do,
+        dlse,
+        bottom_right(Sq, Skv, lambda q, kv: q >= kv),
+        causal=True,
+        block_sizes=BlockSizes(8, 8),
+    )
+    empty = max(Sq - Skv, 0)
+    assert not np.asarray(out[:, :empty]).any() and np.isneginf(lse[:, :, :empty]).all()
+    assert not np.asarray(dq[:, :empty]).any()
+
+
+def test_segment_ids(rng):
+    """Equal ids attend; rows whose id has no key are fully masked but stay finite."""
+    q, k, v, do, dlse = make_inputs(rng, 2, S, S, 4, 2, 32)
+    q_seg = np.sort(rng.integers(0, 4, (2, S)), axis=1)
+    kv_seg = np.sort(rng.integers(0, 3, (2, S)), axis=1)  # id 3 never appears in kv
+    q_seg[1, -5:] = -7  # negative ids are ordinary ids
+    kv_seg[1, -3:] = -7
+    allowed = make_causal_mask((S, S))[None, None] & (q_seg[:, None, :, None] == kv_seg[:, None, None, :])
+    out, lse, (dq, _, _) = check(
+        q,
+        k,
+        v,
+        do,
+        dlse,
+        allowed,
+        causal=True,
+        q_segment_ids=jnp.asarray(q_seg),
+        kv_segment_ids=jnp.asarray(kv_seg),
+        block_sizes=BlockSizes(16, 16, 32, 16, 16, 32),
+    )
+    empty = ~allowed.any(-1)[:, 0]  # [B, Sq]
+    assert empty.any()
+    assert not np.asarray(out)[empty].any() and not np.asarray(dq)[empty].any()
+
+
+def test_soft_cap_scale_and_lse_gradient(rng):
+    q, k, v, do, dlse = make_inputs(rng, 1, S, S, 2, 2, 32)
+    q = q * 4  # large logits, so the cap matters
+    mask = LocalMask((S, S), (20, 3))
+    allowed = mask[:, :]
+    check(q, k, v, do, dlse, allowed, mask=mask, cap=3.0, scale=0.3, block_sizes=BlockSizes(16, 32))
+
+
+def test_bfloat16_gqa(rng):
+    q, k, v, do, dlse = make_inputs(rng, 2, S, S, 4, 2, 64, dtype="bfloat16")
+    check(
+        q,
+        k,
+        v,
+        do,
+        dlse,
+        make_causal_mask((S, S)),
+        causal=True,
+        use_dlse=False,
+        block_sizes=BlockSizes(32, 32),
+    )
+
+
+def test_lane_tiling_with_128_blocks(rng):
+    """Blocks of 128 and head dims of 64 / 256: the TPU-shaped code paths."""
+    q, k, v, do, dlse = make_inputs(rng, 1, 256, 256, 2, 1, 64, Dv=256)
+    mask = CausalMask((256, 256)) & LocalMask((256, 256), (150, None))
+    check(q, k, v, do, dlse, mask[:, :], mask=mask, block_sizes=BlockSizes(128, 128))
+
+
+def test_empty_blocks_are_never_loaded(rng):
+    """NaNs in keys/values that only empty blocks would cover cannot leak: those blocks
+    are skipped, not masked after the fact."""
+    q, k, v, do, dlse = make_inputs(rng, 1, S, S, 2, 2, 16)
+    dense = make_causal_mask((S, S))
+    dense[:, 16:32] = False
+    dense[:, 0] = True
+    k = k.at[:, 16:32].set(jnp.nan)
+    v = v.at[:, 16:32].set(jnp.nan)
+    f = lambda q, k, v: blocksparse_attention(q, k, v, mask=NumpyMask(dense), block_sizes=BlockSizes(16, 16))
+    out, vjp = jax.vjp(f, q, k, v)
+    dq, dk, dv = vjp(do)
+    assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(dq)).all()
+    assert not np.asarray(dk[:, 16:32]).any() and not np.asarray(dv[:, 16:32]).any()
+
+
+@pytest.mark.slow
+def test_larger_shapes(rng):
+    """TPU-sized tiles over a longer sequence: per-head masks, GQA, segment ids."""
+    Sx, H, Hkv = 512, 4, 2
+    q, k, v, do, dlse = make_inputs(rng, 2, Sx, Sx, H, Hkv, 128)
+    heads = [
+        CausalMask((Sx, Sx)),
+        LocalMask((Sx, Sx), (200, 0)),
+        CausalMask((Sx, Sx)),
+        LocalMask((Sx, Sx), (64, 64)),
+    ]
+    seg = np.repeat(rng.integers(0, 3, (2, 4)), Sx // 4, axis=1)
+    allowed = np.stack([m[:, :] for m in heads])[None] & (seg[:, None, :, None] == seg[:, None, None, :])
+    check(
+        q,
+        k,
+        v,
+        do,
+        dlse,
+        allowed,
+        mask=MultiHeadMask(heads),
+        q_segment_ids=jnp.asarray(seg),
+        block_sizes=BlockSizes(128, 256, 256, 128, 128, 256),
+    )
+
+
+def test_jit_grad_and_default_interpret(rng):
+    q, k, v, do, _ = make_inputs(rng, 1, S, S, 2, 2, 32)
+    loss = lambda q, k, v: jnp.sum(
+        blocksparse_attention(q, k, v, causal=True) * do
+    )  # default blocks, interpret
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    ref = reference(q, k, v, make_causal_mask((S, S)), do, jnp.zeros((1, 2, S)), scale=32**-0.5)
+    for got, want in zip(g, ref[2:]):
+        assert rel_err(got, want) < TOL["float32"]["grad"]
+
+
+def test_matches_splash_attention(rng):
+    """Extra oracle: JAX's own splash attention kernel (interpret mode)."""
+    splash = pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention")
+    Sx, H, D = 256, 2, 64
+    q, k, v, do, _ = make_inputs(rng, 1, Sx, Sx, H, H, D)
+    block = splash.BlockSizes(128, 128, 128, 128, 128, 128, 128, 128)
+    kernel = splash.make_splash_mha(
+        splash.MultiHeadMask([splash.CausalMask((Sx, Sx))] * H),
+        block_sizes=block,
+        head_shards=1,
+        q_seq_shards=1,
+        interpret=True,
+    )
+    theirs = lambda q, k, v: kernel(
+        q[0].swapaxes(0, 1) * D**-0.5, k[0].swapaxes(0, 1), v[0].swapaxes(0, 1)
+    ).swapaxes(0, 1)[None]
+    ours = lambda q, k, v: blocksparse_attention(q, k, v, causal=True, block_sizes=BlockSizes(128, 128))
+    a, vjp_a = jax.vjp(ours, q, k, v)
+    b, vjp_b = jax.vjp(theirs, q, k, v)
+    assert rel_err(a, np.asarray(b, np.float64)) < 1e-5
+    for x, y in zip(vjp_a(do), vjp_b(do)):
+        assert rel_err(x, np.asarray(y, np.float64)) < 1e-4
+
+
+# --------------------------------------------------------------------------------------
+# TPU lowering on this (CPU) machine: Mosaic's block-shape rules are enforced
+# --------------------------------------------------------------------------------------
+def lower_for_tpu(B, Sq, Skv, H, Hkv, D=128, *, seg=False, **kwargs):
+    q = jax.ShapeDtypeStruct((B, Sq, H, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, Skv, Hkv, D), jnp.bfloat16)
+    ids = (
+        (jax.ShapeDtypeStruct((B, Sq), jnp.int32), jax.ShapeDtypeStruct((B, Skv), jnp.int32))
+        if seg
+        else (None, None)
+    )
+
+    def fwd(q, k, v, qs, ks):
+        return blocksparse_attention(q, k, v, q_segment_ids=qs, kv_segment_ids=ks, interpret=False, **kwargs)
+
+    def bwd(q, k, v, qs, ks):
+        return jax.grad(lambda *a: fwd(*a, qs, ks).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+
+    counts = []
+    for fn in (fwd, bwd):
+        text = jax.jit(fn).trace(q, kv, kv, *ids).lower(lowering_platforms=("tpu",)).as_text()
+        counts.append(text.count("tpu_custom_call"))
+    assert counts == [1, 3]  # forward; forward + dq + dkv
+
+
+TPU_CASES = {
+    "causal-gqa-2k": dict(B=1, Sq=2048, Skv=2048, H=8, Hkv=2, causal=True),
+    "causal-seg-softcap-4k": dict(
+        B=2,
+        Sq=4096,
+        Skv=4096,
+        H=4,
+        Hkv=4,
+        causal=True,
+        seg=True,
+        logits_soft_cap=30.0,
+        block_sizes=BlockSizes(512, 1024, 256, 512, 512, 256),
+    ),
+    "window-8k": dict(
+        B=1,
+        Sq=8192,
+        Skv=8192,
+        H=2,
+        Hkv=1,
+        sliding_window=1024,
+        causal=True,
+        block_sizes=BlockSizes(256, 512, 128, 256, 256, 128),
+    ),
+    "chunked-mqa-4k": dict(
+        B=1, Sq=4096, Skv=4096, H=4, Hkv=1, chunk_size=1024, block_sizes=BlockSizes(128, 128)
+    ),
+    "numpy-mask-cross-2k": dict(
+        B=1,
+        Sq=2048,
+        Skv=4096,
+        H=2,
+        Hkv=2,
+        D=64,
+        mask=NumpyMask(make_random_mask((2048, 4096), 0.9, 0) | make_causal_mask((2048, 4096), 2048)),
+    ),
+    "per-head-2k": dict(
+        B=1,
+        Sq=2048,
+        Skv=2048,
+        H=2,
+        Hkv=1,
+        mask=MultiHeadMask([CausalMask((2048, 2048)), LocalMask((2048, 2048), (256, 256))]),
+    ),
+    "dynamic-2k": dict(
+        B=1, Sq=2048, Skv=2048, H=2, Hkv=2, mask=jnp.asarray(make_causal_mask((2048, 2048)))[None]
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(TPU_CASES))
+def test_lowers_for_tpu(name):
+    lower_for_tpu(**TPU_CASES[name])
+
+
+def test_tpu_block_rules_are_checked():
+    with pytest.raises(ValueError, match="block_kv"):
+        lower_for_tpu(1, 2048, 2048, 2, 2, causal=True, block_sizes=BlockSizes(128, 64))
+    with pytest.raises(ValueError, match="block_q_dq"):
+        lower_for_tpu(1, 2048, 2048, 2, 2, causal=True, block_sizes=BlockSizes(128, 128, block_q_dq=64))
+
+
+# --------------------------------------------------------------------------------------
+# Argument checking
+# --------------------------------------------------------------------------------------
+def test_block_size_defaults():
+    bs = BlockSizes().resolve(1024, 96, tpu=False)
+    assert (bs.block_q, bs.block_kv, bs.block_q_dq, bs.block_kv_dkv) == (512, 32, 512, 32)
+    bs = BlockSizes(block_q=128, block_kv_dkv=16).resolve(256, 48, tpu=False)
+    assert (bs.block_q, bs.block_kv, bs.block_q_dkv, bs.block_kv_dkv) == (128, 16, 128, 16)
+    assert BlockSizes().resolve(100, 100, tpu=True).block_kv == 100  # whole sequence
+
+
+def test_invalid_arguments(rng):
+    q, k, v, _, _ = make_inputs(rng, 1, 32, 32, 4, 2, 16)
+    call = lambda **kw: blocksparse_attention(**{"q": q, "k": k, "v": v, **kw})
+    with pytest.raises(ValueError, match="4-D"):
+        call(q=q[0])
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        call(k=k[:, :, :1].repeat(3, 2), v=v[:, :, :1].repeat(3, 2))
+    with pytest.raises(ValueError, match="head_dim"):
+        call(k=k[..., :8])
+    with pytest.raises(ValueError, match="dtype"):
+        call(v=v.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="block_sizes.block_q="):
+        call(block_sizes=BlockSizes(block_q=12))
+    with pytest.raises(ValueError, match="block_sizes.block_kv_dkv"):
+        call(block_sizes={"block_kv_dkv": 24})
+    with pytest.raises(ValueError, match="mask shape"):
+        call(mask=CausalMask((32, 16)))
+    with pytest.raises(ValueError, match="mask shape"):
+        call(mask=MultiHeadMask([CausalMask((32, 32))] * 3))
+    with pytest.raises(ValueError, match="either mask"):
+        call(mask=CausalMask((32, 32)), causal=True)
+    with pytest.raises(ValueError, match="mask"):
+        call(mask=[[True]])
+    with pytest.raises(ValueError, match="boolean"):
+        call(mask=jnp.ones((32, 32), jnp.int32))
+    with pytest.raises(ValueError, match="q_segment_ids"):
+        call(q_segment_ids=jnp.zeros((1, 31), jnp.int32))
+    with pytest.raises(ValueError, match="kv_segment_ids"):
+        call(q_segment_ids=jnp.zeros((1, 32), jnp.int32), kv_segment_ids=jnp.zeros((1, 32), jnp.float32))
+    with pytest.raises(ValueError, match="sliding_window"):
+        call(sliding_window=-1)
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        call(logits_soft_cap=0.0)
