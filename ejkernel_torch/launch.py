@@ -61,6 +61,16 @@ def _allocate(out: Output, device: torch.device) -> torch.Tensor:
     return t
 
 
+def _launch_compiled(plan: LaunchPlan, inputs, outputs) -> None:
+    plan.kernel[plan.grid](
+        *plan.runtime_args(inputs, outputs),
+        **plan.constexpr_dict,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+        enable_fp_fusion=plan.enable_fp_fusion,
+    )
+
+
 def launch(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Run ``plan`` on ``inputs`` (contiguous, one device) and return its outputs."""
     device = inputs[0].device
@@ -78,14 +88,11 @@ def launch(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if device.type == "cpu":
         run_interpreted(plan, inputs, outputs)
     elif device.type == "cuda":
-        with torch.cuda.device(device):
-            plan.kernel[plan.grid](
-                *plan.runtime_args(inputs, outputs),
-                **plan.constexpr_dict,
-                num_warps=plan.num_warps,
-                num_stages=plan.num_stages,
-                enable_fp_fusion=plan.enable_fp_fusion,
-            )
+        if device.index == torch.cuda.current_device():  # skip the device guard when it is a no-op
+            _launch_compiled(plan, inputs, outputs)
+        else:
+            with torch.cuda.device(device):
+                _launch_compiled(plan, inputs, outputs)
     else:
         raise ValueError(f"{plan.name}: no Triton launcher for device {device}")
     return tuple(outputs)

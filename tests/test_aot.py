@@ -4,7 +4,8 @@ import pytest
 
 from triton_kernels import HOPPER
 from triton_kernels.aot import compile_key, compile_plan
-from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan, scores_v_fwd_plan
+from triton_kernels.padded_attention import (attention_bwd_plans, attention_fwd_plan, scores_v_bwd_plans,
+                                              scores_v_fwd_plan)
 from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -20,6 +21,7 @@ def _plans():
             yield attention_fwd_plan((2, 1000, head_dim), dtype, 0.125, HOPPER)
             yield from attention_bwd_plans((2, 1000, head_dim), dtype, 0.125, HOPPER)
             yield scores_v_fwd_plan((2, 1000, head_dim), dtype, HOPPER)
+            yield from scores_v_bwd_plans((2, 1000, head_dim), dtype, HOPPER)
 
 
 def _unique_plans():

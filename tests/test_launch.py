@@ -47,6 +47,8 @@ def test_plan_scalars_are_int32_and_fp32_exact():
 
 
 def test_unwritten_outputs_are_poisoned(fw):
+    if fw.name == "jax" and fw.device == "cuda":
+        pytest.skip("jax-triton allocates outputs itself: no poisoning on the jax GPU path")
     y = fw.to_numpy(_launch(fw, kt.half_plan(10), np.arange(10, dtype=np.float32))[0])
     np.testing.assert_array_equal(y[:5], np.arange(5))
     assert np.isnan(y[5:]).all()

@@ -112,7 +112,7 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, n_pad_ptr, seq_len, head_dim, qk_s
 
 
 @triton.jit(do_not_specialize_on_alignment=["seq_len", "head_dim"])
-def scores_v_fwd_kernel(s_ptr, v_ptr, n_pad_ptr, seq_len, head_dim, o_ptr,
+def scores_v_fwd_kernel(s_ptr, v_ptr, n_pad_ptr, seq_len, head_dim, o_ptr, lse_ptr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
@@ -140,7 +140,7 @@ def scores_v_fwd_kernel(s_ptr, v_ptr, n_pad_ptr, seq_len, head_dim, o_ptr,
                                                keep, v, DOT_PRECISION)
 
     o_ptrs = o_ptr + base + offs_m[:, None] * head_dim + offs_d[None, :]
-    _finish_rows(acc, m_i, l_i, o_ptrs, o_ptr, row_mask, d_mask, False)
+    _finish_rows(acc, m_i, l_i, o_ptrs, lse_ptr + b * seq_len + offs_m, row_mask, d_mask, True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,6 +246,72 @@ def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, n_p
     tl.store(dq_ptr + q_offs, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=q_mask)
 
 
+@triton.jit
+def _probs_from_scores(s_ptr, s_base, offs_m, offs_n, lse2, keep, seq_len):
+    s = tl.load(s_ptr + s_base + offs_m[:, None] * seq_len + offs_n[None, :], mask=keep, other=0.0)
+    lse_ref = tl.where(lse2 == -float("inf"), float("inf"), lse2)
+    return tl.where(keep, tl.exp2(s.to(tl.float32) * 1.4426950408889634 - lse_ref[:, None]), 0.0)
+
+
+@triton.jit(do_not_specialize_on_alignment=["seq_len", "head_dim"])
+def scores_v_bwd_ds_kernel(s_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, n_pad_ptr, seq_len, head_dim,
+                           ds_ptr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr):
+    # dscores = P * (dO v^T - delta); every tile is written (zeros outside the window).
+    start_m = tl.program_id(0) * BLOCK_M
+    b = tl.program_id(1).to(tl.int64)
+    pad = tl.minimum(tl.maximum(tl.load(n_pad_ptr + b), 0), seq_len)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_mask = offs_m < seq_len
+    d_mask = offs_d < head_dim
+    base = b * seq_len * head_dim
+    s_base = b * seq_len * seq_len
+    do = tl.load(do_ptr + base + offs_m[:, None] * head_dim + offs_d[None, :],
+                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    lse2 = tl.load(lse_ptr + b * seq_len + offs_m, mask=row_mask, other=0.0)
+    delta = tl.load(delta_ptr + b * seq_len + offs_m, mask=row_mask, other=0.0)
+    for start_n in range(0, seq_len, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
+        p = _probs_from_scores(s_ptr, s_base, offs_m, offs_n, lse2, keep, seq_len)
+        v = tl.load(v_ptr + base + offs_n[:, None] * head_dim + offs_d[None, :],
+                    mask=(offs_n < seq_len)[:, None] & d_mask[None, :], other=0.0)
+        dp = _dot(do, tl.trans(v), DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        tl.store(ds_ptr + s_base + offs_m[:, None] * seq_len + offs_n[None, :], ds.to(ds_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & (offs_n < seq_len)[None, :])
+
+
+@triton.jit(do_not_specialize_on_alignment=["seq_len", "head_dim"])
+def scores_v_bwd_dv_kernel(s_ptr, do_ptr, lse_ptr, n_pad_ptr, seq_len, head_dim, dv_ptr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr):
+    # dv = P^T dO, one key block per program.
+    start_n = tl.program_id(0) * BLOCK_N
+    b = tl.program_id(1).to(tl.int64)
+    pad = tl.minimum(tl.maximum(tl.load(n_pad_ptr + b), 0), seq_len)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    base = b * seq_len * head_dim
+    s_base = b * seq_len * seq_len
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    lo = (tl.maximum(start_n, pad) // BLOCK_M) * BLOCK_M
+    for start_m in range(lo, seq_len, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_mask = offs_m < seq_len
+        do = tl.load(do_ptr + base + offs_m[:, None] * head_dim + offs_d[None, :],
+                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        lse2 = tl.load(lse_ptr + b * seq_len + offs_m, mask=row_mask, other=0.0)
+        keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
+        p = _probs_from_scores(s_ptr, s_base, offs_m, offs_n, lse2, keep, seq_len)
+        dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_PRECISION)
+    tl.store(dv_ptr + base + offs_n[:, None] * head_dim + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty),
+             mask=(offs_n < seq_len)[:, None] & d_mask[None, :])
+
+
 # --------------------------------------------------------------------------------------------
 # plans
 
@@ -323,9 +389,23 @@ def scores_v_fwd_plan(v_shape: tuple, dtype: str, facts: DeviceFacts) -> LaunchP
         grid=(cdiv(seq_len, bm), batch),
         inputs=("s_ptr", "v_ptr", "n_pad_ptr"), input_dtypes=(dtype, dtype, "int32"),
         scalars=(("seq_len", seq_len), ("head_dim", head_dim)),
-        outputs=(Output("o_ptr", tuple(v_shape), dtype),),
+        outputs=(Output("o_ptr", tuple(v_shape), dtype), Output("lse_ptr", tuple(v_shape[:2]), "float32")),
         constexprs=(("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_D", bd), ("DOT_PRECISION", _dot_precision(dtype, facts))),
         num_warps=warps, num_stages=stages, enable_fp_fusion=True,
+    )
+
+
+def _delta_plan(batch, seq_len, head_dim, block_d, dtype, facts) -> LaunchPlan:
+    n_rows = batch * seq_len
+    rows = 16 if not facts.is_cpu else 64
+    return LaunchPlan(
+        kernel=attention_bwd_delta_kernel,
+        grid=(cdiv(n_rows, rows),),
+        inputs=("o_ptr", "do_ptr"), input_dtypes=(dtype, dtype),
+        scalars=(("n_rows", n_rows), ("head_dim", head_dim)),
+        outputs=(Output("delta_ptr", (batch, seq_len), "float32"),),
+        constexprs=(("BLOCK_M", rows), ("BLOCK_D", block_d)),
+        num_warps=4, num_stages=1, enable_fp_fusion=True,
     )
 
 
@@ -335,17 +415,7 @@ def attention_bwd_plans(q_shape: tuple, dtype: str, softmax_scale: float,
     """(delta, dk/dv, dq) plans. Inputs: delta(o, do); dkdv and dq(q, k, v, do, lse, delta, n_pad)."""
     batch, seq_len, head_dim = _common(q_shape, dtype)
     bm, bn, bd, warps, stages = _bwd_tiles(head_dim, dtype, facts)
-    n_rows = batch * seq_len
-    delta_rows = 16 if not facts.is_cpu else 64
-    delta = LaunchPlan(
-        kernel=attention_bwd_delta_kernel,
-        grid=(cdiv(n_rows, delta_rows),),
-        inputs=("o_ptr", "do_ptr"), input_dtypes=(dtype, dtype),
-        scalars=(("n_rows", n_rows), ("head_dim", head_dim)),
-        outputs=(Output("delta_ptr", (batch, seq_len), "float32"),),
-        constexprs=(("BLOCK_M", delta_rows), ("BLOCK_D", bd)),
-        num_warps=4, num_stages=1, enable_fp_fusion=True,
-    )
+    delta = _delta_plan(batch, seq_len, head_dim, bd, dtype, facts)
     inputs = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "lse_ptr", "delta_ptr", "n_pad_ptr")
     in_dtypes = (dtype,) * 4 + ("float32", "float32", "int32")
     scalars = (("seq_len", seq_len), ("head_dim", head_dim),
@@ -364,6 +434,31 @@ def attention_bwd_plans(q_shape: tuple, dtype: str, softmax_scale: float,
         constexprs=consts, num_warps=warps, num_stages=stages, enable_fp_fusion=True,
     )
     return delta, dkdv, dq
+
+
+@functools.lru_cache(maxsize=512)
+def scores_v_bwd_plans(v_shape: tuple, dtype: str, facts: DeviceFacts) -> tuple[LaunchPlan, LaunchPlan, LaunchPlan]:
+    """(delta, dscores, dv) plans for padded_softmax_v. Inputs: delta(o, do);
+    dscores(scores, v, do, lse, delta, n_pad); dv(scores, do, lse, n_pad)."""
+    batch, seq_len, head_dim = _common(v_shape, dtype)
+    bm, bn, bd, warps, stages = _bwd_tiles(head_dim, dtype, facts)
+    delta = _delta_plan(batch, seq_len, head_dim, bd, dtype, facts)
+    scalars = (("seq_len", seq_len), ("head_dim", head_dim))
+    consts = (("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_D", bd), ("DOT_PRECISION", _dot_precision(dtype, facts)))
+    dscores = LaunchPlan(
+        kernel=scores_v_bwd_ds_kernel, grid=(cdiv(seq_len, bm), batch),
+        inputs=("s_ptr", "v_ptr", "do_ptr", "lse_ptr", "delta_ptr", "n_pad_ptr"),
+        input_dtypes=(dtype, dtype, dtype, "float32", "float32", "int32"), scalars=scalars,
+        outputs=(Output("ds_ptr", (batch, seq_len, seq_len), dtype),),
+        constexprs=consts, num_warps=warps, num_stages=stages, enable_fp_fusion=True,
+    )
+    dv = LaunchPlan(
+        kernel=scores_v_bwd_dv_kernel, grid=(cdiv(seq_len, bn), batch),
+        inputs=("s_ptr", "do_ptr", "lse_ptr", "n_pad_ptr"), input_dtypes=(dtype, dtype, "float32", "int32"),
+        scalars=scalars, outputs=(Output("dv_ptr", tuple(v_shape), dtype),),
+        constexprs=consts, num_warps=warps, num_stages=stages, enable_fp_fusion=True,
+    )
+    return delta, dscores, dv
 
 
 def default_scale(head_dim: int) -> float:

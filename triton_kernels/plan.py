@@ -16,6 +16,7 @@ must therefore list its runtime scalars in ``do_not_specialize_on_alignment``; t
 """
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass, field
@@ -112,22 +113,32 @@ class LaunchPlan:
     def is_empty(self) -> bool:
         return any(g == 0 for g in self.grid)
 
-    @property
+    @functools.cached_property
     def constexpr_dict(self) -> dict[str, Any]:
         return dict(self.constexprs)
 
-    @property
+    @functools.cached_property
     def scalar_dict(self) -> dict[str, int | float]:
         return dict(self.scalars)
+
+    @functools.cached_property
+    def _arg_layout(self) -> tuple[list, list[int], list[int]]:
+        """(template with scalars filled in, input positions, output positions), kernel order."""
+        names = [n for n in self.kernel.arg_names if n not in self.constexpr_dict]
+        template = [self.scalar_dict.get(n) for n in names]
+        return template, [names.index(n) for n in self.inputs], [names.index(o.name) for o in self.outputs]
 
     def runtime_args(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Any]:
         """Input arrays, scalars and outputs in kernel parameter order (constexprs excluded)."""
         if len(inputs) != len(self.inputs):
             raise ValueError(f"{self.name}: expected {len(self.inputs)} inputs, got {len(inputs)}")
-        by_name = dict(zip(self.inputs, inputs))
-        by_name.update(self.scalars)
-        by_name.update((o.name, a) for o, a in zip(self.outputs, outputs))
-        return [by_name[n] for n in self.kernel.arg_names if n in by_name]
+        template, input_pos, output_pos = self._arg_layout
+        args = list(template)
+        for pos, x in zip(input_pos, inputs):
+            args[pos] = x
+        for pos, x in zip(output_pos, outputs):
+            args[pos] = x
+        return args
 
     def signature(self) -> dict[str, str]:
         """Triton signature as jax-triton builds it (used for ahead-of-time compiles)."""

@@ -37,7 +37,8 @@ def _softmax_fwd_rows(x_ptr, y_ptr, rows, row_ok, lo, hi, n_cols,
         m = tl.where(m == -float("inf"), 0.0, m)  # empty row: exp(-inf - 0) = 0, no NaN
         e = tl.exp(x - m[:, None])
         s = tl.sum(e, axis=1)
-        y = e / tl.where(s > 0, s, 1.0)[:, None]
+        inv = 1.0 / tl.where(s > 0, s, 1.0)  # one division per row, not per element
+        y = e * inv[:, None]
         tl.store(y_ptr + base + c, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (c < n_cols))
     else:
         # Pass 1: per-lane running max and sum (no reductions inside the loop).
@@ -54,13 +55,13 @@ def _softmax_fwd_rows(x_ptr, y_ptr, rows, row_ok, lo, hi, n_cols,
         m = tl.max(m_lane, axis=1)
         m = tl.where(m == -float("inf"), 0.0, m)
         s = tl.sum(l_lane * tl.exp(m_lane - m[:, None]), axis=1)
-        s = tl.where(s > 0, s, 1.0)
+        inv = 1.0 / tl.where(s > 0, s, 1.0)
         # Pass 2: normalize and write every column (zeros outside the window).
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols[None, :]
             keep = row_ok[:, None] & (c >= lo) & (c < hi)
             x = tl.load(x_ptr + base + c, mask=keep, other=-float("inf")).to(tl.float32)
-            y = tl.exp(x - m[:, None]) / s[:, None]
+            y = tl.exp(x - m[:, None]) * inv[:, None]
             tl.store(y_ptr + base + c, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (c < n_cols))
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
+import jax.numpy as jnp  # noqa: F401
 
 from ejkernel_jax.launch import device_facts, launch
 from ejkernel_jax.ops._common import array_arg, n_pad_arg, name_of
 from triton_kernels import checks
-from triton_kernels.padded_attention import scores_v_fwd_plan
+from triton_kernels.padded_attention import scores_v_bwd_plans, scores_v_fwd_plan
 from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
 
 
@@ -59,24 +59,27 @@ def _padded_softmax_bwd(y, dy):
 _padded_softmax.defvjp(_padded_softmax_fwd, _padded_softmax_bwd)
 
 
+def _scores_v_forward(scores, v, n_pad):
+    return launch(scores_v_fwd_plan(tuple(v.shape), name_of(v), device_facts()), scores, v, n_pad)
+
+
 @jax.custom_vjp
 def _padded_softmax_v(scores, v, n_pad):
-    return launch(scores_v_fwd_plan(tuple(v.shape), name_of(v), device_facts()), scores, v, n_pad)[0]
+    return _scores_v_forward(scores, v, n_pad)[0]
 
 
 def _padded_softmax_v_fwd(scores, v, n_pad):
-    return _padded_softmax_v(scores, v, n_pad), (scores, v, n_pad)
+    out, lse2 = _scores_v_forward(scores, v, n_pad)
+    return out, (scores, v, n_pad, out, lse2)
 
 
 def _padded_softmax_v_bwd(residuals, dout):
-    # Recompute the probabilities with the kernel; dv = P^T dout, dscores = softmax_bwd(P, dout v^T).
-    scores, v, n_pad = residuals
-    p = _padded_probs(scores, n_pad)
-    f32 = jnp.float32
-    dv = jnp.einsum("bij,bid->bjd", p.astype(f32), dout.astype(f32)).astype(v.dtype)
-    dp = jnp.einsum("bid,bjd->bij", dout.astype(f32), v.astype(f32))
-    seq_len = scores.shape[-1]
-    dscores = _rows_backward(p.reshape(-1, seq_len), dp.reshape(-1, seq_len)).reshape(scores.shape)
+    scores, v, n_pad, out, lse2 = residuals
+    delta_plan, ds_plan, dv_plan = scores_v_bwd_plans(tuple(v.shape), name_of(v), device_facts())
+    dout = dout.astype(v.dtype)
+    (delta,) = launch(delta_plan, out, dout)
+    (dscores,) = launch(ds_plan, scores, v, dout, lse2, delta, n_pad)
+    (dv,) = launch(dv_plan, scores, dout, lse2, n_pad)
     return dscores, dv, None
 
 

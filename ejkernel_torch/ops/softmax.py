@@ -8,7 +8,7 @@ import torch
 from ejkernel_torch.launch import device_facts, dtype_name, launch
 from ejkernel_torch.ops._common import n_pad_arg, name_of, same_device, tensor_arg
 from triton_kernels import checks
-from triton_kernels.padded_attention import scores_v_fwd_plan
+from triton_kernels.padded_attention import scores_v_bwd_plans, scores_v_fwd_plan
 from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
 
 
@@ -52,21 +52,18 @@ class _PaddedSoftmaxV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, v, n_pad):
         plan = scores_v_fwd_plan(tuple(v.shape), dtype_name(v.dtype), device_facts(v.device))
-        out = launch(plan, scores, v, n_pad)[0]
-        ctx.save_for_backward(scores, v, n_pad)
+        out, lse2 = launch(plan, scores, v, n_pad)
+        ctx.save_for_backward(scores, v, n_pad, out, lse2)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        # Recompute the probabilities with the kernel; scores are seq x seq already, so the
-        # backward may be too. dv = P^T dout, dP = dout v^T, dscores = softmax_bwd(P, dP).
-        scores, v, n_pad = ctx.saved_tensors
-        p = _padded_probs(scores, n_pad)
-        dout = dout.to(v.dtype)
-        dv = torch.matmul(p.transpose(1, 2).float(), dout.float()).to(v.dtype)
-        dp = torch.matmul(dout.float(), v.transpose(1, 2).float())
-        seq_len = scores.shape[-1]
-        dscores = _softmax_rows_backward(p.view(-1, seq_len), dp.view(-1, seq_len)).view_as(scores)
+        scores, v, n_pad, out, lse2 = ctx.saved_tensors
+        delta_plan, ds_plan, dv_plan = scores_v_bwd_plans(tuple(v.shape), dtype_name(v.dtype), device_facts(v.device))
+        dout = dout.to(v.dtype).contiguous()
+        (delta,) = launch(delta_plan, out, dout)
+        (dscores,) = launch(ds_plan, scores, v, dout, lse2, delta, n_pad)
+        (dv,) = launch(dv_plan, scores, dout, lse2, n_pad)
         return dscores, dv, None
 
 
