@@ -1,0 +1,30 @@
+"""The examples run end to end (small configurations)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args, timeout=600):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_shcsa_example_agrees():
+    result = _run("examples/shcsa.py")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "torch twin  vs flax kernel" in result.stdout
+
+
+def test_parity_report_registry_and_output(tmp_path):
+    out = tmp_path / "report.json"
+    result = _run("examples/parity_report.py", "--only", "padded_softmax", "--repeats", "1", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-2000:] + result.stdout[-2000:]
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["op"] for r in rows} == {"padded_softmax", "padded_softmax d/d0"}
+    assert all(r["bitwise_equal"] or r["max_abs_diff"] <= 1e-6 for r in rows if r["dtype"] == "float32")
