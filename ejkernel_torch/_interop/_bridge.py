@@ -1,0 +1,535 @@
+"""``jax_to_torch``: a JAX function as a torch function with autograd, jit-cached.
+
+Per call (hot path): flatten ``(args, kwargs)`` with ``jax.tree_util`` (torch tensors are
+leaves), look the structure up in a small dict, import every tensor zero-copy, call a cached
+``jax.jit`` (jax's C++ dispatch keys on shapes/dtypes, so there is one trace per (structure,
+static args, shapes, dtypes)), export the outputs zero-copy.
+
+With grad: a ``torch.autograd.Function`` whose forward runs a jitted ``jax.vjp`` that returns
+the outputs *and* the VJP object (a pytree whose leaves are the residuals, still jax arrays
+on the device), and whose backward runs one shared jitted ``vjp(cotangents)``.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from . import _convert as cv
+from ._convert import ConversionError
+
+_tree_flatten = jax.tree_util.tree_flatten
+_tree_unflatten = jax.tree_util.tree_unflatten
+
+# Non-tensor leaves handed to jax as they are (traced like jax.jit would, never differentiated).
+_PASSTHROUGH = (bool, int, float, complex, np.ndarray, np.generic, jax.Array)
+
+# -- residual strategy ------------------------------------------------------------------------
+
+_residual_mode: bool | None = None
+
+
+def residuals_on_device() -> bool:
+    """Can a jitted function return jax.vjp's pullback (residuals as its pytree leaves)?
+
+    True on every jax this was written against; if a future jax makes the pullback opaque,
+    the bridge falls back to re-running the forward under ``jax.vjp`` in backward (inputs are
+    kept alive by torch's ``save_for_backward``).
+    """
+    global _residual_mode
+    if _residual_mode is None:
+        try:
+            fwd = jax.jit(lambda x: jax.vjp(jnp.sin, x))
+            _, pullback = fwd(jnp.float32(0.5))
+            (g,) = jax.jit(lambda p, c: p(c))(pullback, jnp.float32(2.0))
+            _residual_mode = bool(abs(float(g) - 2.0 * float(np.cos(np.float32(0.5)))) < 1e-6)
+        except Exception:
+            _residual_mode = False
+    return _residual_mode
+
+
+def set_residual_mode(value: bool | None) -> None:
+    """Force the residual strategy (True: residuals on device, False: recompute). For tests."""
+    global _residual_mode
+    _residual_mode = value
+
+
+def _conj_complex(xs):
+    return [jnp.conj(x) if jnp.iscomplexobj(x) else x for x in xs]
+
+
+# -- the wrapper ----------------------------------------------------------------------------
+
+
+class _Static:
+    """A pytree node without children: its payload travels in the treedef (static)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda aux, _: _Static(aux))
+
+
+def _rebuild_pullback(jleaves, kept, static: _Static):
+    res_tree, src = static.value
+    it = iter(kept)
+    return _tree_unflatten(res_tree, [jleaves[p] if p >= 0 else next(it) for p in src])
+
+
+class _Entry:
+    """Jitted callables for one (input structure, static args, x64) combination."""
+
+    __slots__ = ("plain", "vjp_fwd", "vjp_bwd")
+
+    def __init__(self):
+        self.plain = None
+        self.vjp_fwd: dict[tuple[int, ...], Callable] = {}
+        self.vjp_bwd: dict[tuple[int, ...], Callable] = {}
+
+
+class BridgedFunction:
+    """A torch-callable wrapping a JAX function; see :func:`jax_to_torch`."""
+
+    def __init__(self, fn: Callable, *, static_argnames: Iterable[str] = (), x64: bool | None = None):
+        if not callable(fn):
+            raise TypeError(f"jax_to_torch: fn must be callable, got {type(fn).__name__}")
+        if isinstance(static_argnames, str):
+            static_argnames = (static_argnames,)
+        self.fn = fn
+        self.static_argnames = tuple(static_argnames)
+        self.x64 = x64
+        functools.update_wrapper(self, fn, updated=())
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        self._param_names = [
+            p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        names = {p.name for p in params}
+        has_var_kw = any(p.kind == p.VAR_KEYWORD for p in params)
+        specs = []
+        for name in self.static_argnames:
+            if params and name not in names and not has_var_kw:
+                raise ValueError(f"jax_to_torch: static_argnames names {name!r}, which {fn!r} does not take")
+            pos = self._param_names.index(name) if name in self._param_names else None
+            specs.append((name, pos))
+        self._static_specs = tuple(specs)
+        self._cache: dict[Any, _Entry] = {}
+        self._lock = threading.Lock()
+        # Counters (trace-time side effects, so they count compilations, not calls).
+        self.calls = 0
+        self.traces = 0
+        self.backward_traces = 0
+        self._bwd = jax.jit(self._bwd_residual)
+
+    def __repr__(self) -> str:
+        return f"jax_to_torch({getattr(self.fn, '__qualname__', self.fn)!r})"
+
+    def __call__(self, *args, **kwargs):
+        return _bridge_call(self, args, kwargs)
+
+    def cache_info(self) -> dict[str, int]:
+        """Calls so far, forward traces (compilations) and backward traces."""
+        return {
+            "calls": self.calls,
+            "traces": self.traces,
+            "backward_traces": self.backward_traces,
+            "entries": len(self._cache),
+        }
+
+    def clear_cache(self) -> None:
+        with self._lock:
+            self._cache.clear()
+        self._bwd = jax.jit(self._bwd_residual)
+
+    # -- argument handling ------------------------------------------------------------------
+
+    def _split_static(self, args, kwargs):
+        statics = []
+        args_l = None
+        kwargs = dict(kwargs)
+        for name, pos in self._static_specs:
+            if pos is not None and pos < len(args):
+                if args_l is None:
+                    args_l = list(args)
+                statics.append((name, pos, args_l[pos]))
+                args_l[pos] = None  # an empty pytree node in the slot; refilled when tracing
+            elif name in kwargs:
+                statics.append((name, None, kwargs.pop(name)))
+        statics = tuple(statics)
+        for name, _, value in statics:
+            try:
+                hash(value)
+            except TypeError:
+                raise TypeError(
+                    f"{self!r}: static argument {name!r} must be hashable, got {type(value).__name__}"
+                ) from None
+        return (tuple(args_l) if args_l is not None else args), kwargs, statics
+
+    def _argname(self, args, kwargs, index: int) -> str:
+        """"argument 'x'[0]" for the index-th flattened leaf of (args, kwargs)."""
+        paths, _ = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        path = paths[index][0]
+        head, rest = path[1], path[2:]
+        if path[0].idx == 0:  # positional
+            i = head.idx
+            base = self._param_names[i] if i < len(self._param_names) else f"args[{i}]"
+        else:
+            base = head.key
+        return f"argument {base!r}{jax.tree_util.keystr(tuple(rest))}"
+
+    def _describe(self, args, kwargs, index: int) -> str:
+        return f"{self!r}: {self._argname(args, kwargs, index)}"
+
+    # -- traced functions -------------------------------------------------------------------
+
+    def _call_fn(self, treedef, statics, leaves):
+        args, kwargs = _tree_unflatten(treedef, leaves)
+        if statics:
+            args = list(args)
+            for name, pos, value in statics:
+                if pos is not None:
+                    args[pos] = value
+                else:
+                    kwargs[name] = value
+        return self.fn(*args, **kwargs)
+
+    def _make_plain(self, treedef, statics):
+        def plain(*leaves):
+            self.traces += 1
+            return self._call_fn(treedef, statics, leaves)
+
+        return jax.jit(plain)
+
+    def _vjp_parts(self, treedef, statics, diff_pos, leaves):
+        """(outputs pytree, pullback over the inexact output leaves) at ``leaves``."""
+
+        def g(*diff):
+            ls = list(leaves)
+            for p, d in zip(diff_pos, diff):
+                ls[p] = d
+            out = self._call_fn(treedef, statics, ls)
+            flat = jax.tree_util.tree_leaves(out)
+            inexact = [x for x in flat if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+            return inexact, out
+
+        _, pullback, out = jax.vjp(g, *[leaves[p] for p in diff_pos], has_aux=True)
+        return out, pullback
+
+    def _make_vjp_fwd(self, treedef, statics, diff_pos, tensor_pos):
+        """jit(leaves -> (outputs, residuals not forwarded, _Static(rebuild recipe))).
+
+        Residuals that *are* input tensors (jax often keeps primals, e.g. ``y`` for ``x * y``)
+        are not returned from the jit -- XLA would copy them -- but refilled outside from the
+        zero-copy input arrays; ``_Static`` rides in the output treedef, so the recipe comes
+        back with every call at no cost.
+        """
+
+        def fwd(*leaves):
+            self.traces += 1
+            out, pullback = self._vjp_parts(treedef, statics, diff_pos, leaves)
+            res, res_tree = _tree_flatten(pullback)
+            ids = {id(leaves[p]): p for p in tensor_pos}
+            src = tuple(ids.get(id(r), -1) for r in res)
+            kept = [r for r, p in zip(res, src) if p < 0]
+            return out, kept, _Static((res_tree, src))
+
+        return jax.jit(fwd)
+
+    def _make_vjp_bwd_recompute(self, treedef, statics, diff_pos):
+        def bwd(leaves, cts):
+            self.backward_traces += 1
+            _, pullback = self._vjp_parts(treedef, statics, diff_pos, leaves)
+            return _conj_complex(pullback(_conj_complex(cts)))
+
+        return jax.jit(bwd)
+
+    def _bwd_residual(self, pullback, cts):
+        # torch's complex convention is the conjugate of jax's: g_torch = conj(vjp(conj(ct))).
+        self.backward_traces += 1
+        return _conj_complex(pullback(_conj_complex(cts)))
+
+    def _entry(self, key) -> _Entry:
+        entry = self._cache.get(key)
+        if entry is None:
+            with self._lock:
+                entry = self._cache.setdefault(key, _Entry())
+        return entry
+
+
+def _export_outputs(bridged, out, input_ptrs):
+    flat, out_tree = _tree_flatten(out)
+    touts = []
+    for j, o in enumerate(flat):
+        try:
+            t = cv.array_to_torch(o, None)
+        except ConversionError as err:
+            err.reraise(f"{bridged!r}: output leaf {j}")
+        # jax.jit returns fresh buffers, but never hand torch two tensors over one buffer.
+        if input_ptrs and t.numel() and t.data_ptr() in input_ptrs:
+            t = t.clone()
+        touts.append(t)
+    return flat, out_tree, touts
+
+
+def _import_leaves(bridged, args, kwargs, leaves, tpos, tensors):
+    jleaves = list(leaves)
+    k = 0
+    try:
+        for k, i in enumerate(tpos):
+            jleaves[i] = cv.tensor_to_jax(tensors[k], None)
+    except ConversionError as err:
+        err.reraise(bridged._describe(args, kwargs, tpos[k]))
+    return jleaves
+
+
+class _Call:
+    """Per-call state shared by the autograd Function's forward and backward."""
+
+    __slots__ = ("bridged", "entry", "treedef", "statics", "args", "kwargs", "leaves", "tpos",
+                 "diff_k", "diff_pos", "use_x64", "out_tree", "ct_idx")
+
+
+class _BridgeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call: _Call, *tensors):
+        b = call.bridged
+        jleaves = _import_leaves(b, call.args, call.kwargs, call.leaves, call.tpos, tensors)
+        if residuals_on_device():
+            fwd = call.entry.vjp_fwd.get(call.diff_pos)
+            if fwd is None:
+                fwd = call.entry.vjp_fwd.setdefault(
+                    call.diff_pos,
+                    b._make_vjp_fwd(call.treedef, call.statics, call.diff_pos, call.tpos),
+                )
+            out, kept, recipe = _run(call.use_x64, fwd, jleaves)
+            pullback = _rebuild_pullback(jleaves, kept, recipe)
+        else:
+            if call.entry.plain is None:
+                call.entry.plain = b._make_plain(call.treedef, call.statics)
+            out, pullback = _run(call.use_x64, call.entry.plain, jleaves), None
+        flat, call.out_tree, touts = _export_outputs(b, out, {t.data_ptr() for t in tensors})
+        inexact = cv.INEXACT_JAX_DTYPES
+        call.ct_idx = ct_idx = [j for j, o in enumerate(flat) if o.dtype in inexact]
+        if len(ct_idx) != len(touts):
+            keep = set(ct_idx)
+            ctx.mark_non_differentiable(*[t for j, t in enumerate(touts) if j not in keep])
+        # Saving inputs and outputs arms torch's in-place-modification check: the residuals on
+        # the jax side may alias their memory (zero-copy), so a later in-place write must fail.
+        ctx.save_for_backward(*tensors, *touts)
+        ctx.call = call
+        ctx.pullback = pullback
+        return tuple(touts)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if not torch.is_grad_enabled():  # the usual case: the engine runs backward without grad
+            return (None, *_backward(ctx, grads))
+        # create_graph=True: compute without recording, then make any second use fail loudly.
+        with torch.no_grad():
+            result = _backward(ctx, grads)
+        saved = ctx.saved_tensors
+        return (None, *_poison_for_double_backward(result, [saved[k] for k in ctx.call.diff_k]))
+
+
+def _run(use_x64: bool, fn, leaves):
+    if use_x64:
+        with cv.x64_context():
+            return fn(*leaves)
+    return fn(*leaves)
+
+
+def _backward(ctx, grads):
+    call: _Call = ctx.call
+    b = call.bridged
+    saved = ctx.saved_tensors  # raises if an input/output was modified in place
+    n_in = len(call.tpos)
+    cts = []
+    for j in call.ct_idx:
+        g = grads[j]
+        if g is None:
+            g = torch.zeros_like(saved[n_in + j])
+        elif not g.is_contiguous():
+            g = g.contiguous()  # e.g. the expanded ones of sum().backward()
+        try:
+            cts.append(cv.tensor_to_jax(g, None))
+        except ConversionError as err:
+            err.reraise(f"{b!r}: gradient of output leaf {j}")
+    if ctx.pullback is not None:
+        grads_in = _run(call.use_x64, b._bwd, (ctx.pullback, cts))
+    else:
+        jleaves = _import_leaves(b, call.args, call.kwargs, call.leaves, call.tpos, saved[:n_in])
+        bwd = call.entry.vjp_bwd.get(call.diff_pos)
+        if bwd is None:
+            bwd = call.entry.vjp_bwd.setdefault(
+                call.diff_pos, b._make_vjp_bwd_recompute(call.treedef, call.statics, call.diff_pos)
+            )
+        grads_in = _run(call.use_x64, bwd, (jleaves, cts))
+    result: list[torch.Tensor | None] = [None] * n_in
+    for k, g in zip(call.diff_k, grads_in):
+        result[k] = cv.array_to_torch(g, None)
+    return result
+
+
+_DOUBLE_BACKWARD = (
+    "jax_to_torch: differentiating a gradient that went through a JAX function (double "
+    "backward / create_graph=True) is not supported"
+)
+
+
+def _poison_for_double_backward(result, anchors):
+    """Like torch's @once_differentiable, but the error node is also wired to the function's
+    inputs (``anchors``): once_differentiable returns graph-less gradients when the incoming
+    grads are constants (the usual create_graph=True case), and even its error node is
+    pruned by ``torch.autograd.grad(..., inputs=x)`` -- second-order terms would silently
+    vanish. Here any differentiation of these gradients back to the inputs raises."""
+    present = [i for i, g in enumerate(result) if g is not None]
+    anchors = [a for a in anchors if a.requires_grad]
+    if not present:
+        return result
+    err = torch._C._functions.DelayedError(_DOUBLE_BACKWARD, len(present) + len(anchors))
+    poisoned = err(*[result[i].detach().requires_grad_(True) for i in present], *anchors)
+    if isinstance(poisoned, torch.Tensor):
+        poisoned = (poisoned,)
+    poisoned = poisoned[: len(present)]
+    out = list(result)
+    for i, g in zip(present, poisoned):
+        out[i] = g
+    return out
+
+
+_GRAPH_BREAK_REASON = (
+    "ejkernel_torch.interop.jax_to_torch runs a JAX computation (DLPack exchange + jax.jit); "
+    "dynamo cannot trace it, so it graph-breaks here by design and runs it eagerly"
+)
+
+
+def _compiler_disable(fn, reason: str):
+    try:
+        return torch.compiler.disable(fn, reason=reason)
+    except TypeError:  # torch without the reason= keyword
+        return torch.compiler.disable(fn)
+
+
+def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
+    """The hot path. torch.compile graph-breaks here (documented; never traced by dynamo)."""
+    b.calls += 1
+    statics = ()
+    if b._static_specs:
+        args, kwargs, statics = b._split_static(args, kwargs)
+    leaves, treedef = _tree_flatten((args, kwargs))
+
+    tpos: list[int] = []
+    tensors: list[torch.Tensor] = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            tpos.append(i)
+            tensors.append(leaf)
+        elif not isinstance(leaf, _PASSTHROUGH) or isinstance(leaf, jax.core.Tracer):
+            raise TypeError(
+                f"{b._describe(args, kwargs, i)} is a {type(leaf).__name__}; pass tensors or numbers, "
+                "or list the argument in static_argnames"
+            )
+
+    need_grad = False
+    wide = False
+    if tensors:
+        device = tensors[0].device
+        grad_on = torch.is_grad_enabled()
+        for k, t in enumerate(tensors):
+            if t.device != device:
+                raise ValueError(
+                    f"{b._describe(args, kwargs, tpos[k])} is on {t.device} but "
+                    f"{b._argname(args, kwargs, tpos[0])} is on {device}; "
+                    "all tensors of one call must share a device"
+                )
+            if grad_on and t.requires_grad:
+                need_grad = True
+            if t.dtype in cv.WIDE_TORCH_DTYPES:
+                wide = True
+
+    if b.x64 is None:
+        use_x64 = wide and not cv.x64_enabled()
+    else:
+        use_x64 = b.x64 and not cv.x64_enabled()
+
+    # tpos is in the key: whether a leaf is a tensor or a number changes what is traced.
+    key = (treedef, statics, use_x64, tuple(tpos))
+    entry = b._cache.get(key)
+    if entry is None:
+        entry = b._entry(key)
+
+    if not need_grad:
+        jleaves = _import_leaves(b, args, kwargs, leaves, tpos, tensors)
+        fn = entry.plain
+        if fn is None:
+            fn = entry.plain = b._make_plain(treedef, statics)
+        out = _run(use_x64, fn, jleaves)
+        ptrs = {t.data_ptr() for t in tensors} if tensors else None
+        _, out_tree, touts = _export_outputs(b, out, ptrs)
+        return _tree_unflatten(out_tree, touts)
+
+    call = _Call()
+    call.bridged = b
+    call.entry = entry
+    call.treedef = treedef
+    call.statics = statics
+    call.args = args
+    call.kwargs = kwargs
+    call.leaves = leaves
+    call.tpos = tpos
+    call.use_x64 = use_x64
+    diff_k = [k for k, t in enumerate(tensors) if t.requires_grad and (t.is_floating_point() or t.is_complex())]
+    call.diff_k = diff_k
+    call.diff_pos = tuple(tpos[k] for k in diff_k)
+    touts = _BridgeFunction.apply(call, *tensors)
+    return _tree_unflatten(call.out_tree, list(touts))
+
+
+_bridge_call = _compiler_disable(_bridge_call, _GRAPH_BREAK_REASON)
+
+
+def jax_to_torch(
+    fn: Callable | None = None,
+    *,
+    static_argnames: Iterable[str] = (),
+    x64: bool | None = None,
+):
+    """Wrap a JAX function so torch code can call it, with autograd.
+
+    ``fn`` receives jax arrays wherever the caller passes torch tensors (any pytree of them:
+    tuples, lists, dicts, namedtuples, in positional or keyword arguments) and may return any
+    pytree of arrays; the caller gets the same pytree of torch tensors, on the inputs' device.
+
+    * **Zero-copy** both ways through DLPack (see :func:`to_jax`); tensors of one call must
+      share a device (cpu or cuda:i).
+    * **Compiled once** per (argument structure, static arguments, shapes, dtypes): the call
+      goes through a cached ``jax.jit``. ``static_argnames`` are passed to ``fn`` unchanged and
+      must be hashable; numbers and numpy/jax arrays are traced like ``jax.jit`` would; other
+      objects must be static. ``cache_info()`` reports calls and traces.
+    * **Autograd**: when grad is enabled and a floating/complex input requires grad, the forward
+      runs a jitted ``jax.vjp`` and keeps its residuals as jax arrays; ``backward`` runs a jitted
+      pullback (double backward is not supported). Integer/bool outputs are marked
+      non-differentiable. When nothing requires grad the VJP is skipped entirely. Complex
+      gradients follow torch's convention (the conjugate of jax's).
+    * **x64**: ``None`` (default) turns jax's 64-bit mode on for the call when an input tensor
+      is 64-bit (float64/int64/complex128/uint64), so dtypes are what torch passed; ``True``
+      always, ``False`` never (jax then canonicalizes 64-bit inputs to 32 bits).
+    * **torch.compile**: the wrapper is ``torch.compiler.disable``-d, so dynamo graph-breaks
+      around it and runs it eagerly (values and gradients are right; ``fullgraph=True`` raises).
+
+    Usable as a decorator, with or without arguments.
+    """
+    if fn is None:
+        return functools.partial(jax_to_torch, static_argnames=static_argnames, x64=x64)
+    return BridgedFunction(fn, static_argnames=static_argnames, x64=x64)

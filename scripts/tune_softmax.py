@@ -1,0 +1,53 @@
+"""Sweep softmax forward tilings on a GPU (num_warps x rows per program) to pick the plan's
+heuristic. Prints the best per (dtype, n_cols) as a fraction of copy bandwidth."""
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from benchmarks.common import bench_torch, copy_bandwidth_gbs
+from ejkernel_torch.launch import device_facts, launch
+from triton_kernels.softmax import softmax_fwd_plan
+
+
+def variants(plan):
+    consts = plan.constexpr_dict
+    for warps in (1, 2, 4, 8, 16, 32):
+        for rows in (1, 2, 4, 8, 16, 32):
+            if consts["BLOCK_N"] * rows > 65536 or consts["BLOCK_N"] * rows < 32 * warps:
+                continue
+            c = dict(consts, BLOCK_M=rows)
+            yield dataclasses.replace(plan, grid=(-(-plan.scalar_dict["n_rows"] // rows),), num_warps=warps,
+                                      constexprs=tuple(c.items())), (warps, rows)
+
+
+def main():
+    copy = copy_bandwidth_gbs()
+    results = []
+    for dtype in ("float32", "bfloat16"):
+        for n_cols in (128, 512, 1024, 2048, 4096, 8192, 16384, 32768):
+            x = torch.randn(4096, n_cols, device="cuda").to(getattr(torch, dtype))
+            base = softmax_fwd_plan(4096, n_cols, dtype, device_facts(x.device))
+            best = None
+            for plan, knobs in variants(base):
+                ms = bench_torch(lambda: launch(plan, x), rep_ms=60)
+                gbs = 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e9
+                if best is None or gbs > best[0]:
+                    best = (gbs, knobs)
+            cur_ms = bench_torch(lambda: launch(base, x), rep_ms=60)
+            cur = 2 * x.numel() * x.element_size() / (cur_ms * 1e-3) / 1e9
+            results.append(dict(dtype=dtype, n_cols=n_cols, best_gbs=best[0], best_warps_rows=best[1],
+                                current_gbs=cur, current=(base.num_warps, base.constexpr_dict["BLOCK_M"])))
+            print(f"{dtype:9s} {n_cols:6d} best {best[0]:6.0f} GB/s ({best[0] / copy:.0%}) warps,rows={best[1]}  "
+                  f"current {cur:6.0f} ({cur / copy:.0%}) {results[-1]['current']}", flush=True)
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, "tune_softmax.json"), "w") as f:
+        json.dump({"copy_gbs": copy, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,765 @@
+"""ejkernel_torch.interop: DLPack exchange (zero-copy proofs, dtypes, layouts, fp8, devices,
+streams) and jax_to_torch (autograd vs the same function in torch, trace counting, pytrees,
+torch.compile, bad input).
+
+Zero-copy is proved by pointer equality (torch ``data_ptr()`` vs jax
+``unsafe_buffer_pointer()``); bit-exactness by comparing raw bytes. GPU tests are marked
+``gpu`` (skipped without CUDA); on a CUDA machine the ``device`` parametrization also runs the
+CPU tests' CUDA twins.
+"""
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ejkernel_torch import interop
+from ejkernel_torch._interop import _bridge, _convert
+from ejkernel_torch.interop import jax_to_torch, to_jax, to_torch
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+# torch dtype name -> jax dtype name; every one must cross zero-copy, bit-exact.
+DTYPES = [
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+]
+FP8 = ["float8_e4m3fn", "float8_e5m2"]
+WIDE = {"int64", "uint64", "float64", "complex128"}
+
+
+def _random_tensor(name: str, shape=(3, 5), device="cpu", seed=0) -> torch.Tensor:
+    """Random *bit patterns* (NaNs, infs, denormals included) of the given dtype."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, name)
+    if dtype == torch.bool:
+        return (torch.randint(0, 2, shape, generator=g) == 1).to(device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    bits = torch.randint(0, 256, (*shape[:-1], shape[-1] * itemsize), dtype=torch.uint8, generator=g)
+    return bits.view(dtype).to(device)
+
+
+def _tbytes(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1)
+
+
+def _jbytes(a) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(a)).view(np.uint8).reshape(-1)
+
+
+def _ptr(a) -> int:
+    return a.unsafe_buffer_pointer()
+
+
+def _x64(enabled: bool):
+    return jax.enable_x64(True) if enabled else _Null()
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _jax_device(device: str):
+    return jax.devices("cpu")[0] if device == "cpu" else jax.devices("gpu")[0]
+
+
+# =====================================================================================
+# to_jax / to_torch
+# =====================================================================================
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", DTYPES)
+def test_to_jax_is_zero_copy_and_bit_exact(name, device):
+    t = _random_tensor(name, device=device)
+    a = to_jax(t)
+    assert a.dtype == jnp.dtype(name)  # 64-bit kept even with jax_enable_x64 off
+    assert a.shape == tuple(t.shape)
+    assert a.devices() == {_jax_device(device)}
+    assert _ptr(a) == t.data_ptr()
+    assert np.array_equal(_jbytes(a), _tbytes(t))
+    back = to_torch(a)
+    assert back.dtype == t.dtype and back.device == t.device
+    assert back.data_ptr() == t.data_ptr()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", DTYPES)
+def test_to_torch_is_zero_copy_and_bit_exact(name, device):
+    bits = _tbytes(_random_tensor(name, seed=1))
+    np_val = bits.view(jnp.dtype(name)).reshape(3, 5)
+    with _x64(name in WIDE):
+        a = jax.device_put(np_val, _jax_device(device))
+    assert a.dtype == jnp.dtype(name)
+    t = to_torch(a)
+    assert t.dtype == getattr(torch, name)
+    assert t.device.type == device
+    assert t.data_ptr() == _ptr(a)
+    assert np.array_equal(_tbytes(t), bits)
+
+
+@pytest.mark.parametrize("name", ["float64", "int64", "bool", "bfloat16"])
+def test_public_import_path_is_equivalent(name, monkeypatch):
+    """The jax.dlpack.from_dlpack fallback: same dtype (64-bit preserved), zero-copy, bits."""
+    monkeypatch.setattr(_convert, "_import_impl", _convert._public_import)
+    t = _random_tensor(name)
+    a = to_jax(t)
+    assert _convert._import_impl is _convert._public_import
+    assert a.dtype == jnp.dtype(name)
+    assert _ptr(a) == t.data_ptr()
+    assert np.array_equal(_jbytes(a), _tbytes(t))
+
+
+@pytest.mark.parametrize("route", ["native", "bitcast"])
+@pytest.mark.parametrize("name", FP8)
+def test_fp8_round_trip_every_bit_pattern(name, route, monkeypatch):
+    monkeypatch.setattr(_convert, "_fp8_native", route == "native")
+    t = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(getattr(torch, name))
+    a = to_jax(t)
+    assert a.dtype == jnp.dtype(name)
+    assert np.array_equal(np.asarray(a).view(np.uint8), np.arange(256, dtype=np.uint8))
+    back = to_torch(a)
+    assert back.dtype == t.dtype
+    assert torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+    # jax reads the same numbers torch meant (same format on both sides, not just same bits)
+    vals = torch.linspace(-8, 8, 33).to(getattr(torch, name))
+    np.testing.assert_array_equal(np.asarray(to_jax(vals).astype(jnp.float32)), vals.float().numpy())
+    if route == "native":
+        assert _ptr(a) == t.data_ptr() and back.data_ptr() == t.data_ptr()
+    else:
+        with pytest.raises(ValueError, match="bit-cast"):
+            to_jax(t, copy=False)
+        with pytest.raises(ValueError, match="bit-cast"):
+            to_torch(a, copy=False)
+
+
+def test_fp8_native_probe_agrees_with_this_pair():
+    """The probe's verdict is the route taken: native (zero-copy) or bit-cast (a copy)."""
+    _convert.set_fp8_native(None)
+    assert _convert.fp8_native() in (True, False)
+    t = torch.ones(3, dtype=torch.float8_e4m3fn)
+    a = to_jax(t)
+    assert (_ptr(a) == t.data_ptr()) == _convert.fp8_native()
+
+
+# -- layouts ------------------------------------------------------------------------------
+
+_base = torch.arange(2 * 3 * 4 * 8, dtype=torch.float32).reshape(2, 3, 4, 8)
+COMPACT_VIEWS = {
+    "contiguous": lambda: _base,
+    "transpose": lambda: _base.transpose(0, 3),
+    "permute": lambda: _base.permute(2, 0, 3, 1),
+    "mT": lambda: _base.mT,
+    "leading-slice": lambda: _base[1:],  # offset 96 floats = 384 bytes, still 64-byte aligned
+    "unsqueeze": lambda: _base.unsqueeze(2),
+    "scalar": lambda: torch.tensor(3.5),
+    "empty": lambda: torch.empty(0, 4),
+}
+NON_COMPACT_VIEWS = {
+    "inner-slice": lambda: _base[:, :, :2],
+    "step": lambda: _base[:, ::2],
+    "column": lambda: _base[..., :1],
+    "expand": lambda: torch.arange(3.0).reshape(3, 1).expand(3, 4),
+    "broadcast-0d": lambda: torch.tensor(2.0).expand(2, 3),
+    "diagonal": lambda: _base[0, 0].diagonal(),
+    "permuted-slice": lambda: _base.permute(3, 1, 0, 2)[:, 1:],
+}
+
+
+@pytest.mark.parametrize("view", COMPACT_VIEWS)
+def test_permuted_compact_layouts_are_zero_copy(view):
+    t = COMPACT_VIEWS[view]()
+    a = to_jax(t, copy=False)
+    assert t.numel() == 0 or _ptr(a) == t.data_ptr()
+    np.testing.assert_array_equal(np.asarray(a), t.numpy())
+    # jax computes correctly on the foreign layout, and the way back keeps values.
+    if t.ndim:
+        np.testing.assert_array_equal(np.asarray(jnp.sum(a, axis=0)), t.sum(0).numpy())
+    back = to_torch(a)
+    assert torch.equal(back, t)
+
+
+@pytest.mark.parametrize("view", NON_COMPACT_VIEWS)
+def test_non_compact_layouts_copy_by_default_and_refuse_with_copy_false(view):
+    t = NON_COMPACT_VIEWS[view]()
+    a = to_jax(t)
+    np.testing.assert_array_equal(np.asarray(a), t.numpy())
+    assert _ptr(a) != t.data_ptr()
+    with pytest.raises(ValueError, match=r"to_jax: argument 'tensor'.*strides.*copy=False"):
+        to_jax(t, copy=False)
+
+
+def test_unaligned_offset_copies_or_refuses():
+    t = torch.arange(10.0)[1:5]  # 4-byte offset: jax (CPU) only aliases 64-byte aligned data
+    np.testing.assert_array_equal(np.asarray(to_jax(t)), t.numpy())
+    with pytest.raises(ValueError, match="to_jax: argument 'tensor'.*aligned"):
+        to_jax(t, copy=False)
+
+
+@st.composite
+def _strided_views(draw):
+    """A permutation of a contiguous tensor, maybe sliced along one dim: (view, compact?)."""
+    ndim = draw(st.integers(1, 4))
+    shape = draw(st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim))
+    t = torch.arange(int(np.prod(shape)), dtype=torch.float32).reshape(shape)
+    t = t.permute(draw(st.permutations(list(range(ndim)))))
+    if not draw(st.booleans()):
+        return t, True
+    d = draw(st.integers(0, ndim - 1))
+    n = t.shape[d]
+    start, step = draw(st.integers(0, n - 1)), draw(st.integers(1, 2))
+    t = t[(slice(None),) * d + (slice(start, None, step),)]
+    # Keeping the whole dim (start 0, full length) keeps a compact layout at offset 0.
+    return t, t.shape[d] == n
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_strided_views())
+def test_any_strided_view_crosses_with_right_values(case):
+    """Permutations of compact tensors alias; every view converts to the right values."""
+    t, compact = case
+    a = to_jax(t)
+    np.testing.assert_array_equal(np.asarray(a), t.numpy())
+    if compact and t.storage_offset() == 0:
+        assert _ptr(a) == t.data_ptr()
+    assert torch.equal(to_torch(a), t)
+
+
+# -- copy semantics, grad, async ----------------------------------------------------------
+
+
+def test_copy_true_gives_independent_arrays():
+    t = torch.arange(6.0)
+    a = to_jax(t, copy=True)
+    assert _ptr(a) != t.data_ptr()
+    t.add_(100)
+    np.testing.assert_array_equal(np.asarray(a), np.arange(6.0, dtype=np.float32))
+
+    x = jnp.arange(6.0)
+    u = to_torch(x, copy=True)
+    assert u.data_ptr() != _ptr(x)
+    u.add_(1)
+    np.testing.assert_array_equal(np.asarray(x), np.arange(6.0, dtype=np.float32))
+
+
+def test_zero_copy_shares_memory_both_ways():
+    t = torch.zeros(4)
+    a = to_jax(t)
+    t[1] = 5.0
+    assert float(a[1]) == 5.0  # same memory (which is why in-place writes need care)
+    x = jnp.arange(4.0) * 2
+    u = to_torch(x)
+    assert u.data_ptr() == _ptr(x)
+
+
+def test_requires_grad_tensor_is_exported_detached_without_copy():
+    w = torch.randn(4, 3, requires_grad=True)
+    a = to_jax(w)
+    assert _ptr(a) == w.data_ptr()
+    assert w.requires_grad  # the tensor itself is untouched
+    y = (w * 2).sum()
+    y.backward()
+    assert torch.equal(w.grad, torch.full((4, 3), 2.0))
+
+
+def test_conjugate_view_is_resolved():
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    a = to_jax(z.conj())
+    np.testing.assert_array_equal(np.asarray(a), np.array([1 - 2j, 3 + 4j], np.complex64))
+
+
+def test_to_torch_waits_for_async_jax_work():
+    x = jax.device_put(jnp.full((512, 512), 1.0 / 512, jnp.float32), jax.devices("cpu")[0])
+    y = x
+    for _ in range(8):
+        y = y @ x  # queued asynchronously on jax's CPU runtime
+    t = to_torch(y)
+    assert t.device.type == "cpu" and t.data_ptr() == _ptr(y)
+    np.testing.assert_allclose(t.numpy(), np.full((512, 512), 1.0 / 512, np.float32), rtol=1e-5)
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_bad_input_errors_name_the_argument():
+    with pytest.raises(TypeError, match="to_jax: argument 'tensor'.*complex32"):
+        to_jax(torch.zeros(3, dtype=torch.complex64).to(torch.complex32))
+    with pytest.raises(TypeError, match="to_jax: argument 'tensor' must be a torch.Tensor"):
+        to_jax(np.zeros(3))
+    with pytest.raises(ValueError, match="to_jax: argument 'tensor'.*meta.*cpu, cuda"):
+        to_jax(torch.zeros(3, device="meta"))
+    with pytest.raises(TypeError, match="to_jax: argument 'tensor'.*layout"):
+        to_jax(torch.eye(3).to_sparse())
+    with pytest.raises(TypeError, match="copy must be None, True or False"):
+        to_jax(torch.zeros(3), copy="yes")
+    with pytest.raises(TypeError, match="to_torch: argument 'array'.*expected a jax.Array"):
+        to_torch(np.zeros(3))
+    with pytest.raises(TypeError, match="to_torch: argument 'array'.*expected a jax.Array, got list"):
+        to_torch([1.0, 2.0])
+    with pytest.raises(TypeError, match="to_torch: argument 'array'.*int4"):
+        to_torch(jnp.zeros(4, jnp.int4))
+
+
+def test_to_torch_inside_jit_is_a_clear_error():
+    @jax.jit
+    def f(x):
+        to_torch(x)
+        return x
+
+    with pytest.raises(TypeError, match="to_torch: argument 'array'.*traced value"):
+        f(jnp.ones(3))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_gpu_jax_is_a_clear_error():
+    # A CPU-only torch cannot make CUDA tensors; check the device mapping the converters use.
+    with pytest.raises(_convert.ConversionError, match="jax has no GPU backend|no GPU with that index") as info:
+        _convert.jax_device_for(torch.device("cuda", 0))
+    assert info.value.exc_type is ValueError
+
+
+# =====================================================================================
+# jax_to_torch
+# =====================================================================================
+
+
+def _f64(*shape, seed=0, requires_grad=True, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(device).requires_grad_(requires_grad)
+
+
+def _grads(loss_fn, tensors):
+    for t in tensors:
+        t.grad = None
+    loss_fn().backward()
+    return [None if t.grad is None else t.grad.clone() for t in tensors]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_match_the_same_function_in_torch(device):
+    """A nontrivial function (matmul, broadcasting, reductions, gather by int64 index, two
+    outputs, a non-differentiable input), float64, vs torch autograd of its twin."""
+
+    def jfn(params, x, idx, *, scale):
+        h = jnp.tanh(x @ params["w"] + params["b"]) * scale
+        picked = jnp.take(h, idx, axis=0)
+        return {"y": jnp.exp(-picked) * jnp.sin(x[idx, :1]), "norm": jnp.sum(h * h, axis=-1)}
+
+    def tfn(params, x, idx, *, scale):
+        h = torch.tanh(x @ params["w"] + params["b"]) * scale
+        picked = h.index_select(0, idx)
+        return {"y": torch.exp(-picked) * torch.sin(x[idx, :1]), "norm": torch.sum(h * h, dim=-1)}
+
+    bridged = jax_to_torch(jfn)
+    params = {"w": _f64(6, 4, seed=1, device=device), "b": _f64(4, seed=2, device=device)}
+    x = _f64(5, 6, seed=3, device=device)
+    x_const = x.detach()  # a non-differentiable tensor input
+    idx = torch.tensor([4, 0, 2, 2], device=device)
+    cy, cn = _f64(4, 4, seed=4, requires_grad=False, device=device), _f64(5, seed=5, requires_grad=False, device=device)
+    leaves = [params["w"], params["b"], x]
+
+    for inp in (x, x_const):
+        out_b = bridged(params, inp, idx, scale=1.5)
+        out_t = tfn(params, inp, idx, scale=1.5)
+        assert out_b["y"].device == x.device and out_b["y"].dtype == torch.float64
+        torch.testing.assert_close(out_b["y"], out_t["y"])
+        torch.testing.assert_close(out_b["norm"], out_t["norm"])
+        g_b = _grads(lambda: (bridged(params, inp, idx, scale=1.5)["y"] * cy).sum()
+                     + (bridged(params, inp, idx, scale=1.5)["norm"] * cn).sum(), leaves)
+        g_t = _grads(lambda: (tfn(params, inp, idx, scale=1.5)["y"] * cy).sum()
+                     + (tfn(params, inp, idx, scale=1.5)["norm"] * cn).sum(), leaves)
+        for gb, gt in zip(g_b, g_t):
+            if gt is None:
+                assert gb is None
+            else:
+                torch.testing.assert_close(gb, gt)
+        if inp is x_const:
+            assert g_b[2] is None
+
+
+def test_complex_gradients_follow_torch_convention():
+    def jfn(z, w):
+        return jnp.sum(jnp.abs(z * w + 1j) ** 2).real, z * jnp.conj(w)
+
+    def tfn(z, w):
+        return torch.sum(torch.abs(z * w + 1j) ** 2).real, z * torch.conj(w)
+
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(6, dtype=torch.complex128, generator=g).requires_grad_(True)
+    w = torch.randn(6, dtype=torch.complex128, generator=g).requires_grad_(True)
+    ct = torch.randn(6, dtype=torch.complex128, generator=g)
+    bridged = jax_to_torch(jfn)
+
+    def loss(f):
+        s, p = f(z, w)
+        return s + (p * ct).real.sum()
+
+    gb = _grads(lambda: loss(bridged), [z, w])
+    gt = _grads(lambda: loss(tfn), [z, w])
+    for a, b in zip(gb, gt):
+        torch.testing.assert_close(a, b)
+
+
+def test_float32_and_bfloat16_gradients_match_torch():
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(11)
+        x = torch.randn(8, 16, generator=g).to(dtype).requires_grad_(True)
+        w = torch.randn(16, 4, generator=g).to(dtype).requires_grad_(True)
+        bridged = jax_to_torch(lambda x, w: jnp.sin(x) @ w)
+        gb = _grads(lambda: bridged(x, w).float().square().sum(), [x, w])
+        gt = _grads(lambda: (torch.sin(x) @ w).float().square().sum(), [x, w])
+        assert bridged(x, w).dtype == dtype
+        for a, b in zip(gb, gt):
+            assert a.dtype == dtype
+            # same math in a different order (XLA vs ATen): dtype-default tolerances
+            torch.testing.assert_close(a, b)
+
+
+def test_one_trace_per_shape_dtype_and_static_args():
+    count = collections.Counter()
+
+    def fn(x, y, *, mode, power=2):
+        count["trace"] += 1
+        out = x * y if mode == "mul" else x + y
+        return out**power
+
+    b = jax_to_torch(fn, static_argnames=("mode", "power"))
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    for _ in range(5):
+        b(x, y, mode="mul")
+    assert count["trace"] == 1
+    b(torch.randn(4, 3), torch.randn(4, 3), mode="mul")  # new values, same signature
+    assert count["trace"] == 1
+    b(torch.randn(5, 3), torch.randn(5, 3), mode="mul")  # new shape
+    assert count["trace"] == 2
+    b(x.double(), y.double(), mode="mul")  # new dtype
+    assert count["trace"] == 3
+    b(x, y, mode="add")  # new static value
+    assert count["trace"] == 4
+    b(x, y, mode="add", power=3)
+    assert count["trace"] == 5
+    for _ in range(3):
+        b(x, y, mode="add", power=3)
+        b(x, y, mode="mul")
+    assert count["trace"] == 5
+    torch.testing.assert_close(b(x, y, mode="add", power=3), (x + y) ** 3)
+    assert b.cache_info()["traces"] == 5
+    assert b.cache_info()["calls"] == 17
+
+
+def test_grad_path_traces_once_and_backward_is_cached():
+    count = collections.Counter()
+
+    def fn(x, w):
+        count["trace"] += 1
+        return jnp.tanh(x @ w)
+
+    b = jax_to_torch(fn)
+    x, w = torch.randn(3, 4), torch.randn(4, 2, requires_grad=True)
+    for _ in range(4):
+        b(x, w).sum().backward()
+    assert count["trace"] == 1  # the jitted jax.vjp traced fn once
+    assert b.cache_info()["backward_traces"] == 1
+    with torch.no_grad():
+        b(x, w)
+    assert count["trace"] == 2  # the no-grad path is its own (VJP-free) compilation
+    for _ in range(3):
+        b(x, w)
+        with torch.no_grad():
+            b(x, w)
+    assert count["trace"] == 2
+
+
+def test_python_numbers_are_traced_not_baked_in():
+    count = collections.Counter()
+
+    def fn(x, s):
+        count["trace"] += 1
+        return x * s
+
+    b = jax_to_torch(fn)
+    x = torch.ones(3)
+    assert torch.equal(b(x, 2.0), torch.full((3,), 2.0))
+    assert torch.equal(b(x, 3.0), torch.full((3,), 3.0))
+    assert count["trace"] == 1
+
+
+def test_no_grad_fast_path_skips_the_vjp():
+    b = jax_to_torch(lambda x, y: x * y)
+    x, y = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    with torch.no_grad():
+        out = b(x, y)
+    assert not out.requires_grad and out.grad_fn is None
+    out = b(x.detach(), y.detach())
+    assert not out.requires_grad
+    entry = next(iter(b._cache.values()))
+    assert entry.vjp_fwd == {} and entry.plain is not None
+    out = b(x, y)
+    assert out.requires_grad and entry.vjp_fwd
+
+
+def test_pytrees_keywords_namedtuples_and_integer_outputs():
+    Pair = collections.namedtuple("Pair", "first second")
+
+    def fn(pair, rest, *, bias):
+        s = pair.first + pair.second + rest[0] * rest[1]["k"] + bias
+        return Pair(first=s, second=[jnp.argmax(s, axis=-1), s > 0, None])
+
+    b = jax_to_torch(fn)
+    g = torch.Generator().manual_seed(3)
+    a, c, d, e = (torch.randn(2, 5, generator=g, requires_grad=True) for _ in range(4))
+    out = b(Pair(a, c), (d, {"k": e}), bias=0.5)
+    assert isinstance(out, Pair) and isinstance(out.second, list) and out.second[2] is None
+    ref = a + c + d * e + 0.5
+    torch.testing.assert_close(out.first, ref)
+    assert out.second[0].dtype == torch.int32 and torch.equal(out.second[0], ref.argmax(-1).int())
+    assert out.second[1].dtype == torch.bool and torch.equal(out.second[1], ref > 0)
+    assert out.first.requires_grad
+    assert not out.second[0].requires_grad and not out.second[1].requires_grad
+    out.first.sum().backward()
+    torch.testing.assert_close(a.grad, torch.ones(2, 5))
+    torch.testing.assert_close(d.grad, e.detach())
+
+
+def test_unused_float_outputs_get_zero_cotangents():
+    b = jax_to_torch(lambda x: (jnp.sin(x), jnp.cos(x) * 3))
+    x = _f64(7)
+    s, _ = b(x)
+    s.sum().backward()
+    torch.testing.assert_close(x.grad, torch.cos(x.detach()))
+
+
+def test_retain_graph_and_double_backward():
+    b = jax_to_torch(lambda x: jnp.sum(x**3))
+    x = _f64(4)
+    y = b(x)
+    y.backward(retain_graph=True)
+    first = x.grad.clone()
+    y.backward()
+    torch.testing.assert_close(x.grad, 2 * first)
+    torch.testing.assert_close(first, 3 * x.detach() ** 2)
+    # Double backward is not supported: it must fail, not silently drop second-order terms.
+    y = b(x)
+    (g,) = torch.autograd.grad(y, x, create_graph=True)
+    torch.testing.assert_close(g, 3 * x.detach() ** 2)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad((g**2).sum() + x.sum(), x)
+
+
+def test_in_place_write_after_forward_fails_loudly():
+    """Residuals live on the jax side and may alias torch memory: torch's check must fire."""
+    b = jax_to_torch(lambda x, y: x * y)
+    x, y = _f64(3), _f64(3, seed=1)
+    y_data = y.detach()
+    out = b(x, y_data)
+    y_data.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    out = b(x, y)
+    with torch.no_grad():
+        out.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_residuals_that_are_inputs_are_not_copied():
+    b = jax_to_torch(lambda x, y: x * y)
+    x, y = _f64(64), _f64(64, seed=1)
+    out = b(x, y)
+    leaves = jax.tree_util.tree_leaves(out.grad_fn.pullback)
+    ptrs = {_ptr(leaf) for leaf in leaves if isinstance(leaf, jax.Array)}
+    assert {x.data_ptr(), y.data_ptr()} <= ptrs  # d(x*y) keeps x and y: the torch buffers
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, y.detach())
+
+
+def test_recompute_fallback_gives_the_same_gradients(monkeypatch):
+    monkeypatch.setattr(_bridge, "_residual_mode", False)
+    b = jax_to_torch(lambda x, w: jnp.tanh(x @ w).sum(axis=0))
+    x, w = _f64(4, 3), _f64(3, 2, seed=1)
+    gb = _grads(lambda: (b(x, w) ** 2).sum(), [x, w])
+    gt = _grads(lambda: (torch.tanh(x @ w).sum(0) ** 2).sum(), [x, w])
+    for a, c in zip(gb, gt):
+        torch.testing.assert_close(a, c)
+
+
+def test_outputs_never_alias_inputs():
+    b = jax_to_torch(lambda x, y: (x, y * 1))
+    x, y = torch.arange(4.0), torch.arange(4.0)
+    ox, oy = b(x, y)
+    assert ox.data_ptr() != x.data_ptr() and oy.data_ptr() != y.data_ptr()
+    ox.add_(1)
+    assert torch.equal(x, torch.arange(4.0))
+
+
+def test_x64_policy():
+    b = jax_to_torch(lambda i, x: (i * 2, x.astype(jnp.float64) + jnp.float64(1e-10)))
+    i, x = torch.tensor([2**40, 3]), torch.ones(2, dtype=torch.float64)
+    oi, ox = b(i, x)
+    assert oi.dtype == torch.int64 and oi.tolist() == [2**41, 6]
+    assert ox.dtype == torch.float64 and ox[0].item() == 1 + 1e-10
+    assert not jax.config.jax_enable_x64  # enabled for the call only
+    narrow = jax_to_torch(lambda i: i * 2, x64=False)
+    with pytest.warns(UserWarning, match="int64.*truncated to dtype int32"):
+        assert narrow(torch.tensor([3])).dtype == torch.int32  # jax's canonicalization
+
+
+def test_decorator_forms_and_metadata():
+    @jax_to_torch
+    def plain(x):
+        """Doc."""
+        return x + 1
+
+    @jax_to_torch(static_argnames="n")
+    def rep(x, n):
+        return jnp.tile(x, n)
+
+    assert plain.__doc__ == "Doc." and plain.__name__ == "plain"
+    assert torch.equal(plain(torch.zeros(2)), torch.ones(2))
+    assert rep(torch.ones(2), 3).shape == (6,)
+    assert rep(torch.ones(2), n=2).shape == (4,)
+    assert isinstance(rep, interop.BridgedFunction)
+
+
+def test_torch_func_transforms_fail_loudly():
+    b = jax_to_torch(lambda x: jnp.sin(x) * 2)
+    x = torch.randn(4, 3)
+    with pytest.raises(TypeError, match=r"argument 'x': the tensor is a torch.func .*jax.vmap"):
+        torch.func.vmap(b)(x)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda x: b(x).sum())(x)
+
+
+# -- torch.compile --------------------------------------------------------------------------
+
+
+def test_torch_compile_graph_breaks_and_stays_correct():
+    bridged = jax_to_torch(lambda h, y: jnp.sin(h) * y)
+
+    def model(x, y, f):
+        h = torch.tanh(x) * 2
+        return (f(h, y) + h).square().sum()
+
+    x, y = _f64(5), _f64(5, seed=1)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=False)
+    g_c = _grads(lambda: compiled(x, y, bridged), [x, y])
+    g_t = _grads(lambda: model(x, y, lambda h, y: torch.sin(h) * y), [x, y])
+    torch.testing.assert_close(compiled(x, y, bridged), model(x, y, lambda h, y: torch.sin(h) * y))
+    for a, b in zip(g_c, g_t):
+        torch.testing.assert_close(a, b)
+    explained = torch._dynamo.explain(model)(x, y, bridged)
+    assert explained.graph_break_count >= 1
+    assert any("jax_to_torch" in str(r.reason) or "disable" in str(r.reason) for r in explained.break_reasons)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(model, backend="aot_eager", fullgraph=True)(x, y, bridged)
+    torch._dynamo.reset()
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_bridge_bad_input_names_the_argument():
+    def fn(x, y, opts=None):
+        return x + y
+
+    b = jax_to_torch(fn)
+    x = torch.ones(3)
+    with pytest.raises(ValueError, match=r"argument 'y' is on meta but argument 'x' is on cpu"):
+        b(x, torch.ones(3, device="meta"))
+    with pytest.raises(TypeError, match=r"argument 'y'.*complex32"):
+        b(x, torch.zeros(3, dtype=torch.complex64).to(torch.complex32))
+    with pytest.raises(TypeError, match=r"argument 'opts'\['mode'\] is a str.*static_argnames"):
+        b(x, x, opts={"mode": "fast"})
+    with pytest.raises(ValueError, match=r"argument 'x'.*meta"):
+        b(torch.ones(3, device="meta"), torch.ones(3, device="meta"))
+    s = jax_to_torch(fn, static_argnames=("opts",))
+    with pytest.raises(TypeError, match=r"static argument 'opts' must be hashable"):
+        s(x, x, opts={"mode": "fast"})
+    assert torch.equal(s(x, x, opts=("mode", "fast")), 2 * x)
+    with pytest.raises(ValueError, match="static_argnames names 'nope'"):
+        jax_to_torch(fn, static_argnames=("nope",))
+    with pytest.raises(TypeError, match="must be callable"):
+        jax_to_torch(3)
+
+
+# =====================================================================================
+# CUDA: stream ordering, device mapping (run by the lead on a GPU machine)
+# =====================================================================================
+
+
+def _slow_then_fill(t: torch.Tensor, value: float):
+    """On torch's current stream: spin the GPU ~50 ms, then write ``value`` everywhere."""
+    torch.cuda._sleep(100_000_000)
+    t.fill_(value)
+
+
+@pytest.mark.gpu
+def test_cuda_torch_side_stream_work_is_visible_to_jax():
+    side = torch.cuda.Stream()
+    x = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        _slow_then_fill(x, 7.0)
+        a = to_jax(x)  # jax's stream waits on an event recorded on `side`
+    assert _ptr(a) == x.data_ptr()
+    assert float(jnp.min(a)) == 7.0 and float(jnp.max(a)) == 7.0
+
+
+@pytest.mark.gpu
+def test_cuda_jax_results_are_visible_to_torch_side_stream():
+    x = jax.device_put(jnp.full((2048, 2048), 1.0 / 2048, jnp.float32), jax.devices("gpu")[0])
+    y = x
+    for _ in range(20):
+        y = y @ x  # long jax queue
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        t = to_torch(y)  # `side` waits on y's definition event
+        s = t.sum()
+    side.synchronize()
+    assert t.data_ptr() == _ptr(y)
+    assert abs(s.item() - 2048.0) < 1e-2
+
+
+@pytest.mark.gpu
+def test_cuda_bridge_runs_on_the_inputs_device_and_orders_streams():
+    b = jax_to_torch(lambda x, y: jnp.sin(x) * y)
+    side = torch.cuda.Stream()
+    x = torch.zeros(1 << 16, device="cuda", dtype=torch.float64, requires_grad=True)
+    y = torch.zeros(1 << 16, device="cuda", dtype=torch.float64)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        with torch.no_grad():
+            _slow_then_fill(x, 0.5)
+        _slow_then_fill(y, 3.0)
+        out = b(x, y)
+        out.sum().backward()
+    side.synchronize()
+    assert out.device == x.device
+    torch.testing.assert_close(out, torch.sin(x.detach()) * 3.0)
+    torch.testing.assert_close(x.grad, torch.cos(x.detach()) * 3.0)
+
+
+@pytest.mark.gpu
+def test_cuda_device_mapping_and_mixed_devices():
+    for i in range(torch.cuda.device_count()):
+        t = torch.ones(3, device=f"cuda:{i}")
+        a = to_jax(t)
+        (dev,) = a.devices()
+        assert dev.platform == "gpu" and dev.local_hardware_id == i
+        assert to_torch(a).device == t.device
+    b = jax_to_torch(lambda x, y: x + y)
+    with pytest.raises(ValueError, match=r"argument 'y' is on cuda:0 but argument 'x' is on cpu"):
+        b(torch.ones(3), torch.ones(3, device="cuda:0"))
