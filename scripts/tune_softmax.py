@@ -14,10 +14,16 @@ from ejkernel_torch.launch import device_facts, launch
 from triton_kernels.softmax import softmax_fwd_plan
 
 
+WARPS = [int(w) for w in os.environ.get("TUNE_WARPS", "1,2,4,8,16,32").split(",")]
+ROWS = [int(r) for r in os.environ.get("TUNE_ROWS", "1,2,4,8,16,32").split(",")]
+DTYPES = os.environ.get("TUNE_DTYPES", "float32,bfloat16").split(",")
+COLS = [int(c) for c in os.environ.get("TUNE_COLS", "128,512,1024,2048,4096,8192,16384,32768").split(",")]
+
+
 def variants(plan):
     consts = plan.constexpr_dict
-    for warps in (1, 2, 4, 8, 16, 32):
-        for rows in (1, 2, 4, 8, 16, 32):
+    for warps in WARPS:
+        for rows in ROWS:
             if consts["BLOCK_N"] * rows > 65536 or consts["BLOCK_N"] * rows < 32 * warps:
                 continue
             c = dict(consts, BLOCK_M=rows)
@@ -28,17 +34,17 @@ def variants(plan):
 def main():
     copy = copy_bandwidth_gbs()
     results = []
-    for dtype in ("float32", "bfloat16"):
-        for n_cols in (128, 512, 1024, 2048, 4096, 8192, 16384, 32768):
+    for dtype in DTYPES:
+        for n_cols in COLS:
             x = torch.randn(4096, n_cols, device="cuda").to(getattr(torch, dtype))
             base = softmax_fwd_plan(4096, n_cols, dtype, device_facts(x.device))
             best = None
             for plan, knobs in variants(base):
-                ms = bench_torch(lambda: launch(plan, x), rep_ms=60)
+                ms = bench_torch(lambda: launch(plan, x), rep_ms=20)
                 gbs = 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e9
                 if best is None or gbs > best[0]:
                     best = (gbs, knobs)
-            cur_ms = bench_torch(lambda: launch(base, x), rep_ms=60)
+            cur_ms = bench_torch(lambda: launch(base, x), rep_ms=20)
             cur = 2 * x.numel() * x.element_size() / (cur_ms * 1e-3) / 1e9
             results.append(dict(dtype=dtype, n_cols=n_cols, best_gbs=best[0], best_warps_rows=best[1],
                                 current_gbs=cur, current=(base.num_warps, base.constexpr_dict["BLOCK_M"])))

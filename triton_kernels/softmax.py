@@ -125,20 +125,28 @@ def softmax_bwd_kernel(y_ptr, dy_ptr, n_rows, n_cols, dx_ptr,
 # --------------------------------------------------------------------------------------------
 # plans
 
-# Longest row kept in registers in one block; longer rows stream in MAX_BLOCK_N chunks.
+# Longest row kept in registers in one block; longer rows stream in STREAM_BLOCK_N chunks.
 MAX_ONE_PASS = 32768
 STREAM_BLOCK_N = 4096
-ELEMENTS_PER_PROGRAM = 4096
 
 
-def _row_tiling(n_rows: int, n_cols: int, facts: DeviceFacts) -> dict:
+def _row_tiling(n_rows: int, n_cols: int, facts: DeviceFacts) -> tuple[dict, int]:
+    """(constexprs, num_warps) for a row kernel.
+
+    GPU: short rows share a program (about 256 elements each), rows of 512+ get a program of
+    their own, and warps grow with the row (one warp per 512 elements, 1..16). From a sweep on
+    an H200 (scripts/tune_softmax.py): fewer, narrower programs lose bandwidth on short rows,
+    and 8 warps on a 512-column row cost half of it. The interpreter pays per program, not per
+    element, so CPU plans use few, large programs.
+    """
     one_pass = n_cols <= MAX_ONE_PASS
     block_n = next_power_of_2(max(n_cols, 16)) if one_pass else STREAM_BLOCK_N
-    # The interpreter pays per program, not per element: give it few, large programs.
-    per_program, max_rows = (1 << 16, 1024) if facts.is_cpu else (ELEMENTS_PER_PROGRAM, 64)
-    block_m = max(1, min(per_program // block_n, next_power_of_2(max(n_rows, 1)), max_rows))
-    elements = block_m * block_n
-    num_warps = max(1, min(16, elements // 512))
+    rows_cap = next_power_of_2(max(n_rows, 1))
+    if facts.is_cpu:
+        block_m = max(1, min((1 << 16) // block_n, rows_cap, 1024))
+    else:
+        block_m = max(1, min(256 // block_n, rows_cap))
+    num_warps = max(1, min(16, block_m * block_n // 512))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, ONE_PASS=one_pass), num_warps
 
 
