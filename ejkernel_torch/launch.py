@@ -41,13 +41,17 @@ def _cuda_facts(index: int) -> DeviceFacts:
     return DeviceFacts.cuda((props.major, props.minor), props.multi_processor_count)
 
 
+_CPU_FACTS = DeviceFacts.cpu()
+
+
 def device_facts(device: torch.device) -> DeviceFacts:
     """The facts plans are made from; the same on the same GPU as the jax front's."""
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if device.type == "cuda":
         return _cuda_facts(device.index if device.index is not None else torch.cuda.current_device())
     if device.type == "cpu":
-        return DeviceFacts.cpu()
+        return _CPU_FACTS
     raise ValueError(f"no Triton launcher for device {device} (expected cuda or cpu tensors)")
 
 
@@ -96,3 +100,70 @@ def launch(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     else:
         raise ValueError(f"{plan.name}: no Triton launcher for device {device}")
     return tuple(outputs)
+
+
+# -- launching inside torch.library ops ------------------------------------------------------------
+#
+# ``launch_traceable`` is ``launch`` for the body of a ``torch.library.triton_op``: on CUDA the
+# kernel goes through ``wrap_triton`` (torch.compile sees it and traces no graph break); on CPU
+# the plan runs in the opaque ``ejkernel::interpret_plan`` op (the interpreter cannot be traced).
+# Plans cannot be op arguments, so that op receives a process-local plan number.
+
+_PLANS: list[LaunchPlan] = []
+_PLAN_NUMBERS: dict[LaunchPlan, int] = {}
+
+
+def plan_number(plan: LaunchPlan) -> int:
+    number = _PLAN_NUMBERS.get(plan)
+    if number is None:
+        number = _PLAN_NUMBERS[plan] = len(_PLANS)
+        _PLANS.append(plan)
+    return number
+
+
+@torch.library.custom_op("ejkernel::interpret_plan", mutates_args=(), device_types="cpu")
+def _interpret_plan(inputs: list[torch.Tensor], plan: int) -> list[torch.Tensor]:
+    return list(launch(_PLANS[plan], *inputs))
+
+
+@_interpret_plan.register_fake
+def _interpret_plan_fake(inputs, plan):
+    return [inputs[0].new_empty(o.shape, dtype=torch_dtype(o.dtype)) for o in _PLANS[plan].outputs]
+
+
+def _check_traceable_inputs(plan: LaunchPlan, inputs) -> torch.device:
+    device = inputs[0].device
+    for name, x, dtype in zip(plan.inputs, inputs, plan.input_dtypes):
+        if x.device != device or dtype_name(x.dtype) != dtype:
+            raise ValueError(f"{plan.name}: input {name} must be a {dtype} tensor on {device}, "
+                             f"got {x.dtype} on {x.device}")
+    return device
+
+
+def launch_traceable(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``launch`` for use inside ``torch.library.triton_op`` bodies (inputs must be contiguous)."""
+    device = _check_traceable_inputs(plan, inputs)
+    if device.type == "cpu":
+        return tuple(torch.ops.ejkernel.interpret_plan(list(inputs), plan_number(plan)))
+    if device.type != "cuda":
+        raise ValueError(f"{plan.name}: no Triton launcher for device {device}")
+    if not plan.enable_fp_fusion:  # not a launch option torch.compile forwards
+        raise NotImplementedError(f"{plan.name}: launch_traceable needs enable_fp_fusion=True")
+    outputs = [_allocate(o, device) for o in plan.outputs]
+    for i, o in plan.aliases:
+        outputs[o].copy_(inputs[i])
+    if plan.is_empty:
+        return tuple(outputs)
+    if device.index is None or device.index == torch.cuda.current_device():
+        _launch_wrapped(plan, inputs, outputs)
+    else:
+        with torch.cuda.device(device):
+            _launch_wrapped(plan, inputs, outputs)
+    return tuple(outputs)
+
+
+def _launch_wrapped(plan: LaunchPlan, inputs, outputs) -> None:
+    torch.library.wrap_triton(plan.kernel)[plan.grid](
+        *plan.runtime_args(inputs, outputs), **plan.constexpr_dict,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )

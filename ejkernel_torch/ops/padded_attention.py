@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ejkernel_torch.launch import device_facts, dtype_name, launch
-from ejkernel_torch.ops._common import n_pad_arg, name_of, same_device, tensor_arg
+from ejkernel_torch.ops._common import apply, n_pad_arg, name_of, same_device, tensor_arg
 from triton_kernels import checks
 from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan
 
@@ -48,4 +48,4 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_pad: t
     scale = checks.softmax_scale(softmax_scale, head_dim)
     device = same_device(q=q, k=k, v=v)
     n_pad = n_pad_arg(n_pad, batch, seq_len, device)
-    return _PaddedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), n_pad, scale)
+    return apply(_PaddedAttention, q.contiguous(), k.contiguous(), v.contiguous(), n_pad, scale)

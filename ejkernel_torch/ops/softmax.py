@@ -6,7 +6,7 @@ import math
 import torch
 
 from ejkernel_torch.launch import device_facts, dtype_name, launch
-from ejkernel_torch.ops._common import n_pad_arg, name_of, same_device, tensor_arg
+from ejkernel_torch.ops._common import apply, n_pad_arg, name_of, same_device, tensor_arg
 from triton_kernels import checks
 from triton_kernels.padded_attention import scores_v_bwd_plans, scores_v_fwd_plan
 from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
@@ -77,10 +77,12 @@ def softmax(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
     """Softmax along ``axis`` with float32 math; rows of only -inf give zeros, not NaN."""
     x = tensor_arg("x", x)
     axis = checks.softmax(tuple(x.shape), name_of(x), axis)
-    same_device(x=x)
+    if axis == x.ndim - 1:  # the common case: no transposes
+        shape = x.shape
+        return apply(_SoftmaxRows, x.contiguous().view(math.prod(shape[:-1]), shape[-1])).view(shape)
     moved = x.movedim(axis, -1)
     shape = moved.shape
-    y = _SoftmaxRows.apply(moved.contiguous().reshape(math.prod(shape[:-1]), shape[-1]))
+    y = apply(_SoftmaxRows, moved.contiguous().reshape(math.prod(shape[:-1]), shape[-1]))
     return y.reshape(shape).movedim(-1, axis)
 
 
@@ -97,7 +99,7 @@ def padded_softmax(scores: torch.Tensor, n_pad: torch.Tensor) -> torch.Tensor:
     Row ``i`` of batch ``b`` normalises over columns ``n_pad[b] <= j <= i``; padding rows are 0.
     """
     scores, n_pad = _padded_inputs(scores, n_pad)
-    return _PaddedSoftmax.apply(scores, n_pad)
+    return apply(_PaddedSoftmax, scores, n_pad)
 
 
 def padded_softmax_v(scores: torch.Tensor, v: torch.Tensor, n_pad: torch.Tensor) -> torch.Tensor:
@@ -107,4 +109,4 @@ def padded_softmax_v(scores: torch.Tensor, v: torch.Tensor, n_pad: torch.Tensor)
     batch, seq_len = scores.shape[:2]
     checks.values_for_scores(tuple(v.shape), name_of(v), batch, seq_len, name_of(scores))
     same_device(scores=scores, v=v)
-    return _PaddedSoftmaxV.apply(scores, v.contiguous(), n_pad)
+    return apply(_PaddedSoftmaxV, scores, v.contiguous(), n_pad)
