@@ -16,6 +16,7 @@ from triton_kernels.softmax import softmax_fwd_plan
 
 WARPS = [int(w) for w in os.environ.get("TUNE_WARPS", "1,2,4,8,16,32").split(",")]
 ROWS = [int(r) for r in os.environ.get("TUNE_ROWS", "1,2,4,8,16,32").split(",")]
+PER_SM = [int(p) for p in os.environ.get("TUNE_PER_SM", "0").split(",")]  # 0: one program per block
 DTYPES = os.environ.get("TUNE_DTYPES", "float32,bfloat16").split(",")
 COLS = [int(c) for c in os.environ.get("TUNE_COLS", "128,512,1024,2048,4096,8192,16384,32768").split(",")]
 
@@ -27,8 +28,11 @@ def variants(plan):
             if consts["BLOCK_N"] * rows > 65536 or consts["BLOCK_N"] * rows < 32 * warps:
                 continue
             c = dict(consts, BLOCK_M=rows)
-            yield dataclasses.replace(plan, grid=(-(-plan.scalar_dict["n_rows"] // rows),), num_warps=warps,
-                                      constexprs=tuple(c.items())), (warps, rows)
+            blocks = -(-plan.scalar_dict["n_rows"] // rows)
+            for per_sm in PER_SM:
+                grid = min(blocks, 132 * per_sm) if per_sm else blocks
+                yield dataclasses.replace(plan, grid=(grid,), num_warps=warps,
+                                          constexprs=tuple(c.items())), (warps, rows, per_sm)
 
 
 def main():

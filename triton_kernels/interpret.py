@@ -27,6 +27,7 @@ import threading
 from typing import Any, Sequence
 
 import triton.language as tl
+from triton.runtime import interpreter as _interpreter
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -86,10 +87,26 @@ def _restored(objects: Sequence[Any]):
 _MISSING = object()
 
 
+def _index(tensor) -> int:
+    return int(tensor.handle.data.reshape(-1)[0])
+
+
+def _patch_lang_tensor_fixed(tensor, scope):
+    # Triton 3.6's interpreter converts a block index to int with ``int(array)``, which numpy
+    # >= 2.5 refuses for a 1-element 1-D array, so ``range(tl.program_id(0), ...)`` fails there.
+    _original_patch_lang_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", _index)
+
+
+_original_patch_lang_tensor = getattr(_interpreter, "_patch_lang_tensor", None)
+
+
 @contextlib.contextmanager
 def _interpreter_scope(fn):
     module_dicts = _reachable_module_dicts(fn)
-    with _restored(_language_namespaces()):
+    with _restored(_language_namespaces() + [_interpreter]):
+        if _original_patch_lang_tensor is not None:
+            _interpreter._patch_lang_tensor = _patch_lang_tensor_fixed
         swapped = []
         for namespace in module_dicts:
             for name, value in list(namespace.items()):

@@ -95,31 +95,40 @@ def _softmax_bwd_rows(y_ptr, dy_ptr, dx_ptr, rows, row_ok, n_cols,
             tl.store(dx_ptr + base + c, (y * (dy - dot[:, None])).to(dx_ptr.dtype.element_ty), mask=keep)
 
 
+# The kernels are persistent: each program walks row blocks pid, pid + grid, ... so that on a
+# GPU the loads of the next block overlap the math of this one (``tl.range`` pipelining).
+
+
 @triton.jit(do_not_specialize_on_alignment=["n_rows", "n_cols"])
 def softmax_fwd_kernel(x_ptr, n_rows, n_cols, y_ptr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    lo = tl.zeros([BLOCK_M], tl.int32)
-    hi = lo + n_cols
-    _softmax_fwd_rows(x_ptr, y_ptr, rows, rows < n_rows, lo, hi, n_cols, BLOCK_N, ONE_PASS)
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+                       NUM_STAGES: tl.constexpr):
+    for block in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        lo = tl.zeros([BLOCK_M], tl.int32)
+        _softmax_fwd_rows(x_ptr, y_ptr, rows, rows < n_rows, lo, lo + n_cols, n_cols, BLOCK_N, ONE_PASS)
 
 
 @triton.jit(do_not_specialize_on_alignment=["n_rows", "seq_len"])
 def padded_softmax_fwd_kernel(x_ptr, n_pad_ptr, n_rows, seq_len, y_ptr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < n_rows
-    query = rows % seq_len
-    pad = tl.load(n_pad_ptr + rows // seq_len, mask=row_ok, other=0)
-    hi = tl.where(query >= pad, query + 1, pad)  # padding rows: empty window [pad, pad)
-    _softmax_fwd_rows(x_ptr, y_ptr, rows, row_ok, pad, hi, seq_len, BLOCK_N, ONE_PASS)
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+                              NUM_STAGES: tl.constexpr):
+    for block in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        query = rows % seq_len
+        pad = tl.load(n_pad_ptr + rows // seq_len, mask=row_ok, other=0)
+        hi = tl.where(query >= pad, query + 1, pad)  # padding rows: empty window [pad, pad)
+        _softmax_fwd_rows(x_ptr, y_ptr, rows, row_ok, pad, hi, seq_len, BLOCK_N, ONE_PASS)
 
 
 @triton.jit(do_not_specialize_on_alignment=["n_rows", "n_cols"])
 def softmax_bwd_kernel(y_ptr, dy_ptr, n_rows, n_cols, dx_ptr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    _softmax_bwd_rows(y_ptr, dy_ptr, dx_ptr, rows, rows < n_rows, n_cols, BLOCK_N, ONE_PASS)
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+                       NUM_STAGES: tl.constexpr):
+    for block in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        _softmax_bwd_rows(y_ptr, dy_ptr, dx_ptr, rows, rows < n_rows, n_cols, BLOCK_N, ONE_PASS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,17 +136,20 @@ def softmax_bwd_kernel(y_ptr, dy_ptr, n_rows, n_cols, dx_ptr,
 
 # Longest row kept in registers in one block; longer rows stream in STREAM_BLOCK_N chunks.
 MAX_ONE_PASS = 32768
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 STREAM_BLOCK_N = 4096
 
 
-def _row_tiling(n_rows: int, n_cols: int, facts: DeviceFacts) -> tuple[dict, int]:
+def _row_tiling(n_rows: int, n_cols: int, facts: DeviceFacts, streamed_bytes: int) -> tuple[dict, int]:
     """(constexprs, num_warps) for a row kernel.
 
     GPU: short rows share a program (about 256 elements each), rows of 512+ get a program of
     their own, and warps grow with the row (one warp per 512 elements, 1..16). From a sweep on
     an H200 (scripts/tune_softmax.py): fewer, narrower programs lose bandwidth on short rows,
     and 8 warps on a 512-column row cost half of it. The interpreter pays per program, not per
-    element, so CPU plans use few, large programs.
+    element, so CPU plans use few, large programs. ``streamed_bytes`` is what one row element
+    costs across the kernel's inputs; the pipeliner buffers NUM_STAGES blocks of it in shared
+    memory, so deeper pipelining is planned only where that fits.
     """
     one_pass = n_cols <= MAX_ONE_PASS
     block_n = next_power_of_2(max(n_cols, 16)) if one_pass else STREAM_BLOCK_N
@@ -147,50 +159,44 @@ def _row_tiling(n_rows: int, n_cols: int, facts: DeviceFacts) -> tuple[dict, int
     else:
         block_m = max(1, min(256 // block_n, rows_cap))
     num_warps = max(1, min(16, block_m * block_n // 512))
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, ONE_PASS=one_pass), num_warps
+    # Only a one-pass body is simple enough for the software pipeliner to overlap blocks.
+    fits = 2 * block_m * block_n * streamed_bytes <= facts.shared_memory * 3 // 4
+    stages = 2 if one_pass and fits and not facts.is_cpu else 1
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, ONE_PASS=one_pass, NUM_STAGES=stages), num_warps
+
+
+def _row_plan(kernel, inputs, input_dtypes, scalars, output: Output, n_rows: int, n_cols: int,
+              facts: DeviceFacts) -> LaunchPlan:
+    streamed = sum(ITEMSIZE[d] for d in input_dtypes if d in ITEMSIZE)
+    consts, warps = _row_tiling(n_rows, n_cols, facts, streamed)
+    blocks = cdiv(n_rows, consts["BLOCK_M"]) if n_cols else 0
+    # Persistent grid on a GPU: a few programs per SM (as many as 32 warps' worth allow).
+    grid = blocks if facts.is_cpu else min(blocks, facts.num_sms * max(1, 32 // warps))
+    return LaunchPlan(
+        kernel=kernel, grid=(grid,), inputs=inputs, input_dtypes=input_dtypes, scalars=scalars,
+        outputs=(output,), constexprs=tuple(consts.items()),
+        num_warps=warps, num_stages=1, enable_fp_fusion=True,
+    )
 
 
 @functools.lru_cache(maxsize=512)
 def softmax_fwd_plan(n_rows: int, n_cols: int, dtype: str, facts: DeviceFacts) -> LaunchPlan:
     check_float_dtype("x", dtype)
-    consts, warps = _row_tiling(n_rows, n_cols, facts)
-    return LaunchPlan(
-        kernel=softmax_fwd_kernel,
-        grid=(cdiv(n_rows, consts["BLOCK_M"]) if n_cols else 0,),
-        inputs=("x_ptr",), input_dtypes=(dtype,),
-        scalars=(("n_rows", n_rows), ("n_cols", n_cols)),
-        outputs=(Output("y_ptr", (n_rows, n_cols), dtype),),
-        constexprs=tuple(consts.items()),
-        num_warps=warps, num_stages=1, enable_fp_fusion=True,
-    )
+    return _row_plan(softmax_fwd_kernel, ("x_ptr",), (dtype,), (("n_rows", n_rows), ("n_cols", n_cols)),
+                     Output("y_ptr", (n_rows, n_cols), dtype), n_rows, n_cols, facts)
 
 
 @functools.lru_cache(maxsize=512)
 def softmax_bwd_plan(n_rows: int, n_cols: int, dtype: str, facts: DeviceFacts) -> LaunchPlan:
     check_float_dtype("y", dtype)
-    consts, warps = _row_tiling(n_rows, n_cols, facts)
-    return LaunchPlan(
-        kernel=softmax_bwd_kernel,
-        grid=(cdiv(n_rows, consts["BLOCK_M"]) if n_cols else 0,),
-        inputs=("y_ptr", "dy_ptr"), input_dtypes=(dtype, dtype),
-        scalars=(("n_rows", n_rows), ("n_cols", n_cols)),
-        outputs=(Output("dx_ptr", (n_rows, n_cols), dtype),),
-        constexprs=tuple(consts.items()),
-        num_warps=warps, num_stages=1, enable_fp_fusion=True,
-    )
+    return _row_plan(softmax_bwd_kernel, ("y_ptr", "dy_ptr"), (dtype, dtype), (("n_rows", n_rows), ("n_cols", n_cols)),
+                     Output("dx_ptr", (n_rows, n_cols), dtype), n_rows, n_cols, facts)
 
 
 @functools.lru_cache(maxsize=512)
 def padded_softmax_fwd_plan(batch: int, seq_len: int, dtype: str, facts: DeviceFacts) -> LaunchPlan:
     check_float_dtype("scores", dtype)
     n_rows = batch * seq_len
-    consts, warps = _row_tiling(n_rows, seq_len, facts)
-    return LaunchPlan(
-        kernel=padded_softmax_fwd_kernel,
-        grid=(cdiv(n_rows, consts["BLOCK_M"]) if seq_len else 0,),
-        inputs=("x_ptr", "n_pad_ptr"), input_dtypes=(dtype, "int32"),
-        scalars=(("n_rows", n_rows), ("seq_len", seq_len)),
-        outputs=(Output("y_ptr", (batch, seq_len, seq_len), dtype),),
-        constexprs=tuple(consts.items()),
-        num_warps=warps, num_stages=1, enable_fp_fusion=True,
-    )
+    return _row_plan(padded_softmax_fwd_kernel, ("x_ptr", "n_pad_ptr"), (dtype, "int32"),
+                     (("n_rows", n_rows), ("seq_len", seq_len)),
+                     Output("y_ptr", (batch, seq_len, seq_len), dtype), n_rows, seq_len, facts)
