@@ -35,7 +35,7 @@ def _per_call_overhead_us(calls: int = 2000) -> dict:
     y = torch.empty_like(x)
 
     def bare():
-        plan.kernel[plan.grid](x, 4, 128, y, **plan.constexpr_dict, num_warps=plan.num_warps,
+        plan.kernel[plan.grid](x, 4, y, **plan.constexpr_dict, num_warps=plan.num_warps,
                                num_stages=plan.num_stages, enable_fp_fusion=plan.enable_fp_fusion)
 
     variants = {"ejkernel_torch.softmax": lambda: ejkernel_torch.softmax(x), "launch(plan)": lambda: launch(plan, x),

@@ -23,6 +23,14 @@ from .plan import DeviceFacts, LaunchPlan, Output, cdiv, check_float_dtype, next
 
 
 @triton.jit
+def _load_window(ptrs, in_bounds, in_window):
+    # Load with the bounds mask only (it is uniform over aligned chunks when the row length is
+    # a constexpr, so loads vectorize), then drop what lies outside the row's window.
+    x = tl.load(ptrs, mask=in_bounds, other=-float("inf")).to(tl.float32)
+    return tl.where(in_window, x, -float("inf"))
+
+
+@triton.jit
 def _softmax_fwd_rows(x_ptr, y_ptr, rows, row_ok, lo, hi, n_cols,
                       BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
     cols = tl.arange(0, BLOCK_N)
@@ -31,8 +39,7 @@ def _softmax_fwd_rows(x_ptr, y_ptr, rows, row_ok, lo, hi, n_cols,
     hi = hi[:, None]
     if ONE_PASS:
         c = cols[None, :]
-        keep = row_ok[:, None] & (c >= lo) & (c < hi)
-        x = tl.load(x_ptr + base + c, mask=keep, other=-float("inf")).to(tl.float32)
+        x = _load_window(x_ptr + base + c, row_ok[:, None] & (c < n_cols), (c >= lo) & (c < hi))
         m = tl.max(x, axis=1)
         m = tl.where(m == -float("inf"), 0.0, m)  # empty row: exp(-inf - 0) = 0, no NaN
         e = tl.exp(x - m[:, None])
@@ -46,8 +53,7 @@ def _softmax_fwd_rows(x_ptr, y_ptr, rows, row_ok, lo, hi, n_cols,
         l_lane = tl.zeros([rows.shape[0], BLOCK_N], tl.float32)
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols[None, :]
-            keep = row_ok[:, None] & (c >= lo) & (c < hi)
-            x = tl.load(x_ptr + base + c, mask=keep, other=-float("inf")).to(tl.float32)
+            x = _load_window(x_ptr + base + c, row_ok[:, None] & (c < n_cols), (c >= lo) & (c < hi))
             m_new = tl.maximum(m_lane, x)
             m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
             l_lane = l_lane * tl.exp(m_lane - m_ref) + tl.exp(x - m_ref)
@@ -59,8 +65,7 @@ def _softmax_fwd_rows(x_ptr, y_ptr, rows, row_ok, lo, hi, n_cols,
         # Pass 2: normalize and write every column (zeros outside the window).
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols[None, :]
-            keep = row_ok[:, None] & (c >= lo) & (c < hi)
-            x = tl.load(x_ptr + base + c, mask=keep, other=-float("inf")).to(tl.float32)
+            x = _load_window(x_ptr + base + c, row_ok[:, None] & (c < n_cols), (c >= lo) & (c < hi))
             y = tl.exp(x - m[:, None]) * inv[:, None]
             tl.store(y_ptr + base + c, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (c < n_cols))
 
@@ -99,36 +104,36 @@ def _softmax_bwd_rows(y_ptr, dy_ptr, dx_ptr, rows, row_ok, n_cols,
 # GPU the loads of the next block overlap the math of this one (``tl.range`` pipelining).
 
 
-@triton.jit(do_not_specialize_on_alignment=["n_rows", "n_cols"])
-def softmax_fwd_kernel(x_ptr, n_rows, n_cols, y_ptr,
+@triton.jit(do_not_specialize_on_alignment=["n_rows"])
+def softmax_fwd_kernel(x_ptr, n_rows, y_ptr, N_COLS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
                        NUM_STAGES: tl.constexpr):
     for block in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
         lo = tl.zeros([BLOCK_M], tl.int32)
-        _softmax_fwd_rows(x_ptr, y_ptr, rows, rows < n_rows, lo, lo + n_cols, n_cols, BLOCK_N, ONE_PASS)
+        _softmax_fwd_rows(x_ptr, y_ptr, rows, rows < n_rows, lo, lo + N_COLS, N_COLS, BLOCK_N, ONE_PASS)
 
 
-@triton.jit(do_not_specialize_on_alignment=["n_rows", "seq_len"])
-def padded_softmax_fwd_kernel(x_ptr, n_pad_ptr, n_rows, seq_len, y_ptr,
+@triton.jit(do_not_specialize_on_alignment=["n_rows"])
+def padded_softmax_fwd_kernel(x_ptr, n_pad_ptr, n_rows, y_ptr, SEQ_LEN: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
                               NUM_STAGES: tl.constexpr):
     for block in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
-        query = rows % seq_len
-        pad = tl.load(n_pad_ptr + rows // seq_len, mask=row_ok, other=0)
+        query = rows % SEQ_LEN
+        pad = tl.load(n_pad_ptr + rows // SEQ_LEN, mask=row_ok, other=0)
         hi = tl.where(query >= pad, query + 1, pad)  # padding rows: empty window [pad, pad)
-        _softmax_fwd_rows(x_ptr, y_ptr, rows, row_ok, pad, hi, seq_len, BLOCK_N, ONE_PASS)
+        _softmax_fwd_rows(x_ptr, y_ptr, rows, row_ok, pad, hi, SEQ_LEN, BLOCK_N, ONE_PASS)
 
 
-@triton.jit(do_not_specialize_on_alignment=["n_rows", "n_cols"])
-def softmax_bwd_kernel(y_ptr, dy_ptr, n_rows, n_cols, dx_ptr,
+@triton.jit(do_not_specialize_on_alignment=["n_rows"])
+def softmax_bwd_kernel(y_ptr, dy_ptr, n_rows, dx_ptr, N_COLS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
                        NUM_STAGES: tl.constexpr):
     for block in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        _softmax_bwd_rows(y_ptr, dy_ptr, dx_ptr, rows, rows < n_rows, n_cols, BLOCK_N, ONE_PASS)
+        _softmax_bwd_rows(y_ptr, dy_ptr, dx_ptr, rows, rows < n_rows, N_COLS, BLOCK_N, ONE_PASS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,16 +170,19 @@ def _row_tiling(n_rows: int, n_cols: int, facts: DeviceFacts, streamed_bytes: in
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, ONE_PASS=one_pass, NUM_STAGES=stages), num_warps
 
 
-def _row_plan(kernel, inputs, input_dtypes, scalars, output: Output, n_rows: int, n_cols: int,
+def _row_plan(kernel, inputs, input_dtypes, row_len: tuple[str, int], output: Output, n_rows: int,
               facts: DeviceFacts) -> LaunchPlan:
+    # The row length is a constexpr (one compile per length): masks and row offsets then carry
+    # their alignment, and loads vectorize in both launchers alike.
+    n_cols = row_len[1]
     streamed = sum(ITEMSIZE[d] for d in input_dtypes if d in ITEMSIZE)
     consts, warps = _row_tiling(n_rows, n_cols, facts, streamed)
     blocks = cdiv(n_rows, consts["BLOCK_M"]) if n_cols else 0
     # Persistent grid on a GPU: a few programs per SM (as many as 32 warps' worth allow).
     grid = blocks if facts.is_cpu else min(blocks, facts.num_sms * max(1, 32 // warps))
     return LaunchPlan(
-        kernel=kernel, grid=(grid,), inputs=inputs, input_dtypes=input_dtypes, scalars=scalars,
-        outputs=(output,), constexprs=tuple(consts.items()),
+        kernel=kernel, grid=(grid,), inputs=inputs, input_dtypes=input_dtypes, scalars=(("n_rows", n_rows),),
+        outputs=(output,), constexprs=(row_len, *consts.items()),
         num_warps=warps, num_stages=1, enable_fp_fusion=True,
     )
 
@@ -182,21 +190,20 @@ def _row_plan(kernel, inputs, input_dtypes, scalars, output: Output, n_rows: int
 @functools.lru_cache(maxsize=512)
 def softmax_fwd_plan(n_rows: int, n_cols: int, dtype: str, facts: DeviceFacts) -> LaunchPlan:
     check_float_dtype("x", dtype)
-    return _row_plan(softmax_fwd_kernel, ("x_ptr",), (dtype,), (("n_rows", n_rows), ("n_cols", n_cols)),
-                     Output("y_ptr", (n_rows, n_cols), dtype), n_rows, n_cols, facts)
+    return _row_plan(softmax_fwd_kernel, ("x_ptr",), (dtype,), ("N_COLS", n_cols),
+                     Output("y_ptr", (n_rows, n_cols), dtype), n_rows, facts)
 
 
 @functools.lru_cache(maxsize=512)
 def softmax_bwd_plan(n_rows: int, n_cols: int, dtype: str, facts: DeviceFacts) -> LaunchPlan:
     check_float_dtype("y", dtype)
-    return _row_plan(softmax_bwd_kernel, ("y_ptr", "dy_ptr"), (dtype, dtype), (("n_rows", n_rows), ("n_cols", n_cols)),
-                     Output("dx_ptr", (n_rows, n_cols), dtype), n_rows, n_cols, facts)
+    return _row_plan(softmax_bwd_kernel, ("y_ptr", "dy_ptr"), (dtype, dtype), ("N_COLS", n_cols),
+                     Output("dx_ptr", (n_rows, n_cols), dtype), n_rows, facts)
 
 
 @functools.lru_cache(maxsize=512)
 def padded_softmax_fwd_plan(batch: int, seq_len: int, dtype: str, facts: DeviceFacts) -> LaunchPlan:
     check_float_dtype("scores", dtype)
     n_rows = batch * seq_len
-    return _row_plan(padded_softmax_fwd_kernel, ("x_ptr", "n_pad_ptr"), (dtype, "int32"),
-                     (("n_rows", n_rows), ("seq_len", seq_len)),
-                     Output("y_ptr", (batch, seq_len, seq_len), dtype), n_rows, seq_len, facts)
+    return _row_plan(padded_softmax_fwd_kernel, ("x_ptr", "n_pad_ptr"), (dtype, "int32"), ("SEQ_LEN", seq_len),
+                     Output("y_ptr", (batch, seq_len, seq_len), dtype), n_rows, facts)
