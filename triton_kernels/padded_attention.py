@@ -63,13 +63,44 @@ def _online_softmax_update(acc, m_i, l_i, s, keep, v, DOT_PRECISION: tl.constexp
 
 
 @triton.jit
-def _finish_rows(acc, m_i, l_i, o_ptrs, lse_ptrs, row_mask, d_mask, WRITE_LSE: tl.constexpr):
+def _sequence(n_pad_ptr, seq_len, head_dim):
+    """This program's batch row: (index b as int64, its padding clamped to [0, seq_len], the
+    offset of its [seq, head_dim] slab)."""
+    b = tl.program_id(1).to(tl.int64)
+    pad = tl.minimum(tl.maximum(tl.load(n_pad_ptr + b), 0), seq_len)
+    return b, pad, b * seq_len * head_dim
+
+
+@triton.jit
+def _tile_mask(offs, offs_d, seq_len, head_dim):
+    return (offs < seq_len)[:, None] & (offs_d < head_dim)[None, :]
+
+
+@triton.jit
+def _load_tile(ptr, base, offs, offs_d, seq_len, head_dim):
+    """Rows ``offs`` of a [seq, head_dim] slab, zero outside it (head_dim padded to BLOCK_D)."""
+    return tl.load(ptr + base + offs[:, None] * head_dim + offs_d[None, :],
+                   mask=_tile_mask(offs, offs_d, seq_len, head_dim), other=0.0)
+
+
+@triton.jit
+def _store_tile(ptr, base, offs, offs_d, seq_len, head_dim, value):
+    tl.store(ptr + base + offs[:, None] * head_dim + offs_d[None, :], value.to(ptr.dtype.element_ty),
+             mask=_tile_mask(offs, offs_d, seq_len, head_dim))
+
+
+@triton.jit
+def _load_rows(ptr, b, offs, seq_len):
+    """Per-row float32 statistics (lse, delta) of batch row ``b``."""
+    return tl.load(ptr + b * seq_len + offs, mask=offs < seq_len, other=0.0)
+
+
+@triton.jit
+def _finish_rows(acc, m_i, l_i, o_ptr, lse_ptr, b, base, offs_m, offs_d, seq_len, head_dim):
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
-    if WRITE_LSE:
-        lse2 = tl.where(empty, -float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        tl.store(lse_ptrs, lse2, mask=row_mask)
+    _store_tile(o_ptr, base, offs_m, offs_d, seq_len, head_dim, acc / tl.where(empty, 1.0, l_i)[:, None])
+    lse2 = tl.where(empty, -float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    tl.store(lse_ptr + b * seq_len + offs_m, lse2, mask=offs_m < seq_len)
 
 
 # --------------------------------------------------------------------------------------------
@@ -81,16 +112,11 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, n_pad_ptr, seq_len, head_dim, qk_s
                          o_ptr, lse_ptr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
+    b, pad, base = _sequence(n_pad_ptr, seq_len, head_dim)
     start_m = tl.program_id(0) * BLOCK_M
-    b = tl.program_id(1).to(tl.int64)
-    pad = tl.minimum(tl.maximum(tl.load(n_pad_ptr + b), 0), seq_len)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    row_mask = offs_m < seq_len
-    d_mask = offs_d < head_dim
-    base = b * seq_len * head_dim
-    q = tl.load(q_ptr + base + offs_m[:, None] * head_dim + offs_d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q = _load_tile(q_ptr, base, offs_m, offs_d, seq_len, head_dim)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
@@ -99,31 +125,22 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, n_pad_ptr, seq_len, head_dim, qk_s
     hi = tl.minimum(start_m + BLOCK_M, seq_len)  # nor are keys after the last query (causal)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n < seq_len)[:, None] & d_mask[None, :]
-        kv_offs = base + offs_n[:, None] * head_dim + offs_d[None, :]
-        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+        k = _load_tile(k_ptr, base, offs_n, offs_d, seq_len, head_dim)
+        v = _load_tile(v_ptr, base, offs_n, offs_d, seq_len, head_dim)
         s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale
         keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
         acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, s, keep, v, DOT_PRECISION)
-
-    o_ptrs = o_ptr + base + offs_m[:, None] * head_dim + offs_d[None, :]
-    _finish_rows(acc, m_i, l_i, o_ptrs, lse_ptr + b * seq_len + offs_m, row_mask, d_mask, True)
+    _finish_rows(acc, m_i, l_i, o_ptr, lse_ptr, b, base, offs_m, offs_d, seq_len, head_dim)
 
 
 @triton.jit(do_not_specialize_on_alignment=["seq_len", "head_dim"])
 def scores_v_fwd_kernel(s_ptr, v_ptr, n_pad_ptr, seq_len, head_dim, o_ptr, lse_ptr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
+    b, pad, base = _sequence(n_pad_ptr, seq_len, head_dim)
     start_m = tl.program_id(0) * BLOCK_M
-    b = tl.program_id(1).to(tl.int64)
-    pad = tl.minimum(tl.maximum(tl.load(n_pad_ptr + b), 0), seq_len)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    row_mask = offs_m < seq_len
-    d_mask = offs_d < head_dim
-    base = b * seq_len * head_dim
-    s_base = b * seq_len * seq_len
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
@@ -133,14 +150,17 @@ def scores_v_fwd_kernel(s_ptr, v_ptr, n_pad_ptr, seq_len, head_dim, o_ptr, lse_p
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
-        s = tl.load(s_ptr + s_base + offs_m[:, None] * seq_len + offs_n[None, :], mask=keep, other=0.0)
-        v = tl.load(v_ptr + base + offs_n[:, None] * head_dim + offs_d[None, :],
-                    mask=(offs_n < seq_len)[:, None] & d_mask[None, :], other=0.0)
-        acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, s.to(tl.float32) * 1.4426950408889634,
-                                               keep, v, DOT_PRECISION)
+        s = _load_scores(s_ptr, b, offs_m, offs_n, keep, seq_len)
+        v = _load_tile(v_ptr, base, offs_n, offs_d, seq_len, head_dim)
+        acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, s * 1.4426950408889634, keep, v, DOT_PRECISION)
+    _finish_rows(acc, m_i, l_i, o_ptr, lse_ptr, b, base, offs_m, offs_d, seq_len, head_dim)
 
-    o_ptrs = o_ptr + base + offs_m[:, None] * head_dim + offs_d[None, :]
-    _finish_rows(acc, m_i, l_i, o_ptrs, lse_ptr + b * seq_len + offs_m, row_mask, d_mask, True)
+
+@triton.jit
+def _load_scores(s_ptr, b, offs_m, offs_n, mask, seq_len):
+    """A float32 tile of the [batch, seq, seq] score tensor."""
+    ptrs = s_ptr + b * seq_len * seq_len + offs_m[:, None] * seq_len + offs_n[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,20 +170,25 @@ def scores_v_fwd_kernel(s_ptr, v_ptr, n_pad_ptr, seq_len, head_dim, o_ptr, lse_p
 @triton.jit(do_not_specialize_on_alignment=["n_rows", "head_dim"])
 def attention_bwd_delta_kernel(o_ptr, do_ptr, n_rows, head_dim, delta_ptr,
                                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    # delta = rowsum(o * do), over all batch rows at once (a [batch * seq, head_dim] slab).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (rows < n_rows)[:, None] & (offs_d < head_dim)[None, :]
-    offs = rows.to(tl.int64)[:, None] * head_dim + offs_d[None, :]
-    o = tl.load(o_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    o = _load_tile(o_ptr, 0, rows.to(tl.int64), offs_d, n_rows, head_dim).to(tl.float32)
+    do = _load_tile(do_ptr, 0, rows.to(tl.int64), offs_d, n_rows, head_dim).to(tl.float32)
     tl.store(delta_ptr + rows, tl.sum(o * do, axis=1), mask=rows < n_rows)
 
 
 @triton.jit
 def _recompute_p(q, k, lse2, keep, qk_scale, DOT_PRECISION: tl.constexpr):
     s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale
+    return _probs(s, lse2, keep)
+
+
+@triton.jit
+def _probs(s2, lse2, keep):
+    """Probabilities from base-2 logits and the row's base-2 log-sum-exp; 0 where masked."""
     lse_ref = tl.where(lse2 == -float("inf"), float("inf"), lse2)  # empty rows: p = 0
-    return tl.where(keep, tl.exp2(s - lse_ref[:, None]), 0.0)
+    return tl.where(keep, tl.exp2(s2 - lse_ref[:, None]), 0.0)
 
 
 @triton.jit(do_not_specialize_on_alignment=["seq_len", "head_dim"])
@@ -172,39 +197,28 @@ def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, n
                               dk_ptr, dv_ptr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                               DOT_PRECISION: tl.constexpr):
+    b, pad, base = _sequence(n_pad_ptr, seq_len, head_dim)
     start_n = tl.program_id(0) * BLOCK_N
-    b = tl.program_id(1).to(tl.int64)
-    pad = tl.minimum(tl.maximum(tl.load(n_pad_ptr + b), 0), seq_len)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < head_dim
-    base = b * seq_len * head_dim
-    kv_mask = (offs_n < seq_len)[:, None] & d_mask[None, :]
-    kv_offs = base + offs_n[:, None] * head_dim + offs_d[None, :]
-    k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+    k = _load_tile(k_ptr, base, offs_n, offs_d, seq_len, head_dim)
+    v = _load_tile(v_ptr, base, offs_n, offs_d, seq_len, head_dim)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     lo = (tl.maximum(start_n, pad) // BLOCK_M) * BLOCK_M  # queries before this key never see it
     for start_m in range(lo, seq_len, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_mask = offs_m < seq_len
-        q_offs = base + offs_m[:, None] * head_dim + offs_d[None, :]
-        q_mask = row_mask[:, None] & d_mask[None, :]
-        q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
-        do = tl.load(do_ptr + q_offs, mask=q_mask, other=0.0)
-        lse2 = tl.load(lse_ptr + b * seq_len + offs_m, mask=row_mask, other=0.0)
-        delta = tl.load(delta_ptr + b * seq_len + offs_m, mask=row_mask, other=0.0)
+        q = _load_tile(q_ptr, base, offs_m, offs_d, seq_len, head_dim)
+        do = _load_tile(do_ptr, base, offs_m, offs_d, seq_len, head_dim)
         keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
-        p = _recompute_p(q, k, lse2, keep, qk_scale, DOT_PRECISION)
+        p = _recompute_p(q, k, _load_rows(lse_ptr, b, offs_m, seq_len), keep, qk_scale, DOT_PRECISION)
         dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_PRECISION)
         dp = _dot(do, tl.trans(v), DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
+        ds = p * (dp - _load_rows(delta_ptr, b, offs_m, seq_len)[:, None])
         dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_PRECISION)
-
-    tl.store(dk_ptr + kv_offs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+    _store_tile(dk_ptr, base, offs_n, offs_d, seq_len, head_dim, dk * sm_scale)
+    _store_tile(dv_ptr, base, offs_n, offs_d, seq_len, head_dim, dv)
 
 
 @triton.jit(do_not_specialize_on_alignment=["seq_len", "head_dim"])
@@ -213,44 +227,27 @@ def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, n_p
                             dq_ptr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                             DOT_PRECISION: tl.constexpr):
+    b, pad, base = _sequence(n_pad_ptr, seq_len, head_dim)
     start_m = tl.program_id(0) * BLOCK_M
-    b = tl.program_id(1).to(tl.int64)
-    pad = tl.minimum(tl.maximum(tl.load(n_pad_ptr + b), 0), seq_len)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    row_mask = offs_m < seq_len
-    d_mask = offs_d < head_dim
-    base = b * seq_len * head_dim
-    q_offs = base + offs_m[:, None] * head_dim + offs_d[None, :]
-    q_mask = row_mask[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
-    do = tl.load(do_ptr + q_offs, mask=q_mask, other=0.0)
-    lse2 = tl.load(lse_ptr + b * seq_len + offs_m, mask=row_mask, other=0.0)
-    delta = tl.load(delta_ptr + b * seq_len + offs_m, mask=row_mask, other=0.0)
+    q = _load_tile(q_ptr, base, offs_m, offs_d, seq_len, head_dim)
+    do = _load_tile(do_ptr, base, offs_m, offs_d, seq_len, head_dim)
+    lse2 = _load_rows(lse_ptr, b, offs_m, seq_len)
+    delta = _load_rows(delta_ptr, b, offs_m, seq_len)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo = (pad // BLOCK_N) * BLOCK_N
     hi = tl.minimum(start_m + BLOCK_M, seq_len)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n < seq_len)[:, None] & d_mask[None, :]
-        kv_offs = base + offs_n[:, None] * head_dim + offs_d[None, :]
-        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+        k = _load_tile(k_ptr, base, offs_n, offs_d, seq_len, head_dim)
+        v = _load_tile(v_ptr, base, offs_n, offs_d, seq_len, head_dim)
         keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
         p = _recompute_p(q, k, lse2, keep, qk_scale, DOT_PRECISION)
-        dp = _dot(do, tl.trans(v), DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
+        ds = p * (_dot(do, tl.trans(v), DOT_PRECISION) - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, DOT_PRECISION)
-
-    tl.store(dq_ptr + q_offs, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=q_mask)
-
-
-@triton.jit
-def _probs_from_scores(s_ptr, s_base, offs_m, offs_n, lse2, keep, seq_len):
-    s = tl.load(s_ptr + s_base + offs_m[:, None] * seq_len + offs_n[None, :], mask=keep, other=0.0)
-    lse_ref = tl.where(lse2 == -float("inf"), float("inf"), lse2)
-    return tl.where(keep, tl.exp2(s.to(tl.float32) * 1.4426950408889634 - lse_ref[:, None]), 0.0)
+    _store_tile(dq_ptr, base, offs_m, offs_d, seq_len, head_dim, dq * sm_scale)
 
 
 @triton.jit(do_not_specialize_on_alignment=["seq_len", "head_dim"])
@@ -259,29 +256,20 @@ def scores_v_bwd_ds_kernel(s_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, n_pad_ptr, 
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                            DOT_PRECISION: tl.constexpr):
     # dscores = P * (dO v^T - delta); every tile is written (zeros outside the window).
-    start_m = tl.program_id(0) * BLOCK_M
-    b = tl.program_id(1).to(tl.int64)
-    pad = tl.minimum(tl.maximum(tl.load(n_pad_ptr + b), 0), seq_len)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    b, pad, base = _sequence(n_pad_ptr, seq_len, head_dim)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    row_mask = offs_m < seq_len
-    d_mask = offs_d < head_dim
-    base = b * seq_len * head_dim
-    s_base = b * seq_len * seq_len
-    do = tl.load(do_ptr + base + offs_m[:, None] * head_dim + offs_d[None, :],
-                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-    lse2 = tl.load(lse_ptr + b * seq_len + offs_m, mask=row_mask, other=0.0)
-    delta = tl.load(delta_ptr + b * seq_len + offs_m, mask=row_mask, other=0.0)
+    do = _load_tile(do_ptr, base, offs_m, offs_d, seq_len, head_dim)
+    lse2 = _load_rows(lse_ptr, b, offs_m, seq_len)
+    delta = _load_rows(delta_ptr, b, offs_m, seq_len)
     for start_n in range(0, seq_len, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
-        p = _probs_from_scores(s_ptr, s_base, offs_m, offs_n, lse2, keep, seq_len)
-        v = tl.load(v_ptr + base + offs_n[:, None] * head_dim + offs_d[None, :],
-                    mask=(offs_n < seq_len)[:, None] & d_mask[None, :], other=0.0)
-        dp = _dot(do, tl.trans(v), DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        tl.store(ds_ptr + s_base + offs_m[:, None] * seq_len + offs_n[None, :], ds.to(ds_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & (offs_n < seq_len)[None, :])
+        p = _probs(_load_scores(s_ptr, b, offs_m, offs_n, keep, seq_len) * 1.4426950408889634, lse2, keep)
+        v = _load_tile(v_ptr, base, offs_n, offs_d, seq_len, head_dim)
+        ds = p * (_dot(do, tl.trans(v), DOT_PRECISION) - delta[:, None])
+        ptrs = ds_ptr + b * seq_len * seq_len + offs_m[:, None] * seq_len + offs_n[None, :]
+        tl.store(ptrs, ds.to(ds_ptr.dtype.element_ty), mask=(offs_m < seq_len)[:, None] & (offs_n < seq_len)[None, :])
 
 
 @triton.jit(do_not_specialize_on_alignment=["seq_len", "head_dim"])
@@ -289,27 +277,20 @@ def scores_v_bwd_dv_kernel(s_ptr, do_ptr, lse_ptr, n_pad_ptr, seq_len, head_dim,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                            DOT_PRECISION: tl.constexpr):
     # dv = P^T dO, one key block per program.
+    b, pad, base = _sequence(n_pad_ptr, seq_len, head_dim)
     start_n = tl.program_id(0) * BLOCK_N
-    b = tl.program_id(1).to(tl.int64)
-    pad = tl.minimum(tl.maximum(tl.load(n_pad_ptr + b), 0), seq_len)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < head_dim
-    base = b * seq_len * head_dim
-    s_base = b * seq_len * seq_len
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     lo = (tl.maximum(start_n, pad) // BLOCK_M) * BLOCK_M
     for start_m in range(lo, seq_len, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_mask = offs_m < seq_len
-        do = tl.load(do_ptr + base + offs_m[:, None] * head_dim + offs_d[None, :],
-                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-        lse2 = tl.load(lse_ptr + b * seq_len + offs_m, mask=row_mask, other=0.0)
+        do = _load_tile(do_ptr, base, offs_m, offs_d, seq_len, head_dim)
         keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
-        p = _probs_from_scores(s_ptr, s_base, offs_m, offs_n, lse2, keep, seq_len)
+        s2 = _load_scores(s_ptr, b, offs_m, offs_n, keep, seq_len) * 1.4426950408889634
+        p = _probs(s2, _load_rows(lse_ptr, b, offs_m, seq_len), keep)
         dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_PRECISION)
-    tl.store(dv_ptr + base + offs_n[:, None] * head_dim + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty),
-             mask=(offs_n < seq_len)[:, None] & d_mask[None, :])
+    _store_tile(dv_ptr, base, offs_n, offs_d, seq_len, head_dim, dv)
 
 
 # --------------------------------------------------------------------------------------------
