@@ -39,3 +39,96 @@ def padded_attention(q, k, v, n_pad, *, softmax_scale=None):
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     q, k = _upcast(q), _upcast(k)
     return padded_softmax_v(q @ jnp.swapaxes(k, -1, -2) * scale, v, n_pad)
+
+
+def _group_masks(group_sizes, m: int, group_offset, num: int):
+    """[num, m] bool: row r belongs to group group_offset + i (traceable: sizes may be traced)."""
+    ends = jnp.cumsum(jnp.asarray(group_sizes, jnp.int32))
+    starts = ends - group_sizes
+    g = group_offset + jnp.arange(num)
+    rows = jnp.arange(m)[None, :]
+    return (rows >= starts[g][:, None]) & (rows < ends[g][:, None])
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs=False, group_offset=0):
+    """Rows of group ``group_offset + i`` times ``rhs[i]``; other rows are 0."""
+    lhs, rhs = _upcast(lhs), _upcast(rhs)
+    if transpose_rhs:
+        rhs = jnp.swapaxes(rhs, 1, 2)
+    masks = _group_masks(group_sizes, lhs.shape[0], group_offset, rhs.shape[0])
+    out = jnp.zeros((lhs.shape[0], rhs.shape[2]), lhs.dtype)
+    for i in range(rhs.shape[0]):
+        out = out + jnp.where(masks[i][:, None], lhs @ rhs[i], 0)
+    return out
+
+
+def transposed_grouped_matmul(lhs, rhs, group_sizes, *, group_offset=0, num_actual_groups=None):
+    """``out[i] = lhs[:, rows] @ rhs[rows]`` for the rows of group ``group_offset + i``."""
+    lhs, rhs = _upcast(lhs), _upcast(rhs)
+    num = group_sizes.shape[0] if num_actual_groups is None else num_actual_groups
+    masks = _group_masks(group_sizes, rhs.shape[0], group_offset, num)
+    return jnp.stack([jnp.where(masks[i][None, :], lhs, 0) @ rhs for i in range(num)]) if num \
+        else jnp.zeros((0, lhs.shape[0], rhs.shape[1]), lhs.dtype)
+
+
+# -- flash attention -------------------------------------------------------------------------------
+
+
+def _window_sides(causal, sliding_window):
+    if sliding_window is None:
+        return (None, 0) if causal else None
+    left, right = sliding_window if isinstance(sliding_window, (tuple, list)) else (sliding_window,) * 2
+    return (left, 0 if causal else right)
+
+
+def flash_attention_keep(seq_q, seq_k, *, causal=False, sliding_window=None, q_segment_ids=None,
+                         kv_segment_ids=None):
+    """[batch|1, 1, seq_q, seq_k] bool: which keys each query attends (bottom-right aligned)."""
+    i = jnp.arange(seq_q)[:, None]
+    j = jnp.arange(seq_k)[None, :]
+    keep = jnp.ones((seq_q, seq_k), bool)
+    window = _window_sides(causal, sliding_window)
+    if window is not None:
+        diag = i + seq_k - seq_q
+        left, right = window
+        if left is not None:
+            keep &= j >= diag - left
+        if right is not None:
+            keep &= j <= diag + right
+    keep = keep[None, None]
+    if q_segment_ids is not None:
+        qs = jnp.asarray(q_segment_ids)[:, None, :, None]
+        ks = jnp.asarray(kv_segment_ids)[:, None, None, :]
+        keep = keep & (qs == ks) & (qs > 0)
+    return keep
+
+
+def flash_attention(q, k, v, *, causal=False, softmax_scale=None, sliding_window=None, logits_soft_cap=None,
+                    bias=None, q_segment_ids=None, kv_segment_ids=None, dropout_p=0.0, dropout_mask=None,
+                    return_lse=False):
+    """softmax(mask(cap * tanh(q k^T * scale / cap) + bias)) [* keep / (1 - p)] v, [b, s, h, d] layout
+    (mirror of ejkernel_torch.reference.flash_attention)."""
+    heads_q, heads_kv = q.shape[2], k.shape[2]
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    q, k, v = _upcast(q), _upcast(k), _upcast(v)
+    k = jnp.repeat(k, heads_q // heads_kv, axis=2)
+    v = jnp.repeat(v, heads_q // heads_kv, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if logits_soft_cap is not None:
+        s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+    if bias is not None:
+        s = s + _upcast(bias)
+    keep = flash_attention_keep(q.shape[1], k.shape[1], causal=causal, sliding_window=sliding_window,
+                                q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    s = jnp.where(keep, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isneginf(m), 0.0, m)
+    e = jnp.exp(s - m)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    attended = total > 0
+    p = e / jnp.where(attended, total, 1.0)
+    lse = jnp.where(attended, m + jnp.log(jnp.where(attended, total, 1.0)), -jnp.inf)[..., 0]
+    if dropout_mask is not None:
+        p = p * jnp.asarray(dropout_mask, p.dtype) / (1.0 - dropout_p)
+    out = jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    return (out, lse) if return_lse else out

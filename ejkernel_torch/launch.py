@@ -8,6 +8,8 @@ NaN under ``triton_kernels.debug.poison_outputs`` otherwise).
 from __future__ import annotations
 
 import functools
+import importlib
+import json
 from typing import Sequence
 
 import torch
@@ -107,28 +109,44 @@ def launch(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
 # ``launch_traceable`` is ``launch`` for the body of a ``torch.library.triton_op``: on CUDA the
 # kernel goes through ``wrap_triton`` (torch.compile sees it and traces no graph break); on CPU
 # the plan runs in the opaque ``ejkernel::interpret_plan`` op (the interpreter cannot be traced).
-# Plans cannot be op arguments, so that op receives a process-local plan number.
-
-_PLANS: list[LaunchPlan] = []
-_PLAN_NUMBERS: dict[LaunchPlan, int] = {}
+# Plans cannot be op arguments, so that op receives the plan as JSON text: compiled graphs that
+# torch caches on disk stay valid in other processes.
 
 
-def plan_number(plan: LaunchPlan) -> int:
-    number = _PLAN_NUMBERS.get(plan)
-    if number is None:
-        number = _PLAN_NUMBERS[plan] = len(_PLANS)
-        _PLANS.append(plan)
-    return number
+@functools.lru_cache(maxsize=1024)
+def plan_text(plan: LaunchPlan) -> str:
+    fn = plan.kernel.fn
+    doc = {
+        "kernel": f"{fn.__module__}:{fn.__name__}", "grid": plan.grid, "inputs": plan.inputs,
+        "input_dtypes": plan.input_dtypes, "outputs": [[o.name, o.shape, o.dtype, o.zeroed] for o in plan.outputs],
+        "scalars": plan.scalars, "constexprs": plan.constexprs, "num_warps": plan.num_warps,
+        "num_stages": plan.num_stages, "enable_fp_fusion": plan.enable_fp_fusion, "aliases": plan.aliases,
+    }
+    return json.dumps(doc)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_from_text(text: str) -> LaunchPlan:
+    doc = json.loads(text)
+    module, name = doc.pop("kernel").split(":")
+    tuples = lambda rows: tuple(tuple(r) for r in rows)  # noqa: E731
+    return LaunchPlan(
+        kernel=getattr(importlib.import_module(module), name), grid=tuple(doc["grid"]), inputs=tuple(doc["inputs"]),
+        input_dtypes=tuple(doc["input_dtypes"]),
+        outputs=tuple(Output(n, tuple(shape), dtype, zeroed) for n, shape, dtype, zeroed in doc["outputs"]),
+        scalars=tuples(doc["scalars"]), constexprs=tuples(doc["constexprs"]), num_warps=doc["num_warps"],
+        num_stages=doc["num_stages"], enable_fp_fusion=doc["enable_fp_fusion"], aliases=tuples(doc["aliases"]),
+    )
 
 
 @torch.library.custom_op("ejkernel::interpret_plan", mutates_args=(), device_types="cpu")
-def _interpret_plan(inputs: list[torch.Tensor], plan: int) -> list[torch.Tensor]:
-    return list(launch(_PLANS[plan], *inputs))
+def _interpret_plan(inputs: list[torch.Tensor], plan: str) -> list[torch.Tensor]:
+    return list(launch(plan_from_text(plan), *inputs))
 
 
 @_interpret_plan.register_fake
 def _interpret_plan_fake(inputs, plan):
-    return [inputs[0].new_empty(o.shape, dtype=torch_dtype(o.dtype)) for o in _PLANS[plan].outputs]
+    return [inputs[0].new_empty(o.shape, dtype=torch_dtype(o.dtype)) for o in plan_from_text(plan).outputs]
 
 
 def _check_traceable_inputs(plan: LaunchPlan, inputs) -> torch.device:
@@ -144,7 +162,7 @@ def launch_traceable(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Ten
     """``launch`` for use inside ``torch.library.triton_op`` bodies (inputs must be contiguous)."""
     device = _check_traceable_inputs(plan, inputs)
     if device.type == "cpu":
-        return tuple(torch.ops.ejkernel.interpret_plan(list(inputs), plan_number(plan)))
+        return tuple(torch.ops.ejkernel.interpret_plan(list(inputs), plan_text(plan)))
     if device.type != "cuda":
         raise ValueError(f"{plan.name}: no Triton launcher for device {device}")
     if not plan.enable_fp_fusion:  # not a launch option torch.compile forwards

@@ -36,3 +36,7 @@ softmax = reference.softmax
 padded_softmax = reference.padded_softmax
 padded_softmax_v = reference.padded_softmax_v
 padded_attention = reference.padded_attention
+grouped_matmul = reference.grouped_matmul
+transposed_grouped_matmul = reference.transposed_grouped_matmul
+flash_attention = reference.flash_attention
+flash_attention_varlen = reference.flash_attention_varlen

@@ -88,9 +88,10 @@ def _rebuild_pullback(jleaves, kept, static: _Static):
 class _Entry:
     """Jitted callables for one (input structure, static args, x64) combination."""
 
-    __slots__ = ("plain", "vjp_fwd", "vjp_bwd")
+    __slots__ = ("plain", "vjp_fwd", "vjp_bwd", "xla")
 
     def __init__(self):
+        self.xla = None  # the torch_xla call_jax route's callables (see _xla.graph_call)
         self.plain = None
         self.vjp_fwd: dict[tuple[int, ...], Callable] = {}
         self.vjp_bwd: dict[tuple[int, ...], Callable] = {}
@@ -267,12 +268,12 @@ class BridgedFunction:
         return entry
 
 
-def _export_outputs(bridged, out, input_ptrs):
+def _export_outputs(bridged, out, input_ptrs, device=None):
     flat, out_tree = _tree_flatten(out)
     touts = []
     for j, o in enumerate(flat):
         try:
-            t = cv.array_to_torch(o, None)
+            t = cv.array_to_torch(o, None, device=device)
         except ConversionError as err:
             err.reraise(f"{bridged!r}: output leaf {j}")
         # jax.jit returns fresh buffers, but never hand torch two tensors over one buffer.
@@ -291,6 +292,21 @@ def _import_leaves(bridged, args, kwargs, leaves, tpos, tensors):
     except ConversionError as err:
         err.reraise(bridged._describe(args, kwargs, tpos[k]))
     return jleaves
+
+
+def _xla_device(tensors):
+    """The XLA device of a call's tensors (outputs go back onto it), else None."""
+    if tensors and tensors[0].is_xla:
+        return tensors[0].device
+    return None
+
+
+def _data_ptrs(tensors):
+    # XLA tensors report data_ptr() 0 and are values (an in-place op rebinds, never writes
+    # into an exported buffer), so they need no alias check.
+    if not tensors or tensors[0].is_xla:
+        return None
+    return {t.data_ptr() for t in tensors}
 
 
 class _Call:
@@ -318,7 +334,7 @@ class _BridgeFunction(torch.autograd.Function):
             if call.entry.plain is None:
                 call.entry.plain = b._make_plain(call.treedef, call.statics)
             out, pullback = _run(call.use_x64, call.entry.plain, jleaves), None
-        flat, call.out_tree, touts = _export_outputs(b, out, {t.data_ptr() for t in tensors})
+        flat, call.out_tree, touts = _export_outputs(b, out, _data_ptrs(tensors), _xla_device(tensors))
         inexact = cv.INEXACT_JAX_DTYPES
         call.ct_idx = ct_idx = [j for j, o in enumerate(flat) if o.dtype in inexact]
         if len(ct_idx) != len(touts):
@@ -376,8 +392,9 @@ def _backward(ctx, grads):
             )
         grads_in = _run(call.use_x64, bwd, (jleaves, cts))
     result: list[torch.Tensor | None] = [None] * n_in
+    device = _xla_device(saved[:n_in])
     for k, g in zip(call.diff_k, grads_in):
-        result[k] = cv.array_to_torch(g, None)
+        result[k] = cv.array_to_torch(g, None, device=device)
     return result
 
 
@@ -469,14 +486,19 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
     if entry is None:
         entry = b._entry(key)
 
+    if tensors and device.type == "xla":
+        from . import _xla
+
+        if _xla.graph_route(device):  # TPU: no DLPack; run inside torch_xla's graph
+            return _xla.graph_call(b, entry, treedef, statics, leaves, tpos, tensors, use_x64, need_grad)
+
     if not need_grad:
         jleaves = _import_leaves(b, args, kwargs, leaves, tpos, tensors)
         fn = entry.plain
         if fn is None:
             fn = entry.plain = b._make_plain(treedef, statics)
         out = _run(use_x64, fn, jleaves)
-        ptrs = {t.data_ptr() for t in tensors} if tensors else None
-        _, out_tree, touts = _export_outputs(b, out, ptrs)
+        _, out_tree, touts = _export_outputs(b, out, _data_ptrs(tensors), _xla_device(tensors))
         return _tree_unflatten(out_tree, touts)
 
     call = _Call()

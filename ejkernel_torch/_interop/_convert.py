@@ -338,6 +338,10 @@ def tensor_to_jax(tensor: torch.Tensor, copy: bool | None, fp8_route: str | None
         tensor = tensor.resolve_conj()
     if tensor.is_neg():
         tensor = tensor.resolve_neg()
+    if tensor.is_xla:  # PyTorch/XLA: synced, then through torch_xla's DLPack
+        from . import _xla
+
+        return _xla.tensor_to_jax(tensor, copy)
     jdev = _cpu_device or _init_cpu_device() if tensor.is_cpu else jax_device_for(tensor.device)
     if copy:
         # Copy on the torch side (jax 0.10's from_dlpack(copy=True) still aliases on CPU);
@@ -406,8 +410,16 @@ def check_array(array) -> None:
         )
 
 
-def array_to_torch(array, copy: bool | None, fp8_route: str | None = None) -> torch.Tensor:
-    """jax.Array -> torch.Tensor. Raises ConversionError (no argument name) on bad input."""
+def array_to_torch(array, copy: bool | None, fp8_route: str | None = None,
+                   device: torch.device | None = None) -> torch.Tensor:
+    """jax.Array -> torch.Tensor. Raises ConversionError (no argument name) on bad input.
+
+    ``device``: only an XLA device changes anything (the result is imported by torch_xla onto
+    it); otherwise the array's own device decides (cpu or cuda:i)."""
+    if device is not None and device.type == "xla":
+        from . import _xla
+
+        return _xla.array_to_torch(array, copy, device)
     dtype = getattr(array, "dtype", None)
     if dtype not in JAX_TO_TORCH_DTYPE or not isinstance(array, jax.Array) or isinstance(array, jax.core.Tracer):
         check_array(array)

@@ -1,0 +1,311 @@
+"""Grouped matmul (MoE) on a CUDA GPU: ours launched from torch and from jax vs torch._grouped_mm,
+a per-expert torch.matmul loop, a dense torch.matmul of equal FLOPs and jax.lax.ragged_dot.
+Forward and forward+backward, TFLOP/s on the useful FLOPs (2 * sum(group_sizes) * k * n per matmul).
+
+    python benchmarks/grouped_matmul.py [--shapes quick|default|full] [--sweep] [--out PATH]
+    python benchmarks/grouped_matmul.py --smoke     # tiny shapes on CPU: checks the script runs
+
+Writes benchmarks/results/grouped_matmul-<gpu>.json and an SVG bar chart next to it. ``--sweep``
+also times every config in SWEEP_CONFIGS for our forward (torch) and records the best per shape.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np
+
+from benchmarks.common import bench_jax, bench_torch, device_name, write_json
+from triton_kernels.params import FwdParams
+
+# (experts g, tokens m, k, n): MoE layers from the issue's ranges, largest balanced ones first.
+SHAPES = {
+    "quick": [(8, 16384, 4096, 2048), (64, 32768, 2048, 1408), (128, 65536, 7168, 2048)],
+    "default": [(8, 65536, 4096, 2048), (8, 16384, 4096, 2048), (16, 32768, 7168, 2048),
+                (16, 16384, 4096, 4096), (64, 32768, 2048, 1408), (64, 8192, 4096, 1408),
+                (128, 65536, 7168, 2048), (128, 16384, 2048, 1408)],
+    "full": list(itertools.product((8, 16, 64, 128), (8192, 65536), (2048, 4096, 7168), (1408, 2048, 4096))),
+}
+ROUTINGS = ("balanced", "skewed")
+# Forward configs --sweep tries (tests/test_aot_grouped_matmul.py compiles each for sm_90).
+SWEEP_CONFIGS = [FwdParams(blocksize_m=128, blocksize_n=256, blocksize_k=64, num_warps=8, num_stages=3),
+                 FwdParams(blocksize_m=128, blocksize_n=128, blocksize_k=64, num_warps=8, num_stages=4),
+                 FwdParams(blocksize_m=128, blocksize_n=128, blocksize_k=64, num_warps=4, num_stages=4),
+                 FwdParams(blocksize_m=64, blocksize_n=256, blocksize_k=64, num_warps=8, num_stages=3),
+                 FwdParams(blocksize_m=64, blocksize_n=128, blocksize_k=64, num_warps=4, num_stages=4)]
+
+
+def group_sizes(m: int, g: int, routing: str, rng: np.random.Generator) -> np.ndarray:
+    """Tokens per expert summing to m: equal, or Zipf-like (expert i gets ~1/(i+1)), shuffled."""
+    if routing == "balanced":
+        sizes = np.full(g, m // g, np.int64)
+    else:
+        weights = 1.0 / np.arange(1, g + 1)
+        sizes = np.floor(weights / weights.sum() * m).astype(np.int64)
+        rng.shuffle(sizes)
+    sizes[0] += m - sizes.sum()
+    return sizes.astype(np.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# timing: CUDA events (torch) / pipelined wall clock (jax) on GPU; a plain loop in --smoke
+
+
+def _time_torch(fn, smoke: bool) -> float:
+    if not smoke:
+        return bench_torch(fn)
+    fn()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _time_jax(fn, args, smoke: bool) -> float:
+    if not smoke:
+        return bench_jax(fn, *args)
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - start) * 1e3
+
+
+def _try(results: dict, errors: dict, name: str, timer):
+    try:
+        results[name] = timer()
+    except Exception as e:  # a baseline missing on this torch/jax/GPU is recorded, not fatal
+        errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+# --------------------------------------------------------------------------------------------
+# one shape
+
+
+def _torch_methods(rhs, sizes_np, device):
+    import torch
+
+    import ejkernel_torch
+
+    gs = torch.from_numpy(sizes_np).to(device)
+    offs = torch.cumsum(gs, 0, dtype=torch.int32)
+    bounds = np.concatenate([[0], np.cumsum(sizes_np)]).tolist()
+    total = int(sizes_np.sum())
+    dense_w = rhs[0].clone()
+
+    def loop(a, b):
+        return torch.cat([a[bounds[i]:bounds[i + 1]] @ b[i] for i in range(b.shape[0])] + [a.new_zeros(
+            (a.shape[0] - total, b.shape[2]))])
+
+    offset = torch.zeros(1, dtype=torch.int32, device=device)
+    return {
+        "ours_torch": lambda a, b: ejkernel_torch.grouped_matmul(a, b, gs),
+        # The registered op without the public function's value checks (one host sync per call).
+        "ours_torch_op": lambda a, b: torch.ops.ejkernel.grouped_matmul(a, b, gs, offset, False, a.dtype, None),
+        # _grouped_mm wants the weights column-major; the transpose copy is made outside the timing.
+        "torch._grouped_mm": lambda a, b: torch._grouped_mm(a, b, offs=offs),
+        "torch_loop": loop,
+        "dense_matmul": lambda a, b: a[:total] @ dense_w,
+    }
+
+
+def _bench_torch(lhs_np, rhs_np, sizes_np, dtype, smoke, rng):
+    import torch
+
+    device = "cpu" if smoke else "cuda"
+    tdtype = getattr(torch, dtype)
+    lhs = torch.from_numpy(lhs_np).to(device, tdtype)
+    rhs = torch.from_numpy(rhs_np).to(device, tdtype)
+    rhs_cm = rhs.transpose(1, 2).contiguous().transpose(1, 2)  # same values, column-major per expert
+    cot = rng.standard_normal((lhs_np.shape[0], rhs_np.shape[2]), dtype=np.float32)
+    cot = torch.from_numpy(cot).to(device, tdtype)
+    times, errors = {}, {}
+    for name, fn in _torch_methods(rhs, sizes_np, device).items():
+        weights = rhs_cm if name == "torch._grouped_mm" else rhs
+        _try(times, errors, f"fwd/{name}", lambda: _time_torch(lambda: fn(lhs, weights), smoke))
+        if name == "dense_matmul":  # one [k, n] weight and the routed rows only: equal FLOPs
+            total = int(sizes_np.sum())
+            a = lhs[:total].clone().requires_grad_(True)
+            b = rhs[0].clone().requires_grad_(True)
+            step = lambda: torch.autograd.grad(a @ b, (a, b), cot[:total])  # noqa: E731
+        else:
+            a = lhs.clone().requires_grad_(True)
+            b = weights.clone().requires_grad_(True)
+            step = lambda: torch.autograd.grad(fn(a, b), (a, b), cot)  # noqa: E731
+        _try(times, errors, f"fwd+bwd/{name}", lambda: _time_torch(step, smoke))
+    return times, errors, (lhs, rhs, cot)
+
+
+def _bench_jax(lhs_np, rhs_np, sizes_np, dtype, smoke, rng):
+    import jax
+    import jax.numpy as jnp
+
+    import ejkernel_jax
+
+    lhs, rhs = jnp.asarray(lhs_np).astype(dtype), jnp.asarray(rhs_np).astype(dtype)
+    gs = jnp.asarray(sizes_np)
+    cot = jnp.asarray(rng.standard_normal((lhs_np.shape[0], rhs_np.shape[2]), dtype=np.float32)).astype(dtype)
+    methods = {
+        "ours_jax": lambda a, b, s: ejkernel_jax.grouped_matmul(a, b, s),
+        "jax.lax.ragged_dot": lambda a, b, s: jax.lax.ragged_dot(a, b, s),
+    }
+    times, errors = {}, {}
+    for name, fn in methods.items():
+        fwd = jax.jit(fn)
+        _try(times, errors, f"fwd/{name}", lambda: _time_jax(fwd, (lhs, rhs, gs), smoke))
+        # fwd+bwd: the vjp of the op (forward included, as in a training step).
+        step = jax.jit(lambda a, b, s, c, fn=fn: jax.vjp(lambda x, y: fn(x, y, s), a, b)[1](c))
+        _try(times, errors, f"fwd+bwd/{name}", lambda: _time_jax(lambda *xs: step(*xs)[0], (lhs, rhs, gs, cot), smoke))
+    return times, errors
+
+
+def _sweep(lhs, rhs, sizes_np, smoke) -> dict:
+    import torch
+
+    import ejkernel_torch
+
+    gs = torch.from_numpy(sizes_np).to(lhs.device)
+    out = {}
+    for params in SWEEP_CONFIGS:
+        key = f"{params.blocksize_m}x{params.blocksize_n}x{params.blocksize_k}-w{params.num_warps}-s{params.num_stages}"
+        errors = {}
+        call = lambda: ejkernel_torch.grouped_matmul(lhs, rhs, gs, fwd_params=params)  # noqa: E731
+        _try(out, errors, key, lambda: _time_torch(call, smoke))
+        if errors:
+            out[key] = errors[key]
+    return out
+
+
+def _plan_summary(m, k, n, g, dtype, smoke) -> dict:
+    from ejkernel_torch.launch import device_facts
+    from triton_kernels.grouped_matmul import gmm_plan, tgmm_plan
+
+    facts = device_facts("cpu" if smoke else "cuda")
+    plans = {"fwd": gmm_plan(m, k, n, g, g, False, dtype, dtype, facts),
+             "d_lhs": gmm_plan(m, n, k, g, g, True, dtype, dtype, facts),
+             "d_rhs": tgmm_plan(m, k, n, g, g, True, dtype, dtype, facts)}
+    return {name: {**{c: v for c, v in p.constexprs if c.startswith("BLOCK")}, "num_warps": p.num_warps,
+                   "num_stages": p.num_stages, "grid": p.grid[0]} for name, p in plans.items()}
+
+
+def run_shape(g, m, k, n, routing, dtype, smoke, sweep, seed=0) -> dict:
+    rng = np.random.default_rng(seed)
+    sizes = group_sizes(m, g, routing, rng)
+    lhs_np = rng.standard_normal((m, k), dtype=np.float32)
+    rhs_np = rng.standard_normal((g, k, n), dtype=np.float32) / np.sqrt(k)
+    flops = 2.0 * float(sizes.sum()) * k * n
+    times, errors, (lhs, rhs, _) = _bench_torch(lhs_np, rhs_np, sizes, dtype, smoke, rng)
+    jt, je = _bench_jax(lhs_np, rhs_np, sizes, dtype, smoke, rng)
+    times.update(jt)
+    errors.update(je)
+    # fwd+bwd does three matmuls of the forward's size (out, d_lhs, d_rhs).
+    tflops = {name: (1 if name.startswith("fwd/") else 3) * flops / (ms * 1e-3) / 1e12 for name, ms in times.items()}
+    row = {"experts": g, "tokens": m, "k": k, "n": n, "routing": routing, "dtype": dtype,
+           "max_group": int(sizes.max()), "ms": times, "tflops": tflops, "errors": errors,
+           "plans": _plan_summary(m, k, n, g, dtype, smoke)}
+    for phase, mine, base in itertools.product(("fwd", "fwd+bwd"), ("ours_torch", "ours_torch_op"),
+                                               ("torch._grouped_mm", "dense_matmul", "torch_loop")):
+        if times.get(f"{phase}/{mine}") and times.get(f"{phase}/{base}"):  # > 1: ours is faster
+            row[f"{phase}: {mine} vs {base}"] = times[f"{phase}/{base}"] / times[f"{phase}/{mine}"]
+    for phase in ("fwd", "fwd+bwd"):
+        if times.get(f"{phase}/ours_jax") and times.get(f"{phase}/jax.lax.ragged_dot"):
+            row[f"{phase}: ours_jax vs ragged_dot"] = times[f"{phase}/jax.lax.ragged_dot"] / times[f"{phase}/ours_jax"]
+    if sweep:
+        row["sweep_fwd_ms"] = _sweep(lhs, rhs, sizes, smoke)
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# output
+
+
+def write_svg(path: str, rows: list[dict], phase: str = "fwd") -> None:
+    """Grouped bar chart of TFLOP/s per shape and method (no plotting library needed)."""
+    methods = sorted({k.split("/", 1)[1] for r in rows for k in r["tflops"] if k.startswith(phase + "/")})
+    if not rows or not methods:
+        return
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
+    top = max(max((r["tflops"].get(f"{phase}/{m}", 0) for m in methods), default=0) for r in rows) or 1.0
+    bar, gap, height, left = 10, 24, 300, 60
+    width = left + len(rows) * (len(methods) * bar + gap) + 220
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + 140}" font-size="11" '
+           'font-family="sans-serif">',
+           f'<text x="{left}" y="16">{phase} TFLOP/s (useful FLOPs), higher is better</text>']
+    for t in range(5):
+        y = 30 + height - height * t / 4
+        out.append(f'<text x="4" y="{y + 4:.0f}">{top * t / 4:.0f}</text>'
+                   f'<line x1="{left - 4}" x2="{width - 220}" y1="{y:.0f}" y2="{y:.0f}" stroke="#ddd"/>')
+    for i, r in enumerate(rows):
+        x0 = left + i * (len(methods) * bar + gap)
+        for j, m in enumerate(methods):
+            v = r["tflops"].get(f"{phase}/{m}", 0)
+            h = height * v / top
+            out.append(f'<rect x="{x0 + j * bar}" y="{30 + height - h:.1f}" width="{bar - 1}" height="{h:.1f}" '
+                       f'fill="{colors[j % len(colors)]}"><title>{m}: {v:.1f}</title></rect>')
+        label = f'g{r["experts"]} m{r["tokens"] // 1024}k k{r["k"]} n{r["n"]} {r["routing"][:4]}'
+        out.append(f'<text transform="translate({x0 + 4},{height + 40}) rotate(60)">{label}</text>')
+    for j, m in enumerate(methods):
+        y = 40 + 16 * j
+        out.append(f'<rect x="{width - 210}" y="{y - 9}" width="10" height="10" fill="{colors[j % len(colors)]}"/>'
+                   f'<text x="{width - 195}" y="{y}">{m}</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out))
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="default")
+    parser.add_argument("--routing", nargs="*", default=list(ROUTINGS), choices=ROUTINGS)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--sweep", action="store_true", help="also time SWEEP_CONFIGS for our forward")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter): checks the script")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    import jax
+    import torch
+
+    if args.smoke:
+        shapes, device = [(4, 200, 48, 40), (3, 97, 33, 20)], "cpu"
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("needs a CUDA GPU (or --smoke)")
+        shapes, device = SHAPES[args.shapes], device_name()
+    rows = []
+    for (g, m, k, n), routing in itertools.product(shapes, args.routing):
+        row = run_shape(g, m, k, n, routing, args.dtype, args.smoke, args.sweep)
+        rows.append(row)
+        t = row["tflops"]
+        print(f"g{g:<4d} m{m:<6d} k{k:<5d} n{n:<5d} {routing:8s} fwd TFLOP/s: "
+              + ", ".join(f"{name.split('/')[1]} {v:.3g}" for name, v in t.items() if name.startswith("fwd/"))
+              + " | fwd+bwd: "
+              + ", ".join(f"{name.split('/')[1]} {v:.3g}" for name, v in t.items() if name.startswith("fwd+bwd/")),
+              flush=True)
+        for name, err in row["errors"].items():
+            print(f"    {name}: {err}")
+    name = "cpu-smoke" if args.smoke else device
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"grouped_matmul-{name}.json")
+    ratios = {}
+    for key in {k for r in rows for k in r if " vs " in k}:
+        values = [r[key] for r in rows if key in r]
+        ratios[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    write_json(out, {"device": device, "torch": torch.__version__, "jax": jax.__version__,
+                     "method": "torch: triton.testing.do_bench median (events, L2 flushed); jax: median of 9 "
+                               "batches of 50 pipelined calls; TFLOP/s on 2*sum(group_sizes)*k*n per matmul "
+                               "(x3 for fwd+bwd)",
+                     "ratios": ratios, "results": rows})
+    write_svg(out.removesuffix(".json") + ".svg", rows)
+    write_svg(out.removesuffix(".json") + "-fwd+bwd.svg", rows, "fwd+bwd")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""grouped_matmul (gmm) and transposed_grouped_matmul (tgmm) on jax arrays, with custom VJPs.
+
+``grouped_matmul`` dispatches by platform: on TPU the Pallas kernel
+(``ejkernel_jax.pallas.tpu.grouped_matmul``), elsewhere the shared Triton kernels (compiled
+through jax-triton on GPU, the Triton interpreter on CPU). ``platform=`` overrides the choice;
+``platform="tpu"`` off a TPU runs Pallas in interpret mode.
+
+Value checks on ``group_sizes`` (negative sizes, ``sum > m``) and ``group_offset`` run when the
+values are concrete. Under ``jax.jit`` they are traced and cannot be checked: the kernels then
+clamp them (no out-of-bounds access, meaningless result).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel_jax.launch import device_facts, launch
+from ejkernel_jax.ops._common import array_arg, is_concrete, name_of
+from triton_kernels import grouped_matmul as gm
+from triton_kernels.params import FwdParams
+
+PLATFORMS = ("tpu", "gpu", "cuda", "cpu")
+
+# --------------------------------------------------------------------------------------------
+# Triton path: inputs checked; group_offset is an int32 [1] array; out_dtype a dtype name
+
+
+def _gmm_launch(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype, params):
+    m, k = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    plan = gm.gmm_plan(m, k, n, group_sizes.shape[0], rhs.shape[0], transpose_rhs, name_of(lhs), out_dtype,
+                       device_facts(), params)
+    return launch(plan, lhs, rhs, group_sizes, offset)[0]
+
+
+def _tgmm_launch(lhs, rhs, group_sizes, offset, num_selected, lhs_mk, out_dtype, params):
+    m, k = lhs.shape if lhs_mk else lhs.shape[::-1]
+    plan = gm.tgmm_plan(m, k, rhs.shape[1], group_sizes.shape[0], num_selected, lhs_mk, name_of(lhs), out_dtype,
+                        device_facts(), params)
+    return launch(plan, lhs, rhs, group_sizes, offset)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _gmm(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype, params):
+    return _gmm_launch(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype, params)
+
+
+def _gmm_fwd(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype, params):
+    # The op itself, not the raw launch: gradients of gradients differentiate this too.
+    out = _gmm(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype, params)
+    return out, (lhs, rhs, group_sizes, offset)
+
+
+def _gmm_bwd(transpose_rhs, out_dtype, params, residuals, grad):
+    lhs, rhs, group_sizes, offset = residuals
+    grad = grad.astype(lhs.dtype)  # a bf16 model keeps a bf16 backward
+    # d_lhs[rows_g] = grad[rows_g] @ rhs[g]^T
+    d_lhs = _gmm(grad, rhs, group_sizes, offset, not transpose_rhs, name_of(lhs), None)
+    # d_rhs[g] = lhs[rows_g]^T @ grad[rows_g] (or its transpose), lhs read as [m, k]: no transpose
+    a, b = (grad, lhs) if transpose_rhs else (lhs, grad)
+    d_rhs = _tgmm(a, b, group_sizes, offset, rhs.shape[0], True, name_of(rhs), None)
+    return d_lhs, d_rhs, None, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _tgmm(lhs, rhs, group_sizes, offset, num_selected, lhs_mk, out_dtype, params):
+    return _tgmm_launch(lhs, rhs, group_sizes, offset, num_selected, lhs_mk, out_dtype, params)
+
+
+def _tgmm_fwd(lhs, rhs, group_sizes, offset, num_selected, lhs_mk, out_dtype, params):
+    out = _tgmm(lhs, rhs, group_sizes, offset, num_selected, lhs_mk, out_dtype, params)
+    return out, (lhs, rhs, group_sizes, offset)
+
+
+def _tgmm_bwd(num_selected, lhs_mk, out_dtype, params, residuals, grad):
+    lhs, rhs, group_sizes, offset = residuals
+    grad = grad.astype(lhs.dtype)  # [groups, k, n]
+    # d_lhs[:, rows_g] = grad[g] @ rhs[rows_g]^T, built as [m, k]
+    d_lhs = _gmm(rhs, grad, group_sizes, offset, True, name_of(lhs), None)
+    # d_rhs[rows_g] = lhs[:, rows_g]^T @ grad[g]
+    d_rhs = _gmm(lhs if lhs_mk else lhs.T, grad, group_sizes, offset, False, name_of(rhs), None)
+    return (d_lhs if lhs_mk else d_lhs.T), d_rhs, None, None
+
+
+_tgmm.defvjp(_tgmm_fwd, _tgmm_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# argument handling
+
+
+def _group_sizes_arg(group_sizes, m: int):
+    group_sizes = array_arg("group_sizes", group_sizes)
+    num_groups = gm.check_group_sizes(tuple(group_sizes.shape), name_of(group_sizes))
+    if num_groups and is_concrete(group_sizes):
+        sizes = np.asarray(group_sizes).astype(np.int64)
+        gm.check_group_values(int(sizes.min()), int(sizes.sum()), m)
+    return group_sizes
+
+
+def _group_offset_arg(group_offset, num_groups: int, num_selected: int) -> jax.Array:
+    """group_offset as an int32 [1] array; its value is checked when concrete."""
+    if group_offset is None:
+        group_offset = 0
+    if isinstance(group_offset, (bool, np.bool_)):
+        raise TypeError(f"group_offset must be an int or an integer scalar array, got {group_offset!r}")
+    if isinstance(group_offset, (int, np.integer)):
+        gm.check_group_offset_value(int(group_offset), num_groups, num_selected)
+        return jnp.full((1,), int(group_offset), jnp.int32)
+    if not isinstance(group_offset, (jax.Array, np.ndarray)):
+        raise TypeError(f"group_offset must be an int or an integer scalar array, got {group_offset!r}")
+    gm.check_group_offset_shape(tuple(group_offset.shape), jnp.dtype(group_offset.dtype).name)
+    if is_concrete(group_offset):
+        gm.check_group_offset_value(int(np.asarray(group_offset).reshape(())), num_groups, num_selected)
+    return jnp.reshape(group_offset, (1,)).astype(jnp.int32)
+
+
+def _out_dtype(preferred_element_type, default: str) -> str:
+    if preferred_element_type is None:
+        return default
+    try:
+        name = jnp.dtype(preferred_element_type).name
+    except TypeError:
+        raise TypeError(f"preferred_element_type must be a dtype or None, got {preferred_element_type!r}") from None
+    gm.check_out_dtype(name)
+    return name
+
+
+def _platform(platform) -> str:
+    if platform is None:
+        return jax.default_backend()
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {PLATFORMS} or None, got {platform!r}")
+    return platform
+
+
+def _pallas_tiling(params: FwdParams | None):
+    """fwd_params' block sizes as a Pallas tiling (tm, tk, tn); unset sizes keep Pallas' 128."""
+    if params is None:
+        return (128, 128, 128)
+    return tuple(getattr(params, f) or 128 for f in ("blocksize_m", "blocksize_k", "blocksize_n"))
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                   preferred_element_type=None, transpose_rhs: bool = False,
+                   group_offset: int | jax.Array | None = None,
+                   fwd_params: FwdParams | dict | None = None, platform: str | None = None) -> jax.Array:
+    """Grouped matmul for MoE: ``out[rows_g] = lhs[rows_g] @ rhs[g - group_offset]``.
+
+    ``lhs`` is ``[m, k]``; ``rhs`` is ``[num_selected, k, n]`` (``[num_selected, n, k]`` if
+    ``transpose_rhs``), same float dtype; ``group_sizes`` is int32 ``[num_groups]``
+    (``num_groups >= num_selected``) and splits the rows of ``lhs`` into consecutive groups.
+    ``group_offset`` (int or integer scalar array, may be traced; default 0) selects groups
+    ``[group_offset, group_offset + num_selected)``. Rows of other groups and rows past
+    ``sum(group_sizes)`` are zeros. Accumulates in float32; the output dtype is
+    ``preferred_element_type`` (default: the input dtype). ``fwd_params`` overrides the forward
+    kernel's block sizes (Triton: also ``num_warps``/``num_stages``; Pallas: the tiling).
+    ``platform``: None (the default backend), "tpu" (Pallas), "gpu"/"cuda"/"cpu" (Triton).
+    Differentiable in lhs and rhs.
+    """
+    lhs, rhs = array_arg("lhs", lhs), array_arg("rhs", rhs)
+    group_sizes = array_arg("group_sizes", group_sizes)
+    m, k, n, num_groups, num_selected = gm.check_gmm(
+        tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
+        tuple(group_sizes.shape), name_of(group_sizes), bool(transpose_rhs))
+    out_dtype = _out_dtype(preferred_element_type, name_of(lhs))
+    params = FwdParams.coerce(fwd_params) if fwd_params is not None else None
+    group_sizes = _group_sizes_arg(group_sizes, m)
+    offset = _group_offset_arg(group_offset, num_groups, num_selected)
+    if _platform(platform) == "tpu":
+        from ejkernel_jax.pallas.tpu import grouped_matmul as pallas_gm
+
+        return pallas_gm.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.dtype(out_dtype),
+                                        tiling=_pallas_tiling(params), group_offset=offset[0],
+                                        transpose_rhs=bool(transpose_rhs))
+    gm.gmm_plan(m, k, n, num_groups, num_selected, bool(transpose_rhs), name_of(lhs), out_dtype,
+                device_facts(), params)  # bad fwd_params fail here, before tracing the op
+    return _gmm(lhs, rhs, group_sizes, offset, bool(transpose_rhs), out_dtype, params)
+
+
+def transposed_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                              preferred_element_type=None, group_offset: int | jax.Array | None = None,
+                              num_actual_groups: int | None = None,
+                              fwd_params: FwdParams | dict | None = None, platform: str | None = None) -> jax.Array:
+    """Transposed grouped matmul: ``out[i] = lhs[:, rows_g] @ rhs[rows_g]`` with ``g = group_offset + i``.
+
+    ``lhs`` is ``[k, m]``, ``rhs`` ``[m, n]``; returns ``[num_actual_groups, k, n]`` (default: all
+    groups, static); an empty group gives zeros. The weight gradient of ``grouped_matmul``.
+    ``fwd_params``: ``blocksize_k`` x ``blocksize_n`` is the output tile, ``blocksize_m`` the rows
+    summed per step. ``platform`` as in ``grouped_matmul``. Differentiable in lhs and rhs.
+    """
+    lhs, rhs = array_arg("lhs", lhs), array_arg("rhs", rhs)
+    group_sizes = array_arg("group_sizes", group_sizes)
+    m, k, n, num_groups, num_selected = gm.check_tgmm(
+        tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
+        tuple(group_sizes.shape), name_of(group_sizes), num_actual_groups)
+    out_dtype = _out_dtype(preferred_element_type, name_of(lhs))
+    params = FwdParams.coerce(fwd_params) if fwd_params is not None else None
+    group_sizes = _group_sizes_arg(group_sizes, m)
+    offset = _group_offset_arg(group_offset, num_groups, num_selected)
+    if _platform(platform) == "tpu":
+        from ejkernel_jax.pallas.tpu import grouped_matmul as pallas_gm
+
+        return pallas_gm.transposed_grouped_matmul(
+            lhs, rhs, group_sizes, preferred_element_type=jnp.dtype(out_dtype), tiling=_pallas_tiling(params),
+            group_offset=offset[0], num_actual_groups=num_selected)
+    gm.tgmm_plan(m, k, n, num_groups, num_selected, False, name_of(lhs), out_dtype, device_facts(), params)
+    return _tgmm(lhs, rhs, group_sizes, offset, num_selected, False, out_dtype, params)

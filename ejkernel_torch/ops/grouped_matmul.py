@@ -1,0 +1,217 @@
+"""grouped_matmul (gmm) and transposed_grouped_matmul (tgmm) on torch tensors.
+
+Both are registered ops (``torch.ops.ejkernel.grouped_matmul`` / ``transposed_grouped_matmul``) made
+with ``torch.library.triton_op``: on CUDA their bodies launch the shared Triton kernels through
+``wrap_triton``, so ``torch.compile(fullgraph=True)`` traces them without a graph break; on CPU they
+run the Triton interpreter inside an opaque op. Autograd is ``register_autograd``; the backward of
+each op is made of the two ops, so higher-order gradients run on the kernels too.
+
+Value checks on ``group_sizes`` (negative sizes, ``sum > m``) and on a tensor ``group_offset``
+read the values, a host sync on CUDA. They run eagerly, and are skipped while ``torch.compile``
+traces or a CUDA graph is captured; unchecked bad values are clamped by the kernels (no
+out-of-bounds access, meaningless result).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable
+from ejkernel_torch.ops._common import name_of, same_device, tensor_arg
+from triton_kernels import grouped_matmul as gm
+from triton_kernels.params import FwdParams
+
+_PARAM_FIELDS = ("blocksize_m", "blocksize_n", "blocksize_k", "num_warps", "num_stages")
+
+
+def _encode(params: FwdParams | None) -> Optional[list[int]]:
+    """FwdParams as a list of ints (0 = plan default): what a custom-op schema can carry."""
+    if params is None:
+        return None
+    return [getattr(params, f) or 0 for f in _PARAM_FIELDS]
+
+
+def _decode(encoded: Optional[list[int]]) -> FwdParams | None:
+    if encoded is None:
+        return None
+    return FwdParams(**{f: v for f, v in zip(_PARAM_FIELDS, encoded) if v})
+
+
+# --------------------------------------------------------------------------------------------
+# registered ops: inputs are already checked; group_offset is an int32 [1] tensor
+
+
+def _static(shape) -> tuple[int, ...]:
+    # Plans need concrete sizes: under dynamic-shape tracing this specializes (guards) on them.
+    return tuple(int(d) for d in shape)
+
+
+@torch.library.triton_op("ejkernel::grouped_matmul", mutates_args=())
+def _gmm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, group_offset: torch.Tensor,
+         transpose_rhs: bool, out_dtype: torch.dtype, params: Optional[list[int]]) -> torch.Tensor:
+    (m, k), (groups,), (selected, *rest) = _static(lhs.shape), _static(group_sizes.shape), _static(rhs.shape)
+    n = rest[0] if transpose_rhs else rest[1]
+    plan = gm.gmm_plan(m, k, n, groups, selected, transpose_rhs, dtype_name(lhs.dtype),
+                       dtype_name(out_dtype), device_facts(lhs.device), _decode(params))
+    return launch_traceable(plan, lhs.contiguous(), rhs.contiguous(), group_sizes, group_offset)[0]
+
+
+@torch.library.triton_op("ejkernel::transposed_grouped_matmul", mutates_args=())
+def _tgmm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, group_offset: torch.Tensor,
+          num_selected: int, lhs_mk: bool, out_dtype: torch.dtype, params: Optional[list[int]]) -> torch.Tensor:
+    """``lhs`` is [k, m], or [m, k] when ``lhs_mk`` (the gmm backward's layout: no transpose copy)."""
+    m, k = _static(lhs.shape) if lhs_mk else _static(lhs.shape)[::-1]
+    plan = gm.tgmm_plan(m, k, int(rhs.shape[1]), int(group_sizes.shape[0]), num_selected, lhs_mk, dtype_name(lhs.dtype),
+                        dtype_name(out_dtype), device_facts(lhs.device), _decode(params))
+    return launch_traceable(plan, lhs.contiguous(), rhs.contiguous(), group_sizes, group_offset)[0]
+
+
+def _gmm_setup(ctx, inputs, output):
+    lhs, rhs, group_sizes, group_offset, transpose_rhs, _, _ = inputs
+    ctx.save_for_backward(lhs, rhs, group_sizes, group_offset)
+    ctx.transpose_rhs = transpose_rhs
+
+
+def _gmm_backward(ctx, grad):
+    lhs, rhs, group_sizes, group_offset = ctx.saved_tensors
+    grad = grad.to(lhs.dtype).contiguous()  # a bf16 model keeps a bf16 backward
+    d_lhs = d_rhs = None
+    if ctx.needs_input_grad[0]:  # d_lhs[rows_g] = grad[rows_g] @ rhs[g]^T
+        d_lhs = _gmm(grad, rhs, group_sizes, group_offset, not ctx.transpose_rhs, lhs.dtype, None)
+    if ctx.needs_input_grad[1]:  # d_rhs[g] = lhs[rows_g]^T @ grad[rows_g] (or its transpose)
+        a, b = (grad, lhs) if ctx.transpose_rhs else (lhs, grad)
+        d_rhs = _tgmm(a, b, group_sizes, group_offset, rhs.shape[0], True, rhs.dtype, None)
+    return d_lhs, d_rhs, None, None, None, None, None
+
+
+_gmm.register_autograd(_gmm_backward, setup_context=_gmm_setup)
+
+
+def _tgmm_setup(ctx, inputs, output):
+    lhs, rhs, group_sizes, group_offset, num_selected, lhs_mk, _, _ = inputs
+    ctx.save_for_backward(lhs, rhs, group_sizes, group_offset)
+    ctx.lhs_mk = lhs_mk
+
+
+def _tgmm_backward(ctx, grad):
+    lhs, rhs, group_sizes, group_offset = ctx.saved_tensors
+    grad = grad.to(lhs.dtype).contiguous()  # [groups, k, n]
+    d_lhs = d_rhs = None
+    if ctx.needs_input_grad[0]:  # d_lhs[:, rows_g] = grad[g] @ rhs[rows_g]^T, built as [m, k]
+        d_lhs = _gmm(rhs, grad, group_sizes, group_offset, True, lhs.dtype, None)
+        d_lhs = d_lhs if ctx.lhs_mk else d_lhs.t()
+    if ctx.needs_input_grad[1]:  # d_rhs[rows_g] = lhs[:, rows_g]^T @ grad[g]
+        lhs_mk = lhs if ctx.lhs_mk else lhs.t().contiguous()
+        d_rhs = _gmm(lhs_mk, grad, group_sizes, group_offset, False, rhs.dtype, None)
+    return d_lhs, d_rhs, None, None, None, None, None, None
+
+
+_tgmm.register_autograd(_tgmm_backward, setup_context=_tgmm_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# argument handling
+
+
+def _checking_values() -> bool:
+    """Whether value checks (host syncs) may run now."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _group_args(group_sizes, group_offset, m: int, num_groups: int, num_selected: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """group_sizes as given (int32, checked) and group_offset as an int32 [1] tensor on ``device``."""
+    if group_sizes.device != device:
+        raise ValueError(f"group_sizes is on {group_sizes.device} but lhs is on {device}")
+    if group_offset is None:
+        group_offset = 0
+    if isinstance(group_offset, torch.Tensor):
+        gm.check_group_offset_shape(tuple(group_offset.shape), name_of(group_offset))
+        offset = group_offset.reshape(1).to(device=device, dtype=torch.int32)
+        offset_value = None
+    elif isinstance(group_offset, int) and not isinstance(group_offset, bool):
+        gm.check_group_offset_value(group_offset, num_groups, num_selected)
+        offset = torch.tensor([group_offset], dtype=torch.int32, device=device)
+        offset_value = group_offset
+    else:
+        raise TypeError(f"group_offset must be an int or an integer scalar tensor, got {group_offset!r}")
+    if _checking_values():
+        values = [group_sizes.min(), group_sizes.sum(dtype=torch.int64)] if num_groups else []
+        if offset_value is None:
+            values.append(group_offset.reshape(()).to(device))
+        if values:
+            got = torch.stack([v.to(torch.int64) for v in values]).tolist()  # one host sync
+            if num_groups:
+                gm.check_group_values(got[0], got[1], m)
+            if offset_value is None:
+                gm.check_group_offset_value(got[-1], num_groups, num_selected)
+    return group_sizes.contiguous(), offset
+
+
+def _out_dtype(preferred_element_type, default: torch.dtype) -> torch.dtype:
+    if preferred_element_type is None:
+        return default
+    if not isinstance(preferred_element_type, torch.dtype):
+        raise TypeError(f"preferred_element_type must be a torch.dtype or None, got {preferred_element_type!r}")
+    gm.check_out_dtype(str(preferred_element_type).removeprefix("torch."))
+    return preferred_element_type
+
+
+def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *,
+                   preferred_element_type: torch.dtype | None = None, transpose_rhs: bool = False,
+                   group_offset: int | torch.Tensor | None = None,
+                   fwd_params: FwdParams | dict | None = None) -> torch.Tensor:
+    """Grouped matmul for MoE: ``out[rows_g] = lhs[rows_g] @ rhs[g - group_offset]``.
+
+    ``lhs`` is ``[m, k]``; ``rhs`` is ``[num_selected, k, n]`` (``[num_selected, n, k]`` if
+    ``transpose_rhs``), same float dtype; ``group_sizes`` is int32 ``[num_groups]``
+    (``num_groups >= num_selected``) and splits the rows of ``lhs`` into consecutive groups.
+    ``group_offset`` (int or integer scalar tensor, default 0) selects groups
+    ``[group_offset, group_offset + num_selected)``. Rows of other groups and rows past
+    ``sum(group_sizes)`` are zeros. Accumulates in float32; the output dtype is
+    ``preferred_element_type`` (default: the input dtype). ``fwd_params`` overrides the forward
+    kernel's ``blocksize_m/n/k``, ``num_warps``, ``num_stages``. Differentiable in lhs and rhs.
+    """
+    lhs, rhs, group_sizes = (tensor_arg(n, t) for n, t in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)))
+    m, k, n, num_groups, num_selected = gm.check_gmm(
+        tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
+        tuple(group_sizes.shape), name_of(group_sizes), bool(transpose_rhs))
+    device = same_device(lhs=lhs, rhs=rhs)
+    out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
+    params = FwdParams.coerce(fwd_params) if fwd_params is not None else None
+    group_sizes, offset = _group_args(group_sizes, group_offset, m, num_groups, num_selected, device)
+    if not torch.compiler.is_compiling():  # bad fwd_params fail here (dynamo cannot trace plans)
+        gm.gmm_plan(m, k, n, num_groups, num_selected, bool(transpose_rhs), name_of(lhs), dtype_name(out_dtype),
+                    device_facts(device), params)
+    return _gmm(lhs.contiguous(), rhs.contiguous(), group_sizes, offset, bool(transpose_rhs), out_dtype,
+                _encode(params))
+
+
+def transposed_grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *,
+                              preferred_element_type: torch.dtype | None = None,
+                              group_offset: int | torch.Tensor | None = None,
+                              num_actual_groups: int | None = None,
+                              fwd_params: FwdParams | dict | None = None) -> torch.Tensor:
+    """Transposed grouped matmul: ``out[i] = lhs[:, rows_g] @ rhs[rows_g]`` with ``g = group_offset + i``.
+
+    ``lhs`` is ``[k, m]``, ``rhs`` ``[m, n]``; returns ``[num_actual_groups, k, n]`` (default: all
+    groups); an empty group gives zeros. This is the weight gradient of ``grouped_matmul``.
+    ``fwd_params``: ``blocksize_k`` x ``blocksize_n`` is the output tile, ``blocksize_m`` the rows
+    summed per step. Differentiable in lhs and rhs.
+    """
+    lhs, rhs, group_sizes = (tensor_arg(n, t) for n, t in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)))
+    m, k, n, num_groups, num_selected = gm.check_tgmm(
+        tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
+        tuple(group_sizes.shape), name_of(group_sizes), num_actual_groups)
+    device = same_device(lhs=lhs, rhs=rhs)
+    out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
+    params = FwdParams.coerce(fwd_params) if fwd_params is not None else None
+    group_sizes, offset = _group_args(group_sizes, group_offset, m, num_groups, num_selected, device)
+    if not torch.compiler.is_compiling():
+        gm.tgmm_plan(m, k, n, num_groups, num_selected, False, name_of(lhs), dtype_name(out_dtype),
+                     device_facts(device), params)
+    return _tgmm(lhs.contiguous(), rhs.contiguous(), group_sizes, offset, num_selected, False, out_dtype,
+                 _encode(params))

@@ -1,0 +1,75 @@
+"""Every grouped-matmul plan at realistic MoE shapes (forward and both backward kernels, the
+benchmark's configs too) compiles ahead of time for Hopper (sm_90) and fits its shared memory."""
+import pytest
+
+from benchmarks.grouped_matmul import SWEEP_CONFIGS
+from triton_kernels import HOPPER
+from triton_kernels.aot import compile_key, compile_plan
+from triton_kernels.grouped_matmul import gmm_plan, tgmm_plan
+
+# (tokens m, k, n, experts g): bf16 MoE layers of the sizes the benchmark runs, plus odd ones.
+SHAPES = [(65536, 4096, 2048, 8), (16384, 4096, 2048, 64), (8192, 4096, 2048, 128),
+          (32768, 7168, 1408, 16), (8192, 2048, 4096, 128), (1000, 4096, 2048, 8)]
+
+
+def _training_plans(m, k, n, g, dtype, transpose_rhs=False, params=None):
+    """The kernels one training step of a grouped matmul runs: forward, d_lhs, d_rhs."""
+    yield gmm_plan(m, k, n, g, g, transpose_rhs, dtype, dtype, HOPPER, params)
+    yield gmm_plan(m, n, k, g, g, not transpose_rhs, dtype, dtype, HOPPER)  # d_lhs
+    yield tgmm_plan(m, n if transpose_rhs else k, k if transpose_rhs else n, g, g, True, dtype, dtype, HOPPER)
+
+
+def _plans():
+    for m, k, n, g in SHAPES:
+        yield from _training_plans(m, k, n, g, "bfloat16")
+        yield tgmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER)  # public [k, m] layout
+    m, k, n, g = SHAPES[1]
+    yield from _training_plans(m, k, n, g, "bfloat16", transpose_rhs=True)
+    yield from _training_plans(m, k, n, g, "float16")
+    yield from _training_plans(4096, 1024, 512, 8, "float32")
+    yield gmm_plan(m, k, n, g, g, False, "bfloat16", "float32", HOPPER)  # preferred_element_type
+    yield gmm_plan(m, k, n, 2 * g, g, False, "bfloat16", "bfloat16", HOPPER)  # an expert-parallel shard
+    yield gmm_plan(37, 19, 23, 4, 4, False, "bfloat16", "bfloat16", HOPPER)  # ragged k and n
+    yield tgmm_plan(37, 19, 23, 4, 4, True, "bfloat16", "bfloat16", HOPPER)
+    for params in SWEEP_CONFIGS:  # what benchmarks/grouped_matmul.py --sweep tries
+        yield gmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER, params)
+
+
+def _unique_plans():
+    seen = {}
+    for plan in _plans():
+        seen.setdefault(compile_key(plan), plan)
+    return list(seen.values())
+
+
+PLANS = _unique_plans()
+
+
+def _id(plan):
+    c = plan.constexpr_dict
+    layout = f"T{int(c['TRANSPOSE_RHS'])}" if "TRANSPOSE_RHS" in c else f"MK{int(c['LHS_MK'])}"
+    return (f"{plan.name}-{plan.input_dtypes[0]}-{plan.outputs[0].dtype}-K{c['K']}-N{c['N']}-G{c['NUM_GROUPS']}"
+            f"-S{c['NUM_SELECTED']}-{layout}-{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}-w{plan.num_warps}"
+            f"-s{plan.num_stages}")
+
+
+SM_SHARED = 228 * 1024  # shared memory of one H100 SM, shared by its resident programs
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=_id)
+def test_compiles_for_hopper(plan):
+    kernel = compile_plan(plan)
+    assert kernel.metadata.num_warps == plan.num_warps
+    assert kernel.metadata.shared <= HOPPER.shared_memory, (kernel.metadata.shared, HOPPER.shared_memory)
+    # The persistent grid assumes its programs are all resident at once: check the real usage.
+    per_sm = -(-plan.grid[0] // HOPPER.num_sms)
+    assert per_sm * (kernel.metadata.shared + 1024) <= SM_SHARED, (per_sm, kernel.metadata.shared)
+    assert "cubin" in kernel.asm
+    if plan.input_dtypes[0] != "float32":
+        assert "wgmma" in kernel.asm["ptx"]  # Hopper tensor cores, not a fallback
+
+
+def test_grid_is_persistent():
+    for plan in PLANS:
+        assert 1 <= plan.grid[0] <= 2 * HOPPER.num_sms
+    assert any(plan.grid[0] > HOPPER.num_sms for plan in PLANS)  # small tiles: two programs per SM

@@ -1,0 +1,522 @@
+"""grouped_matmul / transposed_grouped_matmul: vs float64 loops of matmuls, gradients, group
+selection, zero sizes, torch-vs-jax parity, bad input, jit/compile, and the Pallas cross-check.
+
+Outputs are poisoned with NaN before every launch (conftest), so a row the kernels forget to
+write, e.g. past sum(group_sizes), fails the comparisons.
+"""
+import numpy as np
+import pytest
+
+from tests import references as ref
+from tests.frameworks import TOLERANCE, rel_error
+
+DTYPES = ["float32", "float16", "bfloat16"]
+SMALL = {"blocksize_m": 16, "blocksize_n": 16, "blocksize_k": 16}  # many tiles from small shapes
+
+
+def ragged_sizes(rng, m: int, groups: int, spare: int = 3) -> np.ndarray:
+    """``groups`` sizes with empty groups and ragged ones, summing to ``m - spare`` (rows past
+    the sum must come out as zeros)."""
+    total = max(m - spare, 0)
+    cuts = np.sort(rng.integers(0, total + 1, size=groups - 1)) if groups > 1 else np.array([], int)
+    sizes = np.diff(np.concatenate([[0], cuts, [total]])).astype(np.int32)
+    if groups > 2:  # make sure some groups are empty and one holds the rest
+        sizes[1] += sizes[0]
+        sizes[0] = 0
+    return sizes
+
+
+def bounds(sizes) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(sizes)])
+
+
+def _arrays(fw, rng, dtype, *shapes):
+    xs = [fw.asarray(rng.standard_normal(s), dtype) for s in shapes]
+    return xs, [fw.to_numpy(x) for x in xs]
+
+
+def _err(got, want, dtype):
+    return rel_error(got, want) < TOLERANCE[dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# gmm forward
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, k, n, groups, transpose_rhs", [
+    (1, 1, 1, 1, False), (37, 19, 23, 4, False), (100, 64, 96, 6, True), (130, 33, 70, 3, False),
+])
+def test_gmm_matches_float64(fw, rng, dtype, m, k, n, groups, transpose_rhs):
+    sizes = ragged_sizes(rng, m, groups, spare=min(3, m - 1))
+    rhs_shape = (groups, n, k) if transpose_rhs else (groups, k, n)
+    (lhs, rhs), (lhs_np, rhs_np) = _arrays(fw, rng, dtype, (m, k), rhs_shape)
+    out = fw.ops.grouped_matmul(lhs, rhs, fw.asarray(sizes), transpose_rhs=transpose_rhs)
+    assert str(out.dtype).endswith(dtype) and tuple(out.shape) == (m, n)
+    out = fw.to_numpy(out)
+    expected = ref.forward(ref.grouped_matmul, lhs_np, rhs_np, sizes, transpose_rhs=transpose_rhs)
+    assert _err(out, expected, dtype)
+    assert not out[sizes.sum():].any()  # rows past sum(group_sizes): exact zeros
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_gmm_small_tiles(fw, rng, transpose_rhs):
+    # 16-wide tiles: many row tiles per group, several k steps, ragged k and n edges.
+    m, k, n, groups = 150, 50, 40, 5
+    sizes = ragged_sizes(rng, m, groups)
+    rhs_shape = (groups, n, k) if transpose_rhs else (groups, k, n)
+    (lhs, rhs), (lhs_np, rhs_np) = _arrays(fw, rng, "float32", (m, k), rhs_shape)
+    out = fw.ops.grouped_matmul(lhs, rhs, fw.asarray(sizes), transpose_rhs=transpose_rhs, fwd_params=SMALL)
+    expected = ref.forward(ref.grouped_matmul, lhs_np, rhs_np, sizes, transpose_rhs=transpose_rhs)
+    assert _err(fw.to_numpy(out), expected, "float32")
+
+
+@pytest.mark.parametrize("group_offset", [0, 2, 4])
+def test_gmm_group_offset(fw, rng, group_offset):
+    # rhs holds 3 of 7 groups (one shard's experts); every other row is zero.
+    m, k, n, groups, held = 90, 24, 20, 7, 3
+    sizes = ragged_sizes(rng, m, groups, spare=5)
+    (lhs, rhs), (lhs_np, rhs_np) = _arrays(fw, rng, "float32", (m, k), (held, k, n))
+    for offset in (group_offset, fw.asarray(np.int32(group_offset))):
+        out = fw.to_numpy(fw.ops.grouped_matmul(lhs, rhs, fw.asarray(sizes), group_offset=offset, fwd_params=SMALL))
+        expected = ref.forward(ref.grouped_matmul, lhs_np, rhs_np, sizes, group_offset=group_offset)
+        assert _err(out, expected, "float32")
+        b = bounds(sizes)
+        assert not out[:b[group_offset]].any() and not out[b[group_offset + held]:].any()
+
+
+@pytest.mark.parametrize("dtype, out_dtype", [("bfloat16", "float32"), ("float32", "bfloat16"), ("float16", "float32")])
+def test_preferred_element_type(fw, rng, dtype, out_dtype):
+    m, k, n, groups = 40, 32, 24, 3
+    sizes = ragged_sizes(rng, m, groups)
+    (lhs, rhs), (lhs_np, rhs_np) = _arrays(fw, rng, dtype, (m, k), (groups, k, n))
+    out = fw.ops.grouped_matmul(lhs, rhs, fw.asarray(sizes), preferred_element_type=fw.dtype(out_dtype))
+    assert str(out.dtype).endswith(out_dtype)
+    # Accumulation is float32, so only the output rounding of out_dtype is allowed.
+    worst = out_dtype if TOLERANCE[out_dtype] > TOLERANCE[dtype] else dtype
+    assert _err(fw.to_numpy(out), ref.forward(ref.grouped_matmul, lhs_np, rhs_np, sizes), worst)
+    (lhs2, rhs2), (l2_np, r2_np) = _arrays(fw, rng, dtype, (k, m), (m, n))
+    out = fw.ops.transposed_grouped_matmul(lhs2, rhs2, fw.asarray(sizes), preferred_element_type=fw.dtype(out_dtype))
+    assert str(out.dtype).endswith(out_dtype)
+    assert _err(fw.to_numpy(out), ref.forward(ref.transposed_grouped_matmul, l2_np, r2_np, sizes), worst)
+
+
+# ---------------------------------------------------------------------------------------------
+# tgmm forward
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, k, n, groups", [(1, 1, 1, 1), (45, 21, 17, 5), (140, 40, 72, 3)])
+def test_tgmm_matches_float64(fw, rng, dtype, m, k, n, groups):
+    sizes = ragged_sizes(rng, m, groups, spare=min(3, m - 1))
+    (lhs, rhs), (lhs_np, rhs_np) = _arrays(fw, rng, dtype, (k, m), (m, n))
+    out = fw.ops.transposed_grouped_matmul(lhs, rhs, fw.asarray(sizes))
+    assert tuple(out.shape) == (groups, k, n)
+    out = fw.to_numpy(out)
+    assert _err(out, ref.forward(ref.transposed_grouped_matmul, lhs_np, rhs_np, sizes), dtype)
+    for g in np.flatnonzero(sizes == 0):  # empty groups: exact zeros
+        assert not out[g].any()
+
+
+@pytest.mark.parametrize("group_offset, num_actual_groups", [(0, 2), (3, 3), (1, 5), (6, 0)])
+def test_tgmm_group_selection(fw, rng, group_offset, num_actual_groups):
+    m, k, n, groups = 80, 30, 20, 6
+    sizes = ragged_sizes(rng, m, groups)
+    (lhs, rhs), (lhs_np, rhs_np) = _arrays(fw, rng, "float32", (k, m), (m, n))
+    out = fw.ops.transposed_grouped_matmul(lhs, rhs, fw.asarray(sizes), group_offset=group_offset,
+                                           num_actual_groups=num_actual_groups, fwd_params=SMALL)
+    expected = ref.forward(ref.transposed_grouped_matmul, lhs_np, rhs_np, sizes, group_offset=group_offset,
+                           num_actual_groups=num_actual_groups)
+    assert fw.to_numpy(out).shape == (num_actual_groups, k, n)
+    assert _err(fw.to_numpy(out), expected, "float32")
+
+
+def test_other_groups_values_never_leak(fw, rng):
+    # inf/NaN in rows outside a group must not reach that group's results (tiles straddle groups).
+    m, k, n = 64, 16, 16
+    sizes = np.array([20, 30, 10], np.int32)
+    lhs_np = rng.standard_normal((m, k)).astype(np.float32)
+    lhs_np[:20] = np.nan
+    lhs_np[50:] = np.inf
+    rhs_np = rng.standard_normal((m, n)).astype(np.float32)
+    out = fw.to_numpy(fw.ops.transposed_grouped_matmul(fw.asarray(lhs_np.T), fw.asarray(rhs_np), fw.asarray(sizes),
+                                                       group_offset=1, num_actual_groups=1))
+    assert np.isfinite(out).all()
+    assert _err(out[0], lhs_np[20:50].T.astype(np.float64) @ rhs_np[20:50], "float32")
+    w = rng.standard_normal((1, k, n)).astype(np.float32)
+    out = fw.to_numpy(fw.ops.grouped_matmul(fw.asarray(lhs_np), fw.asarray(w), fw.asarray(sizes), group_offset=1))
+    assert np.isfinite(out).all() and not out[:20].any() and not out[50:].any()
+
+
+# ---------------------------------------------------------------------------------------------
+# zero sizes
+
+
+@pytest.mark.parametrize("m, k, n, sizes", [
+    (0, 8, 8, [0, 0]), (10, 0, 8, [4, 6]), (10, 8, 0, [4, 6]), (10, 8, 8, [0, 0, 0]), (10, 8, 8, []),
+])
+def test_zero_sizes(fw, rng, m, k, n, sizes):
+    sizes = np.array(sizes, np.int32)
+    g = len(sizes)
+    (lhs, rhs), (lhs_np, rhs_np) = _arrays(fw, rng, "float32", (m, k), (g, k, n))
+    out = fw.to_numpy(fw.ops.grouped_matmul(lhs, rhs, fw.asarray(sizes)))
+    assert out.shape == (m, n)
+    np.testing.assert_allclose(out, ref.forward(ref.grouped_matmul, lhs_np, rhs_np, sizes), atol=1e-5)
+    assert not np.isnan(out).any()
+    (a, b), (a_np, b_np) = _arrays(fw, rng, "float32", (k, m), (m, n))
+    out = fw.to_numpy(fw.ops.transposed_grouped_matmul(a, b, fw.asarray(sizes)))
+    assert out.shape == (g, k, n) and not np.isnan(out).any()
+    np.testing.assert_allclose(out, ref.forward(ref.transposed_grouped_matmul, a_np, b_np, sizes), atol=1e-5)
+    cot = fw.asarray(np.ones((m, n), np.float32))
+    grads = fw.vjp(lambda x, y: fw.ops.grouped_matmul(x, y, fw.asarray(sizes)), [lhs, rhs], cot)
+    assert grads[0].shape == (m, k) and grads[1].shape == (g, k, n)
+    assert all(not np.isnan(x).any() for x in grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# gradients
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_gmm_gradients(fw, rng, dtype, transpose_rhs):
+    m, k, n, groups, held, offset = 70, 24, 40, 5, 3, 1
+    sizes = ragged_sizes(rng, m, groups)
+    (lhs, rhs), (lhs_np, rhs_np) = _arrays(fw, rng, dtype, (m, k), (held, n, k) if transpose_rhs else (held, k, n))
+    cot = fw.asarray(rng.standard_normal((m, n)), dtype)
+    kwargs = dict(transpose_rhs=transpose_rhs, group_offset=offset)
+    grads = fw.vjp(lambda x, y: fw.ops.grouped_matmul(x, y, fw.asarray(sizes), **kwargs), [lhs, rhs], cot)
+    expected = ref.vjp(ref.grouped_matmul, [lhs_np, rhs_np, sizes], fw.to_numpy(cot), n_diff=2, **kwargs)
+    for name, got, want in zip(("d_lhs", "d_rhs"), grads, expected):
+        assert _err(got, want, dtype), name
+    b = bounds(sizes)
+    assert not grads[0][:b[offset]].any() and not grads[0][b[offset + held]:].any()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tgmm_gradients(fw, rng, dtype):
+    m, k, n, groups = 60, 20, 28, 4
+    sizes = ragged_sizes(rng, m, groups)
+    kwargs = dict(group_offset=1, num_actual_groups=2)
+    (lhs, rhs), (lhs_np, rhs_np) = _arrays(fw, rng, dtype, (k, m), (m, n))
+    cot = fw.asarray(rng.standard_normal((2, k, n)), dtype)
+    grads = fw.vjp(lambda x, y: fw.ops.transposed_grouped_matmul(x, y, fw.asarray(sizes), **kwargs), [lhs, rhs], cot)
+    expected = ref.vjp(ref.transposed_grouped_matmul, [lhs_np, rhs_np, sizes], fw.to_numpy(cot), n_diff=2, **kwargs)
+    for name, got, want in zip(("d_lhs", "d_rhs"), grads, expected):
+        assert _err(got, want, dtype), name
+
+
+def test_gradients_with_preferred_element_type(fw, rng):
+    # bf16 inputs, float32 output: the cotangent is rounded to bf16 for the backward kernels.
+    m, k, n, groups = 50, 32, 16, 3
+    sizes = ragged_sizes(rng, m, groups)
+    (lhs, rhs), (lhs_np, rhs_np) = _arrays(fw, rng, "bfloat16", (m, k), (groups, k, n))
+    cot = rng.standard_normal((m, n)).astype(np.float32)
+    f32 = fw.dtype("float32")
+    grads = fw.vjp(lambda x, y: fw.ops.grouped_matmul(x, y, fw.asarray(sizes), preferred_element_type=f32),
+                   [lhs, rhs], fw.asarray(cot))
+    expected = ref.vjp(ref.grouped_matmul, [lhs_np, rhs_np, sizes], cot, n_diff=2)
+    for got, want in zip(grads, expected):
+        assert _err(got, want, "bfloat16")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_problems(fw, seed):
+    """Random sizes, group counts, shards, layouts and tiles: forward of both ops and gmm's gradients."""
+    rng = np.random.default_rng(seed)
+    m, k, n = (int(x) for x in rng.integers(1, [160, 70, 70]))
+    groups = int(rng.integers(1, 9))
+    held = int(rng.integers(0, groups + 1))
+    offset = int(rng.integers(0, groups - held + 1))
+    transpose_rhs = bool(rng.integers(2))
+    params = [None, SMALL, {"blocksize_m": 32, "blocksize_k": 16}][seed % 3]
+    sizes = ragged_sizes(rng, m, groups, spare=int(rng.integers(0, m)))
+    kwargs = dict(transpose_rhs=transpose_rhs, group_offset=offset)
+    (lhs, rhs, lhs_t), (lhs_np, rhs_np, lhs_t_np) = _arrays(
+        fw, rng, "float32", (m, k), (held, n, k) if transpose_rhs else (held, k, n), (k, m))
+    cot = rng.standard_normal((m, n)).astype(np.float32)
+    fn = lambda x, y: fw.ops.grouped_matmul(x, y, fw.asarray(sizes), fwd_params=params, **kwargs)  # noqa: E731
+    out = fw.to_numpy(fn(lhs, rhs))
+    assert _err(out, ref.forward(ref.grouped_matmul, lhs_np, rhs_np, sizes, **kwargs), "float32")
+    grads = fw.vjp(fn, [lhs, rhs], fw.asarray(cot))
+    if held:
+        expected = ref.vjp(ref.grouped_matmul, [lhs_np, rhs_np, sizes], cot, n_diff=2, **kwargs)
+    else:  # no group selected: the output is constant (torch's float64 reference has no graph)
+        expected = [np.zeros_like(lhs_np), np.zeros_like(rhs_np)]
+    for got, want in zip(grads, expected):
+        assert got.shape == want.shape and _err(got, want, "float32")
+    tout = fw.ops.transposed_grouped_matmul(lhs_t, fw.asarray(cot), fw.asarray(sizes), group_offset=offset,
+                                            num_actual_groups=held, fwd_params=params)
+    expected = ref.forward(ref.transposed_grouped_matmul, lhs_t_np, cot, sizes, group_offset=offset,
+                           num_actual_groups=held)
+    assert _err(fw.to_numpy(tout), expected, "float32")
+
+
+def _second_order_reference(lhs, rhs, sizes, **kwargs):
+    import torch
+
+    a, b = (torch.from_numpy(x).double().requires_grad_(True) for x in (lhs, rhs))
+    (ga,) = torch.autograd.grad((ref.grouped_matmul(a, b, torch.from_numpy(sizes), **kwargs) ** 2).sum(), a,
+                                create_graph=True)
+    (gb,) = torch.autograd.grad((ga ** 2).sum(), b)
+    return gb.numpy()
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_second_order_gradients(fw, rng, transpose_rhs):
+    # The backward is made of the differentiable ops, so gradients of gradients run on the kernels.
+    m, k, n, groups = 30, 12, 10, 3
+    sizes = ragged_sizes(rng, m, groups)
+    lhs = rng.standard_normal((m, k)).astype(np.float32)
+    rhs = rng.standard_normal((groups, n, k) if transpose_rhs else (groups, k, n)).astype(np.float32)
+    kwargs = dict(transpose_rhs=transpose_rhs, group_offset=0)
+    if fw.name == "torch":
+        import torch
+
+        a, b = (torch.from_numpy(x).requires_grad_(True) for x in (lhs, rhs))
+        out = fw.ops.grouped_matmul(a, b, torch.from_numpy(sizes), transpose_rhs=transpose_rhs)
+        (ga,) = torch.autograd.grad((out ** 2).sum(), a, create_graph=True)
+        (gb,) = torch.autograd.grad((ga ** 2).sum(), b)
+        got = gb.numpy()
+    else:
+        import jax
+
+        def inner(a, b):
+            return (fw.ops.grouped_matmul(a, b, sizes, transpose_rhs=transpose_rhs) ** 2).sum()
+
+        got = np.asarray(jax.grad(lambda b, a: (jax.grad(inner)(a, b) ** 2).sum())(rhs, lhs))
+    assert _err(got, _second_order_reference(lhs, rhs, sizes, **kwargs), "float32")
+
+
+# ---------------------------------------------------------------------------------------------
+# torch vs jax
+
+
+def test_torch_and_jax_agree(torch_fw, jax_fw, rng):
+    m, k, n, groups = 77, 40, 33, 4
+    sizes = ragged_sizes(rng, m, groups)
+    data = [rng.standard_normal(s).astype(np.float32) for s in ((m, k), (groups, k, n), (m, n), (k, m))]
+    results = []
+    for f in (torch_fw, jax_fw):
+        lhs, rhs, cot, lhs_t = (f.asarray(a, "bfloat16") for a in data)
+        gs = f.asarray(sizes)
+        out = f.ops.grouped_matmul(lhs, rhs, gs)
+        grads = f.vjp(lambda x, y: f.ops.grouped_matmul(x, y, gs), [lhs, rhs], cot)
+        tout = f.ops.transposed_grouped_matmul(lhs_t, cot, gs)
+        results.append([f.to_numpy(out), *grads, f.to_numpy(tout)])
+    for a, b in zip(*results):  # the same interpreter (or binary, on GPU) runs both
+        assert a.tobytes() == b.tobytes()
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input (checked before any kernel runs)
+
+
+def _gmm_bad_cases():
+    f32 = np.float32
+    return [
+        (dict(group_sizes=np.array([2, 3], np.int16)), TypeError, "group_sizes must be an int32"),
+        (dict(group_sizes=np.array([2.0, 3.0], f32)), TypeError, "group_sizes must be an int32"),
+        (dict(group_sizes=np.array([[2, 3]], np.int32)), ValueError, "group_sizes must be 1-D"),
+        (dict(group_sizes=np.array([-1, 3], np.int32)), ValueError, "group_sizes must be non-negative"),
+        (dict(group_sizes=np.array([4, 3], np.int32)), ValueError, r"sum\(group_sizes\) = 7 exceeds the 6 rows"),
+        (dict(lhs=np.zeros((2, 6, 4), f32)), ValueError, "lhs must be 2-D"),
+        (dict(rhs=np.zeros((8, 5), f32)), ValueError, "rhs must be 3-D"),
+        (dict(rhs=np.zeros((2, 5, 5), f32)), ValueError, "does not match lhs"),
+        (dict(rhs=np.zeros((2, 4, 5), np.float16)), TypeError, "lhs, rhs must share one dtype"),
+        (dict(lhs=np.zeros((6, 4), np.int32)), TypeError, "lhs must be a float"),
+        (dict(rhs=np.zeros((3, 4, 5), f32)), ValueError, "rhs has 3 groups but group_sizes only 2"),
+        (dict(rhs=np.zeros((1, 4, 5), f32), group_offset=2), ValueError, r"group_offset=2 selects groups \[2, 3\)"),
+        (dict(rhs=np.zeros((1, 4, 5), f32), group_offset=np.array(-1, np.int32)), ValueError, "group_offset=-1"),
+        (dict(group_offset=np.array([0, 1], np.int32)), ValueError, "group_offset must be a scalar"),
+        (dict(group_offset=np.array(0.0, f32)), TypeError, "group_offset must be an int"),
+        (dict(preferred_element_type="int32"), TypeError, "preferred_element_type must be"),
+        (dict(fwd_params={"blocksize_m": 8}), ValueError, "at least 16"),
+        (dict(fwd_params={"q_blocksize": 16}), ValueError, "do not apply"),
+    ]
+
+
+@pytest.mark.parametrize("kwargs, error, match", _gmm_bad_cases())
+def test_gmm_bad_input(fw, kwargs, error, match):
+    args = dict(lhs=np.zeros((6, 4), np.float32), rhs=np.zeros((2, 4, 5), np.float32),
+                group_sizes=np.array([2, 3], np.int32)) | kwargs
+    options = {}
+    for key in ("group_offset", "fwd_params", "preferred_element_type"):
+        if key in args:
+            value = args.pop(key)
+            options[key] = fw.asarray(value) if isinstance(value, np.ndarray) else value
+    if options.get("preferred_element_type") is not None:
+        options["preferred_element_type"] = fw.dtype(options["preferred_element_type"])
+    with pytest.raises(error, match=match):
+        fw.ops.grouped_matmul(*(fw.asarray(args[n]) for n in ("lhs", "rhs", "group_sizes")), **options)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(rhs=np.zeros((7, 5), np.float32)), ValueError, "disagree on m"),
+    (dict(num_actual_groups=3), ValueError, r"num_actual_groups must be in \[0, 2\]"),
+    (dict(num_actual_groups=True), TypeError, "num_actual_groups must be a Python int"),
+    (dict(num_actual_groups=1, group_offset=2), ValueError, "group_offset=2"),
+    (dict(group_sizes=np.array([5, 3], np.int32)), ValueError, "exceeds the 6 rows"),
+    (dict(lhs=np.zeros((4, 6, 1), np.float32)), ValueError, "lhs must be 2-D"),
+])
+def test_tgmm_bad_input(fw, kwargs, error, match):
+    args = dict(lhs=np.zeros((4, 6), np.float32), rhs=np.zeros((6, 5), np.float32),
+                group_sizes=np.array([2, 3], np.int32)) | kwargs
+    options = {key: args.pop(key) for key in ("num_actual_groups", "group_offset") if key in args}
+    with pytest.raises(error, match=match):
+        fw.ops.transposed_grouped_matmul(*(fw.asarray(args[n]) for n in ("lhs", "rhs", "group_sizes")), **options)
+
+
+def test_torch_rejects_mixed_devices_and_non_tensors(torch_fw):
+    import torch
+
+    import ejkernel_torch as ejk
+
+    lhs, rhs = torch.zeros(6, 4), torch.zeros(2, 4, 5)
+    with pytest.raises(TypeError, match="group_sizes must be a torch.Tensor"):
+        ejk.grouped_matmul(lhs, rhs, [2, 3])
+    with pytest.raises(TypeError, match="preferred_element_type must be a torch.dtype"):
+        ejk.grouped_matmul(lhs, rhs, torch.tensor([2, 3], dtype=torch.int32), preferred_element_type="float32")
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="group_sizes is on"):
+            ejk.grouped_matmul(lhs.cuda(), rhs.cuda(), torch.tensor([2, 3], dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# tracing: jax.jit with traced group sizes / offset, torch.compile
+
+
+def test_jax_jit_with_traced_groups(jax_fw, rng):
+    import jax
+
+    import ejkernel_jax as ejk
+
+    m, k, n, groups, held = 60, 16, 24, 5, 2
+    sizes = ragged_sizes(rng, m, groups)
+    lhs, rhs = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (held, k, n)))
+
+    @jax.jit
+    def f(lhs, rhs, sizes, offset):
+        return ejk.grouped_matmul(lhs, rhs, sizes, group_offset=offset, fwd_params=SMALL)
+
+    for offset in (0, 3):
+        out = np.asarray(f(lhs, rhs, sizes, np.int32(offset)))
+        expected = ref.forward(ref.grouped_matmul, lhs, rhs, sizes, group_offset=offset)
+        assert _err(out, expected, "float32")
+    # Traced bad values cannot be checked; the kernels clamp them: no crash, no NaN, no OOB.
+    bad = np.array([-5, 40, 40, 40, 40], np.int32)
+    assert np.isfinite(np.asarray(f(lhs, rhs, bad, np.int32(9)))).all()
+    grads = jax.jit(jax.grad(lambda x, y: (f(x, y, sizes, np.int32(1)) ** 2).sum(), argnums=(0, 1)))(lhs, rhs)
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+
+
+def test_torch_compile_fullgraph(torch_fw, rng):
+    import torch
+
+    import ejkernel_torch as ejk
+
+    m, k, n, groups = 40, 16, 16, 3
+    sizes = torch.from_numpy(ragged_sizes(rng, m, groups))
+    lhs = torch.randn(m, k, requires_grad=True)
+    rhs = torch.randn(groups, k, n, requires_grad=True)
+    fn = torch.compile(lambda a, b: ejk.grouped_matmul(a, b, sizes), backend="aot_eager", fullgraph=True)
+    out = fn(lhs, rhs)
+    out.sum().backward()
+    expected = ref.forward(ref.grouped_matmul, lhs.detach().numpy(), rhs.detach().numpy(), sizes.numpy())
+    assert _err(out.detach().numpy(), expected, "float32")
+    want = ref.vjp(ref.grouped_matmul, [lhs.detach().numpy(), rhs.detach().numpy(), sizes.numpy()],
+                   np.ones((m, n)), n_diff=2)
+    assert _err(lhs.grad.numpy(), want[0], "float32") and _err(rhs.grad.numpy(), want[1], "float32")
+
+
+def test_torch_library_ops_pass_opcheck(torch_fw, rng):
+    import torch
+
+    import importlib
+
+    mod = importlib.import_module("ejkernel_torch.ops.grouped_matmul")  # the module, not the op
+
+    sizes = torch.tensor([3, 0, 4], dtype=torch.int32)
+    offset = torch.zeros(1, dtype=torch.int32)
+    lhs, rhs = torch.randn(9, 8, requires_grad=True), torch.randn(3, 8, 5, requires_grad=True)
+    torch.library.opcheck(mod._gmm, (lhs, rhs, sizes, offset, False, torch.float32, None),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    lhs_t, rhs2 = torch.randn(8, 9), torch.randn(9, 5)
+    torch.library.opcheck(mod._tgmm, (lhs_t, rhs2, sizes, offset, 3, False, torch.float32, None),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pallas TPU kernel (interpret mode) vs the Triton kernels (interpreter), same inputs
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_pallas_and_triton_agree(jax_fw, rng, transpose_rhs):
+    import jax
+
+    import ejkernel_jax as ejk
+
+    m, k, n, groups, held, offset = 40, 16, 24, 5, 3, 1
+    sizes = ragged_sizes(rng, m, groups)
+    lhs = rng.standard_normal((m, k)).astype(np.float32)
+    rhs = rng.standard_normal((held, n, k) if transpose_rhs else (held, k, n)).astype(np.float32)
+    cot = rng.standard_normal((m, n)).astype(np.float32)
+    results = {}
+    for platform in ("tpu", "cpu"):
+        def f(x, y):
+            return ejk.grouped_matmul(x, y, sizes, transpose_rhs=transpose_rhs, group_offset=offset,
+                                      platform=platform)
+        out, pullback = jax.vjp(f, lhs, rhs)
+        results[platform] = [np.asarray(out), *(np.asarray(g) for g in pullback(cot))]
+    for got, want in zip(results["tpu"], results["cpu"]):
+        assert np.isfinite(want).all() and rel_error(got, want) < TOLERANCE["float32"]
+    a, b = rng.standard_normal((k, m)).astype(np.float32), rng.standard_normal((m, n)).astype(np.float32)
+    t = [np.asarray(ejk.transposed_grouped_matmul(a, b, sizes, group_offset=1, num_actual_groups=3, platform=p))
+         for p in ("tpu", "cpu")]
+    assert rel_error(t[0], t[1]) < TOLERANCE["float32"]
+
+
+def test_bad_platform(jax_fw):
+    import ejkernel_jax as ejk
+
+    with pytest.raises(ValueError, match="platform must be one of"):
+        ejk.grouped_matmul(np.zeros((2, 2), np.float32), np.zeros((1, 2, 2), np.float32), np.array([2], np.int32),
+                           platform="rocm")
+
+
+@pytest.mark.slow
+def test_benchmark_script_smoke(tmp_path):
+    """benchmarks/grouped_matmul.py --smoke: tiny shapes on CPU, every method timed or its error recorded."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "gmm.json"
+    subprocess.run([sys.executable, os.path.join(root, "benchmarks", "grouped_matmul.py"), "--smoke", "--sweep",
+                    "--routing", "skewed", "--out", str(out)], check=True, cwd=root, timeout=600)
+    rows = json.loads(out.read_text())["results"]
+    for row in rows:
+        for name in ("ours_torch", "ours_jax", "dense_matmul", "jax.lax.ragged_dot"):
+            assert f"fwd/{name}" in row["ms"] and f"fwd+bwd/{name}" in row["ms"], (name, row["errors"])
+        assert len(row["sweep_fwd_ms"]) == 5
+    assert (tmp_path / "gmm.svg").exists()
+
+
+def test_jax_reference_matches_torch_reference(rng):
+    """ejkernel_jax.reference's grouped matmuls (masks, traceable sizes) agree with the loops."""
+    import jax
+
+    from ejkernel_jax import reference as jref
+
+    m, k, n, groups = 40, 12, 9, 5
+    sizes = ragged_sizes(rng, m, groups)
+    lhs, rhs_t = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((3, n, k)).astype(np.float32)
+    got = jax.jit(lambda s: jref.grouped_matmul(lhs, rhs_t, s, transpose_rhs=True, group_offset=1))(sizes)
+    want = ref.forward(ref.grouped_matmul, lhs, rhs_t, sizes, transpose_rhs=True, group_offset=1)
+    assert _err(np.asarray(got), want, "float32")
+    a, b = rng.standard_normal((k, m)).astype(np.float32), rng.standard_normal((m, n)).astype(np.float32)
+    got = jref.transposed_grouped_matmul(a, b, sizes, group_offset=2, num_actual_groups=3)
+    want = ref.forward(ref.transposed_grouped_matmul, a, b, sizes, group_offset=2, num_actual_groups=3)
+    assert _err(np.asarray(got), want, "float32")

@@ -1,0 +1,438 @@
+"""ejkernel_torch.tpu: the Pallas TPU kernels called from torch through the DLPack bridge.
+
+* torch-facing vs jax: the same jax computation under one ``jax.jit``, so outputs *and*
+  gradients must be bit-identical to ``ejkernel_jax`` under ``jax.jit`` on the same inputs;
+* both vs a float64 torch reference (relative error, bounds per dtype fixed below);
+* bad input: TypeError / ValueError naming the argument, before anything is traced or run;
+* trace counting (no retrace for new values or equal-but-distinct static objects);
+* torch.compile: a documented graph break, right values and gradients.
+
+Off TPU the kernels run in Pallas interpret mode, which compiles slowly, so shapes are tiny and
+every expensive configuration is compiled in exactly one test; bigger shapes are ``slow``.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from ejkernel_jax.pallas.tpu import blocksparse_attention as jb
+from ejkernel_jax.pallas.tpu import grouped_matmul as jg
+from ejkernel_torch import reference, tpu
+from examples.parity.tpu import blocksparse_attention_reference
+from tests.frameworks import rel_error
+
+# Relative error vs float64 (outputs and gradients), by input dtype.
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+_ATTN_STATIC = ("mask", "causal", "sliding_window", "chunk_size", "softmax_scale", "logits_soft_cap",
+                "block_sizes", "interpret", "return_lse")
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+
+
+def _same_bits(t: torch.Tensor, a) -> bool:
+    a = np.asarray(a)
+    if str(a.dtype) != str(t.dtype).removeprefix("torch."):
+        return False
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() == a.tobytes()
+
+
+def _f64(x) -> torch.Tensor:
+    x = torch.as_tensor(np.asarray(x, dtype=np.float64)) if not isinstance(x, torch.Tensor) else x
+    return x.detach().cpu().to(torch.float64)
+
+
+def _check_ref(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str):
+    err = rel_error(_f64(got).numpy(), _f64(want).numpy())  # NaN anywhere -> inf
+    assert err <= TOL[dtype], f"{what}: relative error {err:.2e} > {TOL[dtype]:.0e}"
+
+
+def _torch_and_jax(arrays: list[np.ndarray], dtype: torch.dtype, grad: int):
+    """The same bits as torch tensors (the first ``grad`` requiring grad) and as jax arrays."""
+    ts = [torch.from_numpy(a).to(dtype) if a.dtype.kind == "f" else torch.from_numpy(a) for a in arrays]
+    ts = [t.requires_grad_(True) if i < grad else t for i, t in enumerate(ts)]
+    js = [jnp.asarray(t.detach().float().numpy()).astype(str(dtype).removeprefix("torch."))
+          if t.is_floating_point() else jnp.asarray(t.numpy()) for t in ts]
+    return ts, js
+
+
+def _traces(name: str) -> tuple[int, int]:
+    info = tpu.cache_info()[name]
+    return info["traces"], info["backward_traces"]
+
+
+# -- blocksparse attention: bits vs jax, values vs float64, caching ------------------------------------
+
+
+def test_attention_matches_jax_bitwise_and_float64(rng):
+    """GQA, causal Mask object, soft cap, return_lse (two outputs, both with cotangents)."""
+    B, S, H, Hkv, D = 1, 32, 2, 1, 16
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in ((B, S, H, D), (B, S, Hkv, D), (B, S, Hkv, D))]
+    do, dlse = rng.standard_normal((B, S, H, D)).astype(np.float32), rng.standard_normal((B, H, S)).astype(np.float32)
+    opts = dict(mask=tpu.CausalMask((S, S)), logits_soft_cap=4.0, block_sizes=tpu.BlockSizes(16, 16), return_lse=True)
+    (q, k, v), (jq, jk, jv) = _torch_and_jax(arrays, torch.float32, grad=3)
+
+    out, lse = tpu.blocksparse_attention(q, k, v, **opts)
+    torch.autograd.backward([out, lse], [torch.from_numpy(do), torch.from_numpy(dlse)])
+
+    jitted = jax.jit(jb.blocksparse_attention, static_argnames=_ATTN_STATIC)
+    (jout, jlse), pullback = jax.vjp(functools.partial(jitted, **opts), jq, jk, jv)
+    jgrads = pullback((jnp.asarray(do), jnp.asarray(dlse)))
+    for name, t, a in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, q.grad, k.grad, v.grad), (jout, jlse, *jgrads)):
+        assert _same_bits(t, a), f"{name} differs from jax"
+
+    # float64 reference
+    rq, rk, rv = (_f64(x).requires_grad_(True) for x in arrays)
+    ropts = dict(opts, block_sizes=None)
+    rout, rlse = blocksparse_attention_reference(rq, rk, rv, **ropts)
+    torch.autograd.backward([rout, rlse], [_f64(do), _f64(dlse)])
+    for name, got, want in (("out", out, rout), ("lse", lse, rlse), ("dq", q.grad, rq.grad),
+                            ("dk", k.grad, rk.grad), ("dv", v.grad, rv.grad)):
+        _check_ref(got, want, torch.float32, name)
+
+    # New values and an equal (not identical) mask object: no retrace, forward or backward.
+    before = _traces("blocksparse_attention")
+    q2, k2, v2 = (torch.randn_like(x).requires_grad_(True) for x in (q, k, v))
+    out2, lse2 = tpu.blocksparse_attention(q2, k2, v2, **dict(opts, mask=tpu.CausalMask((S, S))))
+    (out2.sum() + lse2.sum()).backward()
+    assert _traces("blocksparse_attention") == before
+    assert torch.isfinite(q2.grad).all()
+
+
+def test_attention_dynamic_mask_segments_gradients(rng):
+    """A bool tensor mask (traced) with int64 segment ids (used as int32): forward bits vs jax,
+    fwd + bwd vs float64. Rows cut off by the mask and the segments get 0 and zero gradients."""
+    B, S, H, D = 2, 16, 2, 8
+    arrays = [rng.standard_normal((B, S, H, D)).astype(np.float32) for _ in range(3)]
+    keep = rng.random((H, S, S)) < 0.6
+    keep[:, 3, :] = False  # a fully masked row
+    seg = np.repeat(np.array([[0, 1], [7, -2]]), S // 2, axis=1)  # ids are plain labels, negatives too
+    (q, k, v), (jq, jk, jv) = _torch_and_jax(arrays, torch.float32, grad=3)
+    mask, seg_t = torch.from_numpy(keep), torch.from_numpy(seg)  # int64
+    opts = dict(block_sizes=tpu.BlockSizes(8, 8))
+
+    out = tpu.blocksparse_attention(q, k, v, mask=mask, q_segment_ids=seg_t, kv_segment_ids=seg_t, **opts)
+    dynamic = tuple(n for n in _ATTN_STATIC if n != "mask")  # the mask is an array here
+    jout = jax.jit(jb.blocksparse_attention, static_argnames=dynamic)(
+        jq, jk, jv, mask=jnp.asarray(keep), q_segment_ids=jnp.asarray(seg, jnp.int32),
+        kv_segment_ids=jnp.asarray(seg, jnp.int32), **opts)
+    assert _same_bits(out.detach(), jout)
+    cot = torch.from_numpy(rng.standard_normal(out.shape).astype(np.float32))
+    out.backward(cot)
+
+    rq, rk, rv = (_f64(x).requires_grad_(True) for x in arrays)
+    rout = blocksparse_attention_reference(rq, rk, rv, mask=mask, q_segment_ids=seg_t, kv_segment_ids=seg_t)
+    rout.backward(_f64(cot))
+    for name, got, want in (("out", out, rout), ("dq", q.grad, rq.grad), ("dk", k.grad, rk.grad),
+                            ("dv", v.grad, rv.grad)):
+        _check_ref(got, want, torch.float32, name)
+    assert torch.all(out[:, 3] == 0) and torch.all(q.grad[:, 3] == 0)
+    assert seg_t.grad is None and mask.grad is None
+
+
+# -- grouped matmul -----------------------------------------------------------------------------------
+
+
+def test_gmm_matches_jax_bitwise_and_float64(rng):
+    """rhs holds groups [1, 3) of 4 through a traced group_offset tensor; an empty group; rows past
+    sum(group_sizes) are zeros. Then: new sizes / offset values do not retrace."""
+    m, k, n = 40, 24, 16
+    sizes = np.array([9, 0, 17, 6], np.int32)  # sum 32 < m
+    arrays = [rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((2, k, n)).astype(np.float32), sizes]
+    (lhs, rhs, gs), (jl, jr, jgs) = _torch_and_jax(arrays, torch.float32, grad=2)
+    offset = torch.tensor(1, dtype=torch.int32)
+    opts = dict(tiling=(8, 8, 8))
+
+    out = tpu.grouped_matmul(lhs, rhs, gs, group_offset=offset, **opts)
+    cot = rng.standard_normal((m, n)).astype(np.float32)
+    out.backward(torch.from_numpy(cot))
+    jitted = jax.jit(jg.grouped_matmul, static_argnames=("tiling",))
+    jout, pullback = jax.vjp(lambda a, b: jitted(a, b, jgs, group_offset=jnp.int32(1), **opts), jl, jr)
+    jd_lhs, jd_rhs = pullback(jnp.asarray(cot))
+    for name, t, a in (("out", out, jout), ("d_lhs", lhs.grad, jd_lhs), ("d_rhs", rhs.grad, jd_rhs)):
+        assert _same_bits(t, a), f"{name} differs from jax"
+
+    rl, rr = (_f64(x).requires_grad_(True) for x in arrays[:2])
+    rout = reference.grouped_matmul(rl, rr, gs, group_offset=1)
+    rout.backward(_f64(cot))
+    for name, got, want in (("out", out, rout), ("d_lhs", lhs.grad, rl.grad), ("d_rhs", rhs.grad, rr.grad)):
+        _check_ref(got, want, torch.float32, name)
+    assert torch.all(out[:9] == 0) and torch.all(out[32:] == 0)  # group 0 not held; rows past the sum
+    assert gs.grad is None and offset.grad is None
+
+    before = _traces("grouped_matmul")
+    lhs2, rhs2 = lhs.detach().clone().requires_grad_(True), rhs.detach().clone().requires_grad_(True)
+    out2 = tpu.grouped_matmul(lhs2, rhs2, torch.tensor([3, 5, 5, 20], dtype=torch.int32),
+                              group_offset=torch.tensor(2, dtype=torch.int32), **opts)
+    out2.sum().backward()
+    assert _traces("grouped_matmul") == before
+    want = reference.grouped_matmul(_f64(lhs2), _f64(rhs2), torch.tensor([3, 5, 5, 20]), group_offset=2)
+    _check_ref(out2, want, torch.float32, "out (second call)")
+
+
+def test_tgmm_matches_jax_bitwise_and_float64(rng):
+    m, k, n = 40, 16, 24
+    sizes = np.array([12, 0, 20, 5], np.int32)
+    arrays = [rng.standard_normal((k, m)).astype(np.float32), rng.standard_normal((m, n)).astype(np.float32), sizes]
+    (lhs, rhs, gs), (jl, jr, jgs) = _torch_and_jax(arrays, torch.float32, grad=2)
+    opts = dict(tiling=(8, 8, 8))
+
+    out = tpu.transposed_grouped_matmul(lhs, rhs, gs, **opts)
+    cot = rng.standard_normal(out.shape).astype(np.float32)
+    out.backward(torch.from_numpy(cot))
+    jitted = jax.jit(jg.transposed_grouped_matmul, static_argnames=("tiling",))
+    jout, pullback = jax.vjp(lambda a, b: jitted(a, b, jgs, **opts), jl, jr)
+    for name, t, a in zip(("out", "d_lhs", "d_rhs"), (out, lhs.grad, rhs.grad), (jout, *pullback(jnp.asarray(cot)))):
+        assert _same_bits(t, a), f"{name} differs from jax"
+
+    rl, rr = (_f64(x).requires_grad_(True) for x in arrays[:2])
+    rout = reference.transposed_grouped_matmul(rl, rr, gs)
+    rout.backward(_f64(cot))
+    for name, got, want in (("out", out, rout), ("d_lhs", lhs.grad, rl.grad), ("d_rhs", rhs.grad, rr.grad)):
+        _check_ref(got, want, torch.float32, name)
+    assert torch.all(out[1] == 0)  # the empty group
+
+
+def test_make_group_metadata_matches_jax():
+    sizes = np.array([5, 0, 11, 0, 7], np.int32)
+    # jax side under jit too: eagerly it would compile each of its small ops separately
+    jitted = jax.jit(jg.make_group_metadata, static_argnames=("m", "tm", "num_nonzero_groups", "visit_empty_groups"))
+    for start, count, visit_empty in ((0, 5, True), (1, 3, False)):
+        got = tpu.make_group_metadata(group_sizes=torch.from_numpy(sizes), m=30, tm=4, start_group=start,
+                                      num_nonzero_groups=count, visit_empty_groups=visit_empty)
+        want = jitted(group_sizes=jnp.asarray(sizes), m=30, tm=4, start_group=start,
+                      num_nonzero_groups=count, visit_empty_groups=visit_empty)
+        got_leaves, want_leaves = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+        assert len(got_leaves) == len(want_leaves) == 4
+        assert all(_same_bits(t, a) for t, a in zip(got_leaves, want_leaves))
+    # a traced start group: a tensor works like an int
+    as_tensor = tpu.make_group_metadata(group_sizes=torch.from_numpy(sizes), m=30, tm=4,
+                                        start_group=torch.tensor(1), num_nonzero_groups=3, visit_empty_groups=False)
+    assert all(torch.equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(as_tensor), jax.tree_util.tree_leaves(got)))
+
+
+@pytest.mark.parametrize("is_dkv", [False, True])
+def test_process_dynamic_mask_matches_jax(is_dkv):
+    keep = np.stack([tpu.make_causal_mask((32, 32)), tpu.make_local_attention_mask((32, 32), (4, 4))])
+    info, fn = tpu.process_dynamic_mask(torch.from_numpy(keep), (8, 16), is_dkv=is_dkv, head_shards=2)
+    jitted = jax.jit(lambda m: jb.process_dynamic_mask(m, (8, 16), is_dkv=is_dkv, head_shards=2)[0])
+    want = jitted(jnp.asarray(keep))
+    assert fn is None and info.is_dynamic_mask is True and info.q_sequence is None
+    for name in ("data_next", "mask_next", "block_mask", "partial_mask_blocks"):
+        assert _same_bits(getattr(info, name), getattr(want, name)), name
+    if is_dkv:  # the _dkv spelling is the same call
+        dkv, _ = tpu.process_dynamic_mask_dkv(torch.from_numpy(keep), (8, 16), head_shards=2)
+        assert all(torch.equal(a, b) for a, b in zip(dkv[:4], info[:4]))
+
+
+def test_host_side_objects_are_the_jax_ones():
+    # Masks, BlockSizes and the static MaskInfo helpers are numpy-level: one object for both faces.
+    for name in ("Mask", "CausalMask", "LocalMask", "ChunkedCausalMask", "FullMask", "NumpyMask", "MultiHeadMask",
+                 "LogicalAnd", "LogicalOr", "BlockSizes", "MaskInfo", "process_mask", "process_mask_dkv",
+                 "make_causal_mask", "make_local_attention_mask", "make_chunk_attention_mask", "make_random_mask"):
+        assert getattr(tpu, name) is getattr(jb, name), name
+    assert set(tpu.__all__) >= set(jb.__all__) | {"grouped_matmul", "transposed_grouped_matmul", "make_group_metadata"}
+
+
+def test_static_arguments_hash_by_value():
+    # What the jit cache keys on: equal numpy masks give equal (hashable) masks; lists become tuples.
+    causal = tpu.make_causal_mask((8, 8))
+    m2, dyn = tpu._static_mask("f", causal)
+    assert dyn is None and m2 == tpu.NumpyMask(causal.copy()) and hash(m2) == hash(tpu.NumpyMask(causal))
+    m3, _ = tpu._static_mask("f", np.stack([causal, ~causal]))
+    assert isinstance(m3, tpu.MultiHeadMask) and m3.shape == (2, 8, 8)
+    assert tpu._hashable("f", "tiling", [8, 16, 8]) == (8, 16, 8)
+    assert tpu._jax_dtype("f", "dtype", torch.bfloat16) == jnp.bfloat16
+    mask = torch.ones(8, 8, dtype=torch.bool)
+    assert tpu._static_mask("f", mask) == (None, mask)  # a tensor mask is traced, never static
+
+
+def test_interpret_follows_the_tensors_device():
+    assert tpu._interpret(None, torch.device("cpu")) is True
+    assert tpu._interpret(None, torch.device("cuda", 0)) is True
+    assert tpu._interpret(False, torch.device("cpu")) is False  # an explicit value wins
+    # An XLA device is native only when torch_xla says it is a TPU (no torch_xla here: interpret).
+    assert tpu._interpret(None, torch.device("xla", 0)) is (not tpu._xla_is_tpu(torch.device("xla", 0)))
+
+
+# -- bad inputs: clear errors naming the argument, before any tracing --------------------------------
+
+_q = torch.zeros(1, 8, 2, 8)
+_lhs, _rhs, _gs = torch.zeros(8, 4), torch.zeros(2, 4, 4), torch.tensor([3, 5], dtype=torch.int32)
+_meta = torch.device("meta")
+
+BAD = {
+    "q float64": (lambda: tpu.blocksparse_attention(_q.double(), _q, _q), TypeError,
+                  r"'q' must be bfloat16, float16 or float32, got torch.float64"),
+    "k int": (lambda: tpu.blocksparse_attention(_q, _q.int(), _q), TypeError, r"'k' must be bfloat16"),
+    "v not a tensor": (lambda: tpu.blocksparse_attention(_q, _q, _q.numpy()), TypeError,
+                       r"'v' must be a torch.Tensor, got ndarray"),
+    "float mask tensor": (lambda: tpu.blocksparse_attention(_q, _q, _q, mask=torch.ones(8, 8)), TypeError,
+                          r"'mask' must be a bool tensor"),
+    "mask of another type": (lambda: tpu.blocksparse_attention(_q, _q, _q, mask=[[True]]), TypeError,
+                             r"'mask' must be a Mask"),
+    "float segment ids": (lambda: tpu.blocksparse_attention(_q, _q, _q, q_segment_ids=torch.zeros(1, 8)),
+                          TypeError, r"'q_segment_ids' must be an integer tensor"),
+    "k on another device": (lambda: tpu.blocksparse_attention(_q, _q.to(_meta), _q), ValueError,
+                            r"'k' is on meta but 'q' is on cpu"),
+    "mask on another device": (lambda: tpu.blocksparse_attention(_q, _q, _q, mask=torch.ones(8, 8, dtype=torch.bool,
+                                                                                               device=_meta)),
+                               ValueError, r"'mask' is on meta but 'q' is on cpu"),
+    "tensor softmax_scale": (lambda: tpu.blocksparse_attention(_q, _q, _q, softmax_scale=torch.tensor(0.5)),
+                             TypeError, r"'softmax_scale' must be a float"),
+    "lhs float64": (lambda: tpu.grouped_matmul(_lhs.double(), _rhs, _gs), TypeError, r"'lhs' must be bfloat16"),
+    "group_sizes int64": (lambda: tpu.grouped_matmul(_lhs, _rhs, _gs.long()), TypeError,
+                          r"'group_sizes' must be int32, got torch.int64"),
+    "group_sizes 2-D": (lambda: tpu.grouped_matmul(_lhs, _rhs, _gs[None]), ValueError, r"'group_sizes' must be 1-D"),
+    "negative group size": (lambda: tpu.grouped_matmul(_lhs, _rhs, torch.tensor([-1, 5], dtype=torch.int32)),
+                            ValueError, r"'group_sizes' must be non-negative"),
+    "group sizes past m": (lambda: tpu.transposed_grouped_matmul(_lhs.T, _lhs, torch.tensor([4, 5],
+                                                                                          dtype=torch.int32)),
+                           ValueError, r"sum\(group_sizes\) = 9 exceeds the 8 rows"),
+    "group_offset tensor out of range": (lambda: tpu.grouped_matmul(_lhs, _rhs[:1], _gs, group_offset=torch.tensor(2)),
+                                         ValueError, r"group_offset=2 selects groups \[2, 3\)"),
+    "float group_offset": (lambda: tpu.grouped_matmul(_lhs, _rhs, _gs, group_offset=1.0), TypeError,
+                           r"'group_offset' must be an int or an integer tensor"),
+    "group_sizes on another device": (lambda: tpu.grouped_matmul(_lhs, _rhs, _gs.to(_meta)), ValueError,
+                                      r"'group_sizes' is on meta but 'lhs' is on cpu"),
+    "unhashable tiling": (lambda: tpu.grouped_matmul(_lhs, _rhs, _gs, tiling=[[8], 8, 8]), TypeError,
+                          r"'tiling' must be hashable"),
+    "tm = 0": (lambda: tpu.make_group_metadata(group_sizes=_gs, m=8, tm=0, start_group=0, num_nonzero_groups=2),
+               ValueError, r"'tm' must be a positive int"),
+    "dynamic mask not bool": (lambda: tpu.process_dynamic_mask(torch.ones(1, 8, 8), (8, 8)), TypeError,
+                              r"'mask' must be a bool tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_raises_before_tracing(case):
+    call, exc, match = BAD[case]
+    before = tpu.cache_info()
+    with pytest.raises(exc, match=match):
+        call()
+    after = tpu.cache_info()
+    assert {k: v["traces"] for k, v in after.items()} == {k: v["traces"] for k, v in before.items()}
+
+
+JAX_CHECKED = {  # shape/dtype rules that jax checks while tracing: still before any kernel runs
+    "kv head_dim mismatch": (lambda: tpu.blocksparse_attention(_q, _q[..., :4], _q[..., :4]), ValueError,
+                             r"k shape .* does not match q shape"),
+    "block size not dividing": (lambda: tpu.blocksparse_attention(_q, _q, _q, block_sizes={"block_q": 3}),
+                                ValueError, r"block_sizes.block_q=3 must divide"),
+    "lhs/rhs dtypes differ": (lambda: tpu.grouped_matmul(_lhs, _rhs.bfloat16(), _gs), TypeError,
+                              r"lhs and rhs must have the same dtype"),
+    "rhs k mismatch": (lambda: tpu.grouped_matmul(_lhs, _rhs[:, :3], _gs), ValueError, r"does not match lhs"),
+    "complex output dtype": (lambda: tpu.grouped_matmul(_lhs, _rhs, _gs, preferred_element_type=torch.complex64),
+                             TypeError, r"preferred_element_type must be a float dtype"),
+}
+
+
+@pytest.mark.parametrize("case", list(JAX_CHECKED))
+def test_jax_side_checks_surface_unchanged(case):
+    call, exc, match = JAX_CHECKED[case]
+    with pytest.raises(exc, match=match):
+        call()
+
+
+# -- torch.compile ------------------------------------------------------------------------------------
+
+
+def test_torch_compile_graph_breaks_with_right_values(rng):
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    m, k, n = 16, 8, 8
+    lhs = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    rhs = torch.from_numpy(rng.standard_normal((2, k, n)).astype(np.float32))
+    gs = torch.tensor([6, 10], dtype=torch.int32)
+
+    def f(lhs, rhs):
+        return (tpu.grouped_matmul(lhs * 2, rhs, gs, tiling=(8, 8, 8)) + 1).square()
+
+    counter = CompileCounter()
+    got = torch.compile(f, backend=counter)(lhs, rhs)
+    assert counter.frame_count == 2  # the graphs before and after the break; the op is not traced
+    want = (reference.grouped_matmul(_f64(lhs) * 2, _f64(rhs), gs) + 1).square()
+    _check_ref(got, want, torch.float32, "value")
+    assert torch.equal(got, f(lhs, rhs))  # eager: the same call, the same bits
+
+    with pytest.raises(Exception, match="(?i)disable|skip|graph break"):
+        torch.compile(f, backend="eager", fullgraph=True)(lhs, rhs)
+
+
+# -- GPU (cuda tensors -> jax GPU, interpret mode); run by the lead on the device ----------------------
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_match_cpu(rng):
+    arrays = [rng.standard_normal((1, 16, 2, 8)).astype(np.float32) for _ in range(3)]
+    opts = dict(causal=True, block_sizes=tpu.BlockSizes(8, 8))
+    outs = {}
+    for device in ("cpu", "cuda"):
+        q, k, v = (torch.from_numpy(a).to(device).requires_grad_(True) for a in arrays)
+        out = tpu.blocksparse_attention(q, k, v, **opts)
+        out.square().sum().backward()
+        assert out.device.type == device and q.grad.device.type == device
+        outs[device] = [out, q.grad, k.grad, v.grad]
+    for a, b in zip(outs["cpu"], outs["cuda"]):
+        _check_ref(b, a, torch.float32, "cuda vs cpu")
+    lhs = torch.from_numpy(rng.standard_normal((16, 8)).astype(np.float32)).cuda()
+    out = tpu.grouped_matmul(lhs, lhs.new_ones(2, 8, 8), torch.tensor([6, 10], dtype=torch.int32, device="cuda"),
+                             tiling=(8, 8, 8))
+    assert out.device.type == "cuda"
+    _check_ref(out, reference.grouped_matmul(_f64(lhs), torch.ones(2, 8, 8, dtype=torch.float64),
+                                             torch.tensor([6, 10])), torch.float32, "gmm")
+
+
+# -- bigger shapes / bf16 ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mask_kind", ["local", "chunked+window"])
+def test_attention_bf16_larger(mask_kind, rng):
+    B, S, H, Hkv, D = 1, 64, 4, 2, 32
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in ((B, S, H, D), (B, S, Hkv, D), (B, S, Hkv, D))]
+    if mask_kind == "local":
+        opts = dict(sliding_window=(20, 6))
+    else:
+        opts = dict(causal=True, chunk_size=40, sliding_window=24)
+    opts["block_sizes"] = tpu.BlockSizes(16, 32)
+    (q, k, v), (jq, jk, jv) = _torch_and_jax(arrays, torch.bfloat16, grad=3)
+    out = tpu.blocksparse_attention(q, k, v, **opts)
+    cot = torch.from_numpy(rng.standard_normal(out.shape).astype(np.float32)).bfloat16()
+    out.backward(cot)
+    jout, pullback = jax.vjp(functools.partial(jax.jit(jb.blocksparse_attention, static_argnames=_ATTN_STATIC),
+                                               **opts), jq, jk, jv)
+    jgrads = pullback(jnp.asarray(cot.float().numpy()).astype(jnp.bfloat16))
+    for t, a in zip((out, q.grad, k.grad, v.grad), (jout, *jgrads)):
+        assert _same_bits(t, a)
+    rq, rk, rv = (_f64(x).requires_grad_(True) for x in (q, k, v))
+    rout = blocksparse_attention_reference(rq, rk, rv, **opts)
+    rout.backward(_f64(cot))
+    for name, got, want in (("out", out, rout), ("dq", q.grad, rq.grad), ("dk", k.grad, rk.grad),
+                            ("dv", v.grad, rv.grad)):
+        _check_ref(got, want, torch.bfloat16, name)
+
+
+@pytest.mark.slow
+def test_gmm_bf16_transposed_static_offset(rng):
+    m, k, n = 96, 64, 48
+    sizes = np.array([20, 0, 30, 25, 10], np.int32)
+    arrays = [rng.standard_normal((m, k)).astype(np.float32),
+              (rng.standard_normal((3, n, k)) / 8).astype(np.float32), sizes]
+    (lhs, rhs, gs), _ = _torch_and_jax(arrays, torch.bfloat16, grad=2)
+    out = tpu.grouped_matmul(lhs, rhs, gs, preferred_element_type=torch.bfloat16, tiling=(16, 32, 16),
+                             group_offset=1, transpose_rhs=True)
+    assert out.dtype == torch.bfloat16
+    out.backward(torch.ones_like(out))
+    rl, rr = (_f64(x).requires_grad_(True) for x in (lhs, rhs))
+    rout = reference.grouped_matmul(rl, rr, gs, group_offset=1, transpose_rhs=True)
+    rout.backward(torch.ones_like(rout))
+    for name, got, want in (("out", out, rout), ("d_lhs", lhs.grad, rl.grad), ("d_rhs", rhs.grad, rr.grad)):
+        _check_ref(got, want, torch.bfloat16, name)

@@ -1,0 +1,443 @@
+"""Grouped matmul for mixture-of-experts: ``gmm`` and ``tgmm`` as persistent Triton kernels.
+
+Semantics (the same as the Pallas TPU version in ``ejkernel_jax.pallas.tpu.grouped_matmul``):
+
+* ``group_sizes`` (int32 ``[num_groups]``) splits the rows ``[0, sum)`` of the grouped operand into
+  consecutive groups. ``group_offset`` (a device scalar) selects ``num_selected`` consecutive groups
+  ``[g0, g0 + num_selected)``: the experts one shard holds.
+* gmm: ``out[rows_g] = lhs[rows_g] @ rhs[g - g0]`` for each selected group ``g``; every other row
+  (other groups, rows past ``sum(group_sizes)``) is written as zeros.
+* tgmm: ``out[i] = lhs[:, rows_g] @ rhs[rows_g]`` with ``g = g0 + i``; an empty group gives zeros.
+  ``lhs`` is ``[k, m]`` (``LHS_MK=False``, the public layout) or ``[m, k]`` (``LHS_MK=True``, what
+  the gmm backward has at hand, so it needs no transpose copy).
+
+Schedule: one persistent program per SM walks a global tile order. The order is derived on
+device from ``group_sizes``: each program scans the selected groups once (scalar loads, an
+in-kernel running cumsum) and takes every ``num_programs``-th tile. No host sync, no launch per
+group. gmm tiles start at their group's first row, so a tile never mixes groups; the zero rows
+outside the selected groups are tiled the same way at the end of the order. tgmm has a static
+number of output tiles (groups x k-tiles x n-tiles); a tile loops over its group's rows.
+
+Sizes the kernels cannot trust are clamped, never trusted: negative sizes count as 0, groups are
+cut at row ``m``, ``group_offset`` is clamped into range. So traced bad values (jax under jit)
+give meaningless numbers but no out-of-bounds access; the fronts check concrete values eagerly.
+
+``k`` and ``n`` are constexprs while ``m`` is a runtime scalar: row strides then have known
+divisibility, which vectorized (16-byte) loads need, and ``m`` (tokens) may vary per call
+without a recompile. Offsets that scale with ``m`` or the group index are int64.
+
+Speed note: in tgmm's public ``[k, m]`` layout the group's rows run along the contiguous axis, so
+the row mask differs per element and those loads are not vectorized. The training path (gmm's
+backward) reads ``[m, k]`` (``LHS_MK``), whose masks are per row and keep 16-byte async copies.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+
+import triton
+import triton.language as tl
+
+from . import checks
+from .padded_attention import _dot, _dot_precision
+from .params import FwdParams, check_params, itemsize, select_num_stages
+from .plan import DeviceFacts, LaunchPlan, Output, cdiv, check_float_dtype
+
+# --------------------------------------------------------------------------------------------
+# shared device helpers
+
+
+@triton.jit
+def _group_size(group_sizes_ptr, g, NUM_GROUPS: tl.constexpr):
+    # Out-of-range groups and negative sizes count as empty (see the module docstring).
+    return tl.maximum(tl.load(group_sizes_ptr + g, mask=g < NUM_GROUPS, other=0), 0)
+
+
+@triton.jit
+def _first_selected(group_sizes_ptr, group_offset_ptr, m,
+                    NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr):
+    """(g0, first row of group g0): the clamped offset and the sum of the sizes before it."""
+    g0 = tl.load(group_offset_ptr)
+    g0 = tl.minimum(tl.maximum(g0, 0), NUM_GROUPS - NUM_SELECTED)
+    row = tl.zeros([], tl.int32)
+    for g in range(0, g0):
+        row = tl.minimum(row + _group_size(group_sizes_ptr, g, NUM_GROUPS), m)
+    return g0, row
+
+
+@triton.jit
+def _swizzle(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    # Runs of GROUP_M row tiles sweep the n-tiles together, so rhs tiles are reused from L2.
+    width = GROUP_M * tiles_n
+    first_m = (local // width) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (local % width) % size_m, (local % width) // size_m
+
+
+# --------------------------------------------------------------------------------------------
+# gmm
+
+
+@triton.jit
+def _gmm_tile(lhs_ptr, rhs_ptr, out_ptr, start, rows, rhs_index, pm, pn,
+              K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, IS_ZERO: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] output tile of the segment whose ``rows`` rows start at ``start``."""
+    first_row = (start + pm * BLOCK_M).to(tl.int64)  # int64: a big group times K passes 2**31
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < rows - pm * BLOCK_M
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if not IS_ZERO:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = lhs_ptr + first_row * K + offs_m[:, None] * K + offs_k[None, :]
+        rhs_base = rhs_ptr + tl.cast(rhs_index, tl.int64) * (K * N)
+        if TRANSPOSE_RHS:  # rhs[g] is [N, K]: read a [BLOCK_N, BLOCK_K] tile, transpose in registers
+            b_ptrs = rhs_base + offs_n[:, None] * K + offs_k[None, :]
+        else:
+            b_ptrs = rhs_base + offs_k[:, None] * N + offs_n[None, :]
+        for k0 in range(0, K, BLOCK_K):
+            if K % BLOCK_K == 0:  # decided at compile time: no k mask on even shapes
+                a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+                if TRANSPOSE_RHS:
+                    b = tl.trans(tl.load(b_ptrs, mask=n_mask[:, None], other=0.0))
+                else:
+                    b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+            else:
+                k_mask = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                if TRANSPOSE_RHS:
+                    b = tl.trans(tl.load(b_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0))
+                else:
+                    b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc += _dot(a, b, DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            if TRANSPOSE_RHS:
+                b_ptrs += BLOCK_K
+            else:
+                b_ptrs += BLOCK_K * N
+    out_ptrs = out_ptr + first_row * N + offs_m[:, None] * N + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, start, end, rhs_index,
+                 K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, IS_ZERO: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Do this program's tiles among the ``[done, done + count)`` of rows ``[start, end)``.
+
+    ``tile`` is the next global tile index this program owns; returns it and the new ``done``.
+    """
+    tiles_m = tl.cdiv(end - start, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    count = tiles_m * tiles_n
+    while tile < done + count:
+        pm, pn = _swizzle(tile - done, tiles_m, tiles_n, GROUP_M)
+        _gmm_tile(lhs_ptr, rhs_ptr, out_ptr, start, end - start, rhs_index, pm, pn, K, N,
+                  TRANSPOSE_RHS, IS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        tile += tl.num_programs(0)
+    return tile, done + count
+
+
+@triton.jit(do_not_specialize_on_alignment=["m"])
+def gmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
+               out_ptr,
+               K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
+               TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # Global tile order: the selected groups' tiles, then the zero rows before them, then the
+    # zero rows after them. Every program walks the groups (scalar loads only) and does the
+    # tiles congruent to its id.
+    g0, first_row = _first_selected(group_sizes_ptr, group_offset_ptr, m, NUM_GROUPS, NUM_SELECTED)
+    tile = tl.program_id(0)
+    done = tl.zeros([], tl.int32)
+    row = first_row
+    for i in range(0, NUM_SELECTED):
+        end = tl.minimum(row + _group_size(group_sizes_ptr, g0 + i, NUM_GROUPS), m)
+        tile, done = _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, row, end, i, K, N, TRANSPOSE_RHS,
+                                  False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+        row = end
+    zero = tl.zeros([], tl.int32)
+    tile, done = _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, zero, first_row, zero, K, N, TRANSPOSE_RHS,
+                              True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+    _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, row, m, zero, K, N, TRANSPOSE_RHS,
+                 True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+
+
+# --------------------------------------------------------------------------------------------
+# tgmm
+
+
+@triton.jit
+def _tgmm_tile(lhs_ptr, rhs_ptr, out_ptr, m, start, rows, index, pk, pn,
+               K: tl.constexpr, N: tl.constexpr, LHS_MK: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """out[index][k-tile pk, n-tile pn] = lhs[k-tile, rows of the group] @ rhs[rows, n-tile]."""
+    offs_k = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_M)
+    k_mask = offs_k < K
+    n_mask = offs_n < N
+    if LHS_MK:  # [m, K]: read [BLOCK_M, BLOCK_K] tiles, transpose in registers
+        a_ptrs = lhs_ptr + start.to(tl.int64) * K + offs_r[:, None] * K + offs_k[None, :]
+    else:  # [K, m]: row stride m, so the k-tile's base offset is int64
+        a_ptrs = lhs_ptr + (pk * BLOCK_K).to(tl.int64) * m + start + \
+            tl.arange(0, BLOCK_K)[:, None] * m + offs_r[None, :]
+    b_ptrs = rhs_ptr + start.to(tl.int64) * N + offs_r[:, None] * N + offs_n[None, :]
+    acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
+    for r0 in range(0, rows, BLOCK_M):
+        # Rows of other groups are masked on both operands, so their values (even inf/NaN)
+        # never reach this group's sum.
+        r_mask = offs_r < rows - r0
+        if LHS_MK:
+            a = tl.trans(tl.load(a_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0))
+        else:
+            a = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += _dot(a, b, DOT_PRECISION)
+        if LHS_MK:
+            a_ptrs += BLOCK_M * K
+        else:
+            a_ptrs += BLOCK_M
+        b_ptrs += BLOCK_M * N
+    out_ptrs = out_ptr + tl.cast(index, tl.int64) * (K * N) + offs_k[:, None] * N + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize_on_alignment=["m"])
+def tgmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
+                out_ptr,
+                K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
+                LHS_MK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    # Tiles are ordered group-major, so a program's tiles visit groups in increasing order and
+    # the group's row range follows from a running cumsum (one pass over the groups in total).
+    g0, start = _first_selected(group_sizes_ptr, group_offset_ptr, m, NUM_GROUPS, NUM_SELECTED)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = tiles_k * tiles_n
+    current = tl.zeros([], tl.int32)
+    end = tl.minimum(start + _group_size(group_sizes_ptr, g0, NUM_GROUPS), m)
+    for tile in range(tl.program_id(0), NUM_SELECTED * per_group, tl.num_programs(0)):
+        index = tile // per_group
+        while current < index:
+            current += 1
+            start = end
+            end = tl.minimum(start + _group_size(group_sizes_ptr, g0 + current, NUM_GROUPS), m)
+        local = tile - index * per_group
+        _tgmm_tile(lhs_ptr, rhs_ptr, out_ptr, m, start, end - start, index, local // tiles_n, local % tiles_n,
+                   K, N, LHS_MK, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+
+
+# --------------------------------------------------------------------------------------------
+# argument checks (shapes and dtype names; both fronts call these before any kernel runs)
+
+
+def check_group_sizes(shape, dtype: str) -> int:
+    if dtype != "int32":
+        raise TypeError(f"group_sizes must be an int32 array, got {dtype}")
+    checks.ndim("group_sizes", shape, 1, "[num_groups]")
+    return int(shape[0])
+
+
+def check_group_values(lowest: int, total: int, m: int) -> None:
+    """Value checks (they need the values: eager in torch, concrete-only in jax)."""
+    if lowest < 0:
+        raise ValueError(f"group_sizes must be non-negative, got a size of {lowest}")
+    if total > m:
+        raise ValueError(f"sum(group_sizes) = {total} exceeds the {m} rows of the grouped operand")
+
+
+def check_group_offset_value(g0: int, num_groups: int, num_selected: int) -> None:
+    if not 0 <= g0 <= num_groups - num_selected:
+        raise ValueError(f"group_offset={g0} selects groups [{g0}, {g0 + num_selected}), "
+                         f"but group_sizes has {num_groups}")
+
+
+def check_group_offset_shape(shape, dtype: str) -> None:
+    if not dtype.startswith(("int", "uint")):
+        raise TypeError(f"group_offset must be an int or an integer scalar array, got {dtype}")
+    if tuple(shape) not in ((), (1,)):
+        raise ValueError(f"group_offset must be a scalar, got shape {tuple(shape)}")
+
+
+def check_out_dtype(dtype: str) -> None:
+    if dtype not in ("float16", "bfloat16", "float32"):
+        raise TypeError(f"preferred_element_type must be float16, bfloat16 or float32, got {dtype}")
+
+
+def check_gmm(lhs_shape, lhs_dtype: str, rhs_shape, rhs_dtype: str, gs_shape, gs_dtype: str,
+              transpose_rhs: bool) -> tuple[int, int, int, int, int]:
+    """Returns (m, k, n, num_groups, num_selected)."""
+    checks.float_input("lhs", lhs_dtype)
+    checks.float_input("rhs", rhs_dtype)
+    checks.ndim("lhs", lhs_shape, 2, "[m, k]")
+    layout = "[groups, n, k]" if transpose_rhs else "[groups, k, n]"
+    checks.ndim("rhs", rhs_shape, 3, layout)
+    checks.same_dtype(("lhs", "rhs"), (lhs_dtype, rhs_dtype))
+    m, k = lhs_shape
+    num_selected, rk, n = (rhs_shape[0], rhs_shape[2], rhs_shape[1]) if transpose_rhs else rhs_shape
+    if rk != k:
+        raise ValueError(f"rhs {tuple(rhs_shape)} ({layout}) does not match lhs {tuple(lhs_shape)} ([m, k]) in k")
+    num_groups = check_group_sizes(gs_shape, gs_dtype)
+    if num_selected > num_groups:
+        raise ValueError(f"rhs has {num_selected} groups but group_sizes only {num_groups}")
+    return m, k, n, num_groups, num_selected
+
+
+def check_tgmm(lhs_shape, lhs_dtype: str, rhs_shape, rhs_dtype: str, gs_shape, gs_dtype: str,
+               num_actual_groups) -> tuple[int, int, int, int, int]:
+    """Returns (m, k, n, num_groups, num_selected)."""
+    checks.float_input("lhs", lhs_dtype)
+    checks.float_input("rhs", rhs_dtype)
+    checks.ndim("lhs", lhs_shape, 2, "[k, m]")
+    checks.ndim("rhs", rhs_shape, 2, "[m, n]")
+    checks.same_dtype(("lhs", "rhs"), (lhs_dtype, rhs_dtype))
+    k, m = lhs_shape
+    if rhs_shape[0] != m:
+        raise ValueError(f"lhs {tuple(lhs_shape)} ([k, m]) and rhs {tuple(rhs_shape)} ([m, n]) disagree on m")
+    num_groups = check_group_sizes(gs_shape, gs_dtype)
+    if num_actual_groups is None:
+        num_actual_groups = num_groups
+    try:  # any integer (numpy's too), but not a bool or an array
+        if isinstance(num_actual_groups, bool):
+            raise TypeError
+        selected = operator.index(num_actual_groups)
+    except TypeError:
+        raise TypeError(f"num_actual_groups must be a Python int, got {num_actual_groups!r}") from None
+    if not 0 <= selected <= num_groups:
+        raise ValueError(f"num_actual_groups must be in [0, {num_groups}], got {selected}")
+    return m, k, rhs_shape[1], num_groups, selected
+
+
+# --------------------------------------------------------------------------------------------
+# plans
+
+MIN_BLOCK = 16  # tl.dot needs every tile dimension >= 16 on GPUs
+CPU_PROGRAMS = 3  # the interpreter runs programs one after another; 3 exercises the striding
+
+
+def _merge(defaults: dict, params: FwdParams | None, facts: DeviceFacts, what: str) -> dict:
+    cfg = dict(defaults)
+    given = FwdParams.coerce(params).to_dict()
+    unknown = sorted(set(given) - set(cfg))
+    if unknown:
+        raise ValueError(f"{what}: fwd_params field(s) {unknown} do not apply; use {sorted(cfg)}")
+    cfg.update(given)
+    small = {f: v for f, v in cfg.items() if f.startswith("blocksize") and v < MIN_BLOCK}
+    if small:
+        raise ValueError(f"{what}: block sizes must be at least {MIN_BLOCK}, got {small}")
+    return cfg
+
+
+def _finish(cfg: dict, a_tile: int, b_tile: int, dtype: str, params, facts: DeviceFacts, what: str) -> dict:
+    """Fill in num_stages (most that fit, unless given) and check shared memory."""
+    per_stage = (a_tile + b_tile) * itemsize(dtype)
+    if cfg.get("num_stages") is None:
+        cfg["num_stages"] = select_num_stages(per_stage, facts, max_stages=cfg.pop("max_stages"))
+    cfg.pop("max_stages", None)
+    cfg["smem"] = per_stage * cfg["num_stages"]
+    if not facts.is_cpu:
+        check_params(FwdParams.coerce(params), facts, cfg["smem"], what)
+    return cfg
+
+
+def _gmm_config(m: int, k: int, n: int, num_selected: int, dtype: str, facts: DeviceFacts, params) -> dict:
+    if facts.is_cpu:  # the interpreter pays per tile, not per element: few, large tiles
+        base = dict(blocksize_m=64, blocksize_n=64, blocksize_k=64, num_warps=4, num_stages=1)
+    elif itemsize(dtype) == 4:  # fp32 products are FMA-bound; moderate tiles
+        base = dict(blocksize_m=64, blocksize_n=64, blocksize_k=32, num_warps=4, num_stages=None, max_stages=3)
+    else:
+        # Expert row counts average m / groups; small experts waste less of a 64-row tile.
+        rows = m / max(num_selected, 1)
+        bm = 128 if rows >= 256 else 64
+        bn = 256 if n >= 1024 and bm == 128 else 128
+        base = dict(blocksize_m=bm, blocksize_n=bn, blocksize_k=64, num_warps=8 if bm * bn >= 128 * 256 else 4,
+                    num_stages=None, max_stages=4 if bn == 128 else 3)
+    cfg = _merge({**base, "max_stages": base.get("max_stages", 1)}, params, facts, "grouped_matmul")
+    bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
+    return _finish(cfg, bm * bk, bk * bn, dtype, params, facts, "grouped_matmul")
+
+
+def _tgmm_config(k: int, n: int, dtype: str, facts: DeviceFacts, params) -> dict:
+    # blocksize_k x blocksize_n is the output tile; blocksize_m the chunk of rows summed per step.
+    if facts.is_cpu:
+        base = dict(blocksize_m=64, blocksize_n=64, blocksize_k=64, num_warps=4, num_stages=1)
+    elif itemsize(dtype) == 4:
+        base = dict(blocksize_m=32, blocksize_n=64, blocksize_k=64, num_warps=4, num_stages=None, max_stages=3)
+    else:
+        base = dict(blocksize_m=64, blocksize_n=128, blocksize_k=128, num_warps=8, num_stages=None, max_stages=4)
+    cfg = _merge({**base, "max_stages": base.get("max_stages", 1)}, params, facts, "transposed_grouped_matmul")
+    bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
+    return _finish(cfg, bk * bm, bm * bn, dtype, params, facts, "transposed_grouped_matmul")
+
+
+def programs_per_sm(cfg: dict, facts: DeviceFacts) -> int:
+    """Resident programs one SM can hold: 2 for 4-warp tiles whose buffers fit twice (registers
+    then always fit: 2 x 128 threads x 255), else 1. A persistent grid must never exceed what is
+    resident at once, or the programs of a second wave start only when the first ones finish."""
+    reserved = 1024  # shared memory the hardware keeps per program
+    return 2 if cfg["num_warps"] <= 4 and 2 * (cfg["smem"] + reserved) <= facts.shared_memory else 1
+
+
+def _programs(tiles: int, cfg: dict, facts: DeviceFacts) -> int:
+    return min(tiles, CPU_PROGRAMS if facts.is_cpu else facts.num_sms * programs_per_sm(cfg, facts))
+
+
+def _group_inputs(dtype: str) -> dict:
+    return dict(inputs=("lhs_ptr", "rhs_ptr", "group_sizes_ptr", "group_offset_ptr"),
+                input_dtypes=(dtype, dtype, "int32", "int32"))
+
+
+@functools.lru_cache(maxsize=512)
+def gmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, transpose_rhs: bool,
+             dtype: str, out_dtype: str, facts: DeviceFacts, params: FwdParams | None = None) -> LaunchPlan:
+    """Plan for ``out[m, n] = grouped lhs[m, k] @ rhs[num_selected, k, n]`` (``[.., n, k]`` if
+    ``transpose_rhs``). Inputs: lhs, rhs, group_sizes (int32 [num_groups]), group_offset (int32 [1])."""
+    check_float_dtype("lhs", dtype)
+    check_out_dtype(out_dtype)
+    cfg = _gmm_config(m, k, n, num_selected, dtype, facts, params)
+    bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
+    # Upper bound on the tiles: each group adds at most one partial row tile, and so does each
+    # of the two zero segments.
+    tiles = cdiv(n, bn) * (cdiv(m, bm) + num_selected + 2) if m and n else 0
+    return LaunchPlan(
+        kernel=gmm_kernel,
+        grid=(_programs(tiles, cfg, facts),),
+        **_group_inputs(dtype),
+        scalars=(("m", m),),
+        outputs=(Output("out_ptr", (m, n), out_dtype),),
+        constexprs=(("K", k), ("N", n), ("NUM_GROUPS", num_groups), ("NUM_SELECTED", num_selected),
+                    ("TRANSPOSE_RHS", bool(transpose_rhs)), ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk),
+                    ("GROUP_M", 8), ("DOT_PRECISION", _dot_precision(dtype, facts))),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=True,
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def tgmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, lhs_mk: bool,
+              dtype: str, out_dtype: str, facts: DeviceFacts, params: FwdParams | None = None) -> LaunchPlan:
+    """Plan for ``out[num_selected, k, n]``, ``out[i] = lhs[:, rows_(g0+i)] @ rhs[rows_(g0+i)]``.
+
+    ``lhs`` is ``[k, m]``, or ``[m, k]`` when ``lhs_mk``; ``rhs`` is ``[m, n]``. Inputs as gmm_plan.
+    """
+    check_float_dtype("lhs", dtype)
+    check_out_dtype(out_dtype)
+    cfg = _tgmm_config(k, n, dtype, facts, params)
+    bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
+    tiles = num_selected * cdiv(k, bk) * cdiv(n, bn)
+    return LaunchPlan(
+        kernel=tgmm_kernel,
+        grid=(_programs(tiles, cfg, facts),),
+        **_group_inputs(dtype),
+        scalars=(("m", m),),
+        outputs=(Output("out_ptr", (num_selected, k, n), out_dtype),),
+        constexprs=(("K", k), ("N", n), ("NUM_GROUPS", num_groups), ("NUM_SELECTED", num_selected),
+                    ("LHS_MK", bool(lhs_mk)), ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk),
+                    ("DOT_PRECISION", _dot_precision(dtype, facts))),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=True,
+    )
