@@ -1,0 +1,100 @@
+"""Flax linen layers over the shared kernels, mirroring ``ejkernel_torch.nn`` parameter for
+parameter (torch layouts: ``weight [out, in]``), so weights move across with ``params_from_torch``."""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel_jax.ops.flash_attention import flash_attention
+
+
+def _torch_uniform(fan_in: int):
+    # torch.nn.Linear's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias.
+    bound = 1.0 / math.sqrt(fan_in) if fan_in else 0.0
+
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+    return init
+
+
+class TorchLinear(nn.Module):
+    """``x @ weight.T + bias`` with torch's parameter names, layout and init."""
+
+    features: int
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        fan_in = x.shape[-1]
+        weight = self.param("weight", _torch_uniform(fan_in), (self.features, fan_in), self.param_dtype)
+        dtype = self.dtype or x.dtype
+        y = x.astype(dtype) @ weight.astype(dtype).T
+        if self.use_bias:
+            y = y + self.param("bias", _torch_uniform(fan_in), (self.features,), self.param_dtype).astype(dtype)
+        return y
+
+
+class MultiHeadAttention(nn.Module):
+    """Self-attention for GPT-style models, the Flax twin of ``ejkernel_torch.nn.MultiHeadAttention``.
+
+    ``x [batch, seq, embed_dim] -> [batch, seq, embed_dim]``. Dropout applies when
+    ``deterministic=False``, with the seed drawn from the ``"dropout"`` rng stream.
+    ``attention_fn`` swaps the attention itself (same signature as ``flash_attention``).
+    """
+
+    embed_dim: int
+    num_heads: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    causal: bool = True
+    dropout: float = 0.0
+    use_bias: bool = True
+    sliding_window: Any = None
+    logits_soft_cap: float | None = None
+    softmax_scale: float | None = None
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    attention_fn: Callable = flash_attention
+
+    @nn.compact
+    def __call__(self, x, segment_ids=None, *, deterministic: bool = True):
+        kv_heads = self.num_kv_heads or self.num_heads
+        head_dim = self.head_dim or self.embed_dim // self.num_heads
+        if self.num_heads % kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({kv_heads})")
+        batch, seq, _ = x.shape
+        linear = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        qkv = TorchLinear((self.num_heads + 2 * kv_heads) * head_dim, name="qkv", **linear)(x)
+        qkv = qkv.reshape(batch, seq, self.num_heads + 2 * kv_heads, head_dim)
+        q, k, v = jnp.split(qkv, [self.num_heads, self.num_heads + kv_heads], axis=2)
+        dropout_p, seed = 0.0, None
+        if not deterministic and self.dropout > 0.0:
+            dropout_p = self.dropout
+            seed = jax.random.randint(self.make_rng("dropout"), (), -(2**31), 2**31 - 1, jnp.int32)
+        out = self.attention_fn(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
+                                sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
+                                q_segment_ids=segment_ids, kv_segment_ids=segment_ids, dropout_p=dropout_p,
+                                dropout_seed=seed)
+        return TorchLinear(self.embed_dim, name="out", **linear)(out.reshape(batch, seq, self.num_heads * head_dim))
+
+
+def params_from_torch(state_dict: Mapping[str, Any]) -> dict:
+    """A torch ``state_dict`` ("a.b.weight" -> tensor) as nested Flax params ({"a": {"b": {"weight": ...}}})."""
+    params: dict = {}
+    for name, value in state_dict.items():
+        if hasattr(value, "detach"):  # a torch tensor; bf16 has no numpy twin, so go through float32
+            value = value.detach().cpu().float().numpy()
+        *path, leaf = name.split(".")
+        node = params
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = jnp.asarray(np.asarray(value))
+    return params

@@ -1,0 +1,163 @@
+"""flash_attention and flash_attention_varlen on jax arrays: the shared Triton kernels with a
+custom VJP. Works under jit, grad and vmap; options are static Python values."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+from ejkernel_jax.launch import device_facts, launch
+from ejkernel_jax.ops._common import array_arg, is_concrete, name_of
+from triton_kernels import flash_attention as fa
+from triton_kernels.flash_attention.spec import dropout as check_dropout
+
+# aux arrays (never differentiated): q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed
+
+
+def _features(q, k, v, bias, aux) -> list[jax.Array]:
+    """The kernels' nine feature inputs, with one-element stand-ins for unused ones."""
+    dummy_float = jnp.zeros((1,), q.dtype)
+    dummy_int = jnp.zeros((1,), jnp.int32)
+    return [q, k, v, dummy_float if bias is None else bias] + [dummy_int if a is None else a for a in aux]
+
+
+def _forward(spec, q, k, v, bias, aux):
+    return launch(fa.forward_plan(spec, device_facts()), *_features(q, k, v, bias, aux))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(spec, q, k, v, bias, aux):
+    return tuple(_forward(spec, q, k, v, bias, aux))
+
+
+def _flash_fwd(spec, q, k, v, bias, aux):
+    # symbolic_zeros: arguments arrive as CustomVJPPrimal, which says whether bias is differentiated.
+    bias_grad = bias is not None and bias.perturbed
+    q, k, v = q.value, k.value, v.value
+    bias = None if bias is None else bias.value
+    aux = tuple(None if a is None else a.value for a in aux)
+    out, lse = _forward(spec, q, k, v, bias, aux)
+    return (out, lse), (q, k, v, bias, aux, out, lse, bias_grad)
+
+
+def _flash_bwd(spec, residuals, cotangents):
+    q, k, v, bias, aux, out, lse, bias_grad = residuals
+    dout, dlse = cotangents
+    dout = jnp.zeros_like(out) if isinstance(dout, SymbolicZero) else dout.astype(q.dtype)
+    use_dlse = not isinstance(dlse, SymbolicZero)
+    delta_plan, dkdv_plan, dq_plan = fa.backward_plans(spec, device_facts(), bias_grad, use_dlse)
+    features = _features(q, k, v, bias, aux)
+    dlse_arg = dlse.astype(jnp.float32) if use_dlse else jnp.zeros((1,), jnp.float32)
+    (delta,) = launch(delta_plan, out, dout, dlse_arg, features[6], features[7])
+    dk, dv, ds = launch(dkdv_plan, *features, dout, lse, delta)
+    (dq,) = launch(dq_plan, *features, dout, lse, delta)
+    dbias = _sum_to(ds, bias.shape).astype(bias.dtype) if bias_grad else None
+    return dq, dk, dv, dbias, (None,) * len(aux)
+
+
+def _sum_to(ds, shape):
+    dims = tuple(d for d in (0, 1) if shape[d] == 1 and ds.shape[d] != 1)
+    return ds.sum(axis=dims, keepdims=True) if dims else ds
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
+
+# --------------------------------------------------------------------------------------------
+# public functions
+
+
+def _optional(name, x):
+    return None if x is None else array_arg(name, x)
+
+
+def _int32(x):
+    return None if x is None else x.astype(jnp.int32)
+
+
+def _seed(dropout_seed, dropout_p: float):
+    if dropout_p == 0.0:
+        return None
+    if dropout_seed is None:
+        raise ValueError("dropout_p > 0 needs a dropout_seed in jax (an int or an integer array)")
+    return _seed_array(dropout_seed)
+
+
+def _seed_array(dropout_seed) -> jax.Array:
+    if isinstance(dropout_seed, int):
+        return jnp.full((1,), fa.seed_value(dropout_seed), jnp.int32)
+    seed = array_arg("dropout_seed", dropout_seed)
+    fa.seed_array(tuple(seed.shape), name_of(seed))
+    if seed.dtype == jnp.uint32:  # same bits as torch's int32 view of the seed
+        seed = jax.lax.bitcast_convert_type(seed, jnp.int32)
+    return seed.reshape(1).astype(jnp.int32)
+
+
+def _shape_dtype(x):
+    return (None, None) if x is None else (tuple(x.shape), name_of(x))
+
+
+def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+                    sliding_window=None, logits_soft_cap: float | None = None, bias=None,
+                    q_segment_ids=None, kv_segment_ids=None, dropout_p: float = 0.0, dropout_seed=None,
+                    return_lse: bool = False):
+    """Attention softmax(q k^T * scale [soft cap] + bias, masked) v with flash-attention kernels.
+
+    Same arguments, defaults and semantics as ``ejkernel_torch.flash_attention``: q
+    ``[batch, seq_q, heads_q, head_dim]``, k/v ``[batch, seq_k, heads_kv, head_dim]``; causal is
+    bottom-right aligned; ``sliding_window`` int or (left, right); ``logits_soft_cap``; additive
+    ``bias`` ``[batch|1, heads_q|1, seq_q, seq_k]`` (differentiable); segment ids ``[batch, seq]``
+    (ids <= 0 are padding); dropout from ``dropout_seed`` (required when ``dropout_p`` > 0: an int
+    or an integer array, traced values welcome); ``return_lse`` adds the float32 log-sum-exp
+    ``[batch, heads_q, seq_q]``. Rows that attend nothing give 0, lse -inf and zero gradients.
+    """
+    q, k, v = (array_arg(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
+    bias = _optional("bias", bias)
+    q_seg = _optional("q_segment_ids", q_segment_ids)
+    kv_seg = _optional("kv_segment_ids", kv_segment_ids)
+    (bias_shape, bias_dtype), (qs_shape, qs_dtype), (ks_shape, ks_dtype) = map(_shape_dtype, (bias, q_seg, kv_seg))
+    spec = fa.dense_spec(
+        tuple(q.shape), tuple(k.shape), tuple(v.shape), (name_of(q), name_of(k), name_of(v)), causal=causal,
+        softmax_scale=softmax_scale, sliding_window=fa.window_arg(sliding_window), logits_soft_cap=logits_soft_cap,
+        bias_shape=bias_shape, bias_dtype=bias_dtype, q_segment_shape=qs_shape, q_segment_dtype=qs_dtype,
+        kv_segment_shape=ks_shape, kv_segment_dtype=ks_dtype, dropout_p=dropout_p)
+    aux = (_int32(q_seg), _int32(kv_seg), None, None, _seed(dropout_seed, spec.dropout_p))
+    out, lse = _flash(spec, q, k, v, bias, aux)
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                           causal: bool = False, softmax_scale: float | None = None, sliding_window=None,
+                           logits_soft_cap: float | None = None, bias=None, q_segment_ids=None,
+                           kv_segment_ids=None, dropout_p: float = 0.0, dropout_seed=None,
+                           return_lse: bool = False):
+    """``flash_attention`` over packed sequences, as ``ejkernel_torch.flash_attention_varlen``:
+    q ``[total_q, heads_q, head_dim]``, k/v ``[total_k, heads_kv, head_dim]``, int32 cu_seqlens
+    ``[n_seq + 1]`` (values checked when concrete; under jit the kernels clamp them), static
+    ``max_seqlen_*``. lse is ``[heads_q, total_q]``. No bias or segment ids.
+    """
+    q, k, v = (array_arg(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
+    if bias is not None or q_segment_ids is not None or kv_segment_ids is not None:
+        raise ValueError("flash_attention_varlen takes no bias or segment ids (sequences are given by cu_seqlens)")
+    cu_q, cu_k = array_arg("cu_seqlens_q", cu_seqlens_q), array_arg("cu_seqlens_k", cu_seqlens_k)
+    spec = fa.varlen_spec(
+        tuple(q.shape), tuple(k.shape), tuple(v.shape), (name_of(q), name_of(k), name_of(v)),
+        tuple(cu_q.shape), name_of(cu_q), tuple(cu_k.shape), name_of(cu_k), max_seqlen_q, max_seqlen_k,
+        causal=causal, softmax_scale=softmax_scale, sliding_window=fa.window_arg(sliding_window),
+        logits_soft_cap=logits_soft_cap, dropout_p=dropout_p)
+    for name, cu, total, max_len in (("cu_seqlens_q", cu_q, spec.total_q, max_seqlen_q),
+                                     ("cu_seqlens_k", cu_k, spec.total_k, max_seqlen_k)):
+        if is_concrete(cu):
+            fa.cu_seqlens_values(name, jax.device_get(cu).tolist(), total, max_len)
+    aux = (None, None, cu_q, cu_k, _seed(dropout_seed, spec.dropout_p))
+    out, lse = _flash(spec, q, k, v, None, aux)
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_dropout_mask(dropout_seed, batch: int, heads: int, seq_q: int, seq_k: int,
+                                 dropout_p: float) -> jax.Array:
+    """The bool keep-mask ``[batch, heads, seq_q, seq_k]`` flash attention draws for this seed;
+    bit-for-bit ``ejkernel_torch.flash_attention_dropout_mask``."""
+    plan = fa.dropout_mask_plan(batch, heads, seq_q, seq_k, check_dropout(dropout_p), device_facts())
+    return launch(plan, _seed_array(dropout_seed))[0].astype(bool)

@@ -1,0 +1,44 @@
+"""torch.nn layers over the shared kernels."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ejkernel_torch.ops.flash_attention import flash_attention
+
+
+class MultiHeadAttention(nn.Module):
+    """Self-attention for GPT-style models: fused qkv projection, flash attention, output projection.
+
+    ``x [batch, seq, embed_dim] -> [batch, seq, embed_dim]``. ``num_kv_heads`` < ``num_heads`` gives
+    GQA (MQA at 1). Dropout on the attention probabilities applies in training mode only, with
+    seeds drawn from torch's generator. Parameters: ``qkv.weight [(heads + 2 * kv_heads) *
+    head_dim, embed_dim]``, ``out.weight [embed_dim, heads * head_dim]`` (and biases), the same
+    names and shapes as ``ejkernel_jax.nn.MultiHeadAttention``. ``attention_fn`` swaps the
+    attention itself (same signature as ``flash_attention``), e.g. for a reference run.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *,
+                 head_dim: int | None = None, causal: bool = True, dropout: float = 0.0, bias: bool = True,
+                 sliding_window=None, logits_soft_cap: float | None = None, softmax_scale: float | None = None,
+                 attention_fn=flash_attention, device=None, dtype=None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.head_dim = head_dim or embed_dim // num_heads
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        self.causal, self.dropout, self.attention_fn = causal, dropout, attention_fn
+        self.options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale)
+        factory = dict(device=device, dtype=dtype)
+        self.qkv = nn.Linear(embed_dim, (num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=bias, **factory)
+        self.out = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias, **factory)
+
+    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``segment_ids [batch, seq]``: attend within equal ids only; ids <= 0 are padding."""
+        batch, seq, _ = x.shape
+        qkv = self.qkv(x).view(batch, seq, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
+        out = self.attention_fn(q, k, v, causal=self.causal, dropout_p=self.dropout if self.training else 0.0,
+                                q_segment_ids=segment_ids, kv_segment_ids=segment_ids, **self.options)
+        return self.out(out.reshape(batch, seq, self.num_heads * self.head_dim))

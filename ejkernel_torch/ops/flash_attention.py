@@ -1,0 +1,270 @@
+"""flash_attention and flash_attention_varlen on torch tensors.
+
+Both are registered ops (``torch.ops.ejkernel.flash_attention_fwd`` / ``_bwd``) made with
+``torch.library.triton_op``: on CUDA their bodies launch the shared Triton kernels through
+``wrap_triton``, so ``torch.compile(fullgraph=True)`` traces them without a graph break; on CPU
+they run the Triton interpreter inside an opaque op. Autograd is ``register_autograd``.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ejkernel_torch.launch import device_facts, dtype_name, launch, launch_traceable
+from ejkernel_torch.ops._common import name_of, same_device, tensor_arg
+from triton_kernels import flash_attention as fa
+from triton_kernels.flash_attention.spec import dropout as check_dropout
+
+# --------------------------------------------------------------------------------------------
+# the registered ops: arrays + the spec's static fields as plain scalars
+
+_NO_WINDOW = -1  # window_left/right of a call without a positional mask
+_NO_SOFTCAP = 0.0
+
+
+def _op_scalars(spec: fa.FlashSpec) -> tuple:
+    left, right = spec.window or (_NO_WINDOW, _NO_WINDOW)
+    max_q, max_k = (spec.seq_q, spec.seq_k) if spec.varlen else (0, 0)
+    return (max_q, max_k, spec.softmax_scale, left, right, spec.softcap or _NO_SOFTCAP, spec.dropout_p)
+
+
+@functools.lru_cache(maxsize=1024)
+def _spec(q_shape, k_shape, dtype, bias_shape, bias_dtype, segments, n_cu, max_q, max_k, scale, left, right,
+          softcap, dropout_p) -> fa.FlashSpec:
+    """The FlashSpec an op call was made from (the public functions already checked it)."""
+    fields = dict(heads_q=q_shape[-2], heads_kv=k_shape[-2], head_dim=q_shape[-1], dtype=dtype, softmax_scale=scale,
+                  window=None if left == _NO_WINDOW else (left, right), softcap=softcap or None,
+                  bias=None if bias_shape is None else tuple(bias_shape[:2]), bias_dtype=bias_dtype,
+                  segments=segments, dropout_p=dropout_p)
+    if n_cu:  # varlen: cu_seqlens has n_seq + 1 entries
+        return fa.FlashSpec(batch=n_cu - 1, seq_q=max_q, seq_k=max_k, varlen=True, total_q=q_shape[0],
+                            total_k=k_shape[0], **fields)
+    return fa.FlashSpec(batch=q_shape[0], seq_q=q_shape[1], seq_k=k_shape[1], **fields)
+
+
+def _static(shape) -> tuple[int, ...]:
+    # Plans need concrete sizes: under dynamic-shape tracing this specializes (guards) on them.
+    return tuple(int(n) for n in shape)
+
+
+def _spec_of(q, k, bias, q_seg, cu_q, max_q, max_k, scale, left, right, softcap, dropout_p) -> fa.FlashSpec:
+    bias_shape = None if bias is None else _static(bias.shape)
+    return _spec(_static(q.shape), _static(k.shape), dtype_name(q.dtype), bias_shape,
+                 None if bias is None else dtype_name(bias.dtype), q_seg is not None,
+                 0 if cu_q is None else int(cu_q.shape[0]), max_q, max_k, scale, left, right, softcap, dropout_p)
+
+
+def _features(q, k, v, bias, q_seg, kv_seg, cu_q, cu_k, seed) -> list[Tensor]:
+    """The kernels' nine feature inputs, with one-element stand-ins for unused ones."""
+    dummy = functools.partial(torch.zeros, 1, device=q.device)
+    return [q, k, v,
+            bias if bias is not None else dummy(dtype=q.dtype),
+            q_seg if q_seg is not None else dummy(dtype=torch.int32),
+            kv_seg if kv_seg is not None else dummy(dtype=torch.int32),
+            cu_q if cu_q is not None else dummy(dtype=torch.int32),
+            cu_k if cu_k is not None else dummy(dtype=torch.int32),
+            seed if seed is not None else dummy(dtype=torch.int32)]
+
+
+@torch.library.triton_op("ejkernel::flash_attention_fwd", mutates_args=())
+def flash_attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], q_segment_ids: Optional[Tensor],
+                        kv_segment_ids: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
+                        cu_seqlens_k: Optional[Tensor], dropout_seed: Optional[Tensor], max_seqlen_q: int,
+                        max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+                        softcap: float, dropout_p: float) -> tuple[Tensor, Tensor]:
+    """(out, lse) of flash attention; lse is float32 natural log, [b, hq, sq] or [hq, total_q]."""
+    spec = _spec_of(q, k, bias, q_segment_ids, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    window_left, window_right, softcap, dropout_p)
+    plan = fa.forward_plan(spec, device_facts(q.device))
+    features = _features(q, k, v, bias, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, dropout_seed)
+    out, lse = launch_traceable(plan, *features)
+    return out, lse
+
+
+@torch.library.triton_op("ejkernel::flash_attention_bwd", mutates_args=())
+def flash_attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                        lse: Tensor, bias: Optional[Tensor], q_segment_ids: Optional[Tensor],
+                        kv_segment_ids: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
+                        cu_seqlens_k: Optional[Tensor], dropout_seed: Optional[Tensor], max_seqlen_q: int,
+                        max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+                        softcap: float, dropout_p: float, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, ds): ds is the float32 gradient of the logits [b, hq, sq, sk] when
+    ``bias_grad``, else a one-element placeholder."""
+    spec = _spec_of(q, k, bias, q_segment_ids, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    window_left, window_right, softcap, dropout_p)
+    delta_plan, dkdv_plan, dq_plan = fa.backward_plans(spec, device_facts(q.device), bias_grad, dlse is not None)
+    features = _features(q, k, v, bias, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, dropout_seed)
+    dlse_arg = dlse if dlse is not None else features[-1].new_zeros(1, dtype=torch.float32)
+    (delta,) = launch_traceable(delta_plan, out, dout, dlse_arg, features[6], features[7])
+    dk, dv, ds = launch_traceable(dkdv_plan, *features, dout, lse, delta)
+    (dq,) = launch_traceable(dq_plan, *features, dout, lse, delta)
+    return dq, dk, dv, ds
+
+
+_N_ARRAYS = 9  # q, k, v, bias, q_seg, kv_seg, cu_q, cu_k, seed
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:_N_ARRAYS], *output)
+    ctx.scalars = inputs[_N_ARRAYS:]
+    ctx.set_materialize_grads(False)  # an unused lse gives dlse=None: no dlse work in the kernels
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, bias, q_seg, kv_seg, cu_q, cu_k, seed, out, lse = ctx.saved_tensors
+    bias_grad = bias is not None and ctx.needs_input_grad[3]
+    dout = torch.zeros_like(out) if dout is None else dout.to(q.dtype).contiguous()
+    if dlse is not None:
+        dlse = dlse.to(torch.float32).contiguous()
+    dq, dk, dv, ds = torch.ops.ejkernel.flash_attention_bwd(
+        dout, dlse, q, k, v, out, lse, bias, q_seg, kv_seg, cu_q, cu_k, seed, *ctx.scalars, bias_grad)
+    dbias = _sum_to(ds, bias.shape).to(bias.dtype) if bias_grad else None
+    return (dq, dk, dv, dbias) + (None,) * (_N_ARRAYS - 4 + len(ctx.scalars))
+
+
+def _sum_to(ds: Tensor, shape) -> Tensor:
+    dims = [d for d in (0, 1) if shape[d] == 1 and ds.shape[d] != 1]
+    return ds.sum(dim=dims, keepdim=True) if dims else ds
+
+
+flash_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+# --------------------------------------------------------------------------------------------
+# public functions
+
+
+def _optional_tensor(name, x, device) -> Tensor | None:
+    if x is None:
+        return None
+    x = tensor_arg(name, x)
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but q is on {device}")
+    return x
+
+
+def _seed(dropout_seed, dropout_p: float, device) -> Tensor | None:
+    return None if dropout_p == 0.0 else _seed_tensor(dropout_seed, device)
+
+
+def _seed_tensor(dropout_seed, device) -> Tensor:
+    """int32 [1] seed on ``device``; None draws one from torch's generator (torch.manual_seed
+    reproduces it)."""
+    if dropout_seed is None:
+        return torch.randint(-(2**31), 2**31 - 1, (1,), dtype=torch.int32, device=device)
+    if isinstance(dropout_seed, Tensor):
+        fa.seed_array(tuple(dropout_seed.shape), name_of(dropout_seed))
+        if dropout_seed.device != device:
+            raise ValueError(f"dropout_seed is on {dropout_seed.device} but q is on {device}")
+        return dropout_seed.reshape(1).to(torch.int32)
+    return torch.full((1,), fa.seed_value(dropout_seed), dtype=torch.int32, device=device)
+
+
+def _checked(spec_fn):
+    # Dynamo traces through lru_cache wrappers (with a warning); specs are pure, so skip the cache.
+    return spec_fn.__wrapped__ if torch.compiler.is_compiling() else spec_fn
+
+
+def _qkv(q, k, v):
+    q, k, v = (tensor_arg(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
+    device = same_device(q=q, k=k, v=v)
+    return q, k, v, device
+
+
+def _shape_dtype(x):
+    return (None, None) if x is None else (tuple(x.shape), name_of(x))
+
+
+def _shapes_and_dtypes(*tensors):
+    return tuple(tuple(t.shape) for t in tensors), tuple(name_of(t) for t in tensors)
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: float | None = None,
+                    sliding_window: int | tuple[int | None, int | None] | None = None,
+                    logits_soft_cap: float | None = None, bias: Tensor | None = None,
+                    q_segment_ids: Tensor | None = None, kv_segment_ids: Tensor | None = None,
+                    dropout_p: float = 0.0, dropout_seed: int | Tensor | None = None, return_lse: bool = False):
+    """Attention softmax(q k^T * scale [soft cap] + bias, masked) v with flash-attention kernels.
+
+    q ``[batch, seq_q, heads_q, head_dim]``, k/v ``[batch, seq_k, heads_kv, head_dim]``, with
+    ``heads_q % heads_kv == 0`` (GQA/MQA without repeating k/v). float16/bfloat16/float32,
+    head_dim 1..256 (padded inside the kernels).
+
+    * ``causal``: query i sees keys j <= i + seq_k - seq_q (bottom-right aligned, as flash-attn >= 2.1).
+    * ``sliding_window``: int w (w keys left of the diagonal, and w right unless causal) or
+      (left, right), None for an unbounded side.
+    * ``logits_soft_cap``: logits become cap * tanh(logits / cap), then the bias is added and the
+      masks applied.
+    * ``bias``: additive, ``[batch|1, heads_q|1, seq_q, seq_k]``; gets a gradient if it requires one
+      (float32 scratch of [batch, heads_q, seq_q, seq_k] in the backward).
+    * ``q_segment_ids``/``kv_segment_ids`` ``[batch, seq]``: tokens attend only within equal ids;
+      ids <= 0 are padding.
+    * ``dropout_p``/``dropout_seed``: dropout on the probabilities, drawn in-kernel from
+      (seed, element offset) (see ``flash_attention_dropout_mask``); the seed defaults to a draw
+      from torch's generator.
+    * ``return_lse``: also return the float32 log-sum-exp ``[batch, heads_q, seq_q]``.
+
+    Rows that attend nothing give 0, lse -inf and zero gradients.
+    """
+    q, k, v, device = _qkv(q, k, v)
+    bias = _optional_tensor("bias", bias, device)
+    q_seg = _optional_tensor("q_segment_ids", q_segment_ids, device)
+    kv_seg = _optional_tensor("kv_segment_ids", kv_segment_ids, device)
+    shapes, dtypes = _shapes_and_dtypes(q, k, v)
+    (bias_shape, bias_dtype), (qs_shape, qs_dtype), (ks_shape, ks_dtype) = map(_shape_dtype, (bias, q_seg, kv_seg))
+    spec = _checked(fa.dense_spec)(
+        *shapes, dtypes, causal=causal, softmax_scale=softmax_scale, sliding_window=fa.window_arg(sliding_window),
+        logits_soft_cap=logits_soft_cap, bias_shape=bias_shape, bias_dtype=bias_dtype, q_segment_shape=qs_shape,
+        q_segment_dtype=qs_dtype, kv_segment_shape=ks_shape, kv_segment_dtype=ks_dtype, dropout_p=dropout_p)
+    seed = _seed(dropout_seed, spec.dropout_p, device)
+    out, lse = torch.ops.ejkernel.flash_attention_fwd(
+        q.contiguous(), k.contiguous(), v.contiguous(), None if bias is None else bias.contiguous(),
+        None if q_seg is None else q_seg.to(torch.int32).contiguous(),
+        None if kv_seg is None else kv_seg.to(torch.int32).contiguous(), None, None, seed, *_op_scalars(spec))
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                           softmax_scale: float | None = None,
+                           sliding_window: int | tuple[int | None, int | None] | None = None,
+                           logits_soft_cap: float | None = None, bias: Tensor | None = None,
+                           q_segment_ids: Tensor | None = None, kv_segment_ids: Tensor | None = None,
+                           dropout_p: float = 0.0, dropout_seed: int | Tensor | None = None,
+                           return_lse: bool = False):
+    """``flash_attention`` over packed sequences: q ``[total_q, heads_q, head_dim]``, k/v
+    ``[total_k, heads_kv, head_dim]``; sequence i is tokens ``cu_seqlens[i]:cu_seqlens[i+1]``
+    (int32, ``[n_seq + 1]``, starting at 0, non-decreasing; checked on the host, a sync on
+    CUDA). ``max_seqlen_*`` bound the lengths. lse is ``[heads_q, total_q]``; tokens past
+    ``cu_seqlens[-1]`` give 0. Dropout offsets are those of the padded ``[n_seq, heads_q,
+    max_seqlen_q, max_seqlen_k]`` problem. Bias and segment ids are not supported here.
+    """
+    q, k, v, device = _qkv(q, k, v)
+    if bias is not None or q_segment_ids is not None or kv_segment_ids is not None:
+        raise ValueError("flash_attention_varlen takes no bias or segment ids (sequences are given by cu_seqlens)")
+    cu_q = _optional_tensor("cu_seqlens_q", cu_seqlens_q, device)
+    cu_k = _optional_tensor("cu_seqlens_k", cu_seqlens_k, device)
+    shapes, dtypes = _shapes_and_dtypes(q, k, v)
+    spec = _checked(fa.varlen_spec)(
+        *shapes, dtypes, tuple(cu_q.shape), name_of(cu_q), tuple(cu_k.shape), name_of(cu_k), max_seqlen_q,
+        max_seqlen_k, causal=causal, softmax_scale=softmax_scale, sliding_window=fa.window_arg(sliding_window),
+        logits_soft_cap=logits_soft_cap, dropout_p=dropout_p)
+    if not torch.compiler.is_compiling():
+        fa.cu_seqlens_values("cu_seqlens_q", cu_q.tolist(), spec.total_q, max_seqlen_q)
+        fa.cu_seqlens_values("cu_seqlens_k", cu_k.tolist(), spec.total_k, max_seqlen_k)
+    seed = _seed(dropout_seed, spec.dropout_p, device)
+    out, lse = torch.ops.ejkernel.flash_attention_fwd(
+        q.contiguous(), k.contiguous(), v.contiguous(), None, None, None, cu_q.contiguous(), cu_k.contiguous(),
+        seed, *_op_scalars(spec))
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_dropout_mask(dropout_seed: int | Tensor, batch: int, heads: int, seq_q: int, seq_k: int,
+                                 dropout_p: float, *, device: str | torch.device = "cpu") -> Tensor:
+    """The bool keep-mask ``[batch, heads, seq_q, seq_k]`` flash attention draws for this seed
+    (element offset ((b * heads + h) * seq_q + i) * seq_k + j); the same in torch and jax."""
+    seed = _seed_tensor(dropout_seed, torch.device(device))
+    plan = fa.dropout_mask_plan(batch, heads, seq_q, seq_k, check_dropout(dropout_p), device_facts(seed.device))
+    return launch(plan, seed)[0].bool()

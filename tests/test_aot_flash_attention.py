@@ -1,0 +1,90 @@
+"""Every flash-attention plan shape compiles ahead of time for Hopper (sm_90) and fits its shared
+memory: GPU compile errors (which the interpreter cannot see) surface in CI without a GPU.
+
+Each feature is a constexpr branch, so "all features on" and "all off" compile every branch; the
+default set covers them per dtype at head_dim 64/128/256, the slow set more head_dims."""
+import pytest
+
+from triton_kernels import HOPPER
+from triton_kernels import flash_attention as fa
+from triton_kernels.aot import compile_key, compile_plan
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _dense(dtype, head_dim, features, seq=1000):
+    q, kv = (2, seq, 8, head_dim), (2, seq, 2, head_dim)
+    if not features:
+        return fa.dense_spec(q, kv, kv, (dtype,) * 3)
+    return fa.dense_spec(q, kv, kv, (dtype,) * 3, causal=True, sliding_window=128, logits_soft_cap=30.0,
+                         bias_shape=(1, 8, seq, seq), bias_dtype=dtype, q_segment_shape=(2, seq),
+                         q_segment_dtype="int32", kv_segment_shape=(2, seq), kv_segment_dtype="int32", dropout_p=0.1)
+
+
+def _varlen(dtype, head_dim):
+    shape = (4000, 8, head_dim), (4000, 8, head_dim)
+    return fa.varlen_spec(shape[0], shape[1], shape[1], (dtype,) * 3, (5,), "int32", (5,), "int32", 1000, 1000,
+                          causal=True)
+
+
+def _plans(spec, write_ds=False, use_dlse=False):
+    yield fa.forward_plan(spec, HOPPER)
+    yield from fa.backward_plans(spec, HOPPER, write_ds, use_dlse)
+
+
+def _default_specs():
+    for dtype in DTYPES:
+        for head_dim in (64, 128, 256):
+            yield _dense(dtype, head_dim, True), dict(write_ds=True, use_dlse=True)
+    yield _dense("bfloat16", 128, False), {}
+    yield _dense("float16", 64, True, seq=1), dict(write_ds=True, use_dlse=True)  # runtime ints equal to 1
+    yield _varlen("bfloat16", 80), {}
+    yield fa.dropout_mask_plan(2, 8, 1000, 1000, 0.1, HOPPER), None
+
+
+def _slow_specs():
+    for dtype in DTYPES:
+        for head_dim in (16, 80, 192):
+            yield _dense(dtype, head_dim, True), dict(write_ds=True, use_dlse=True)
+        yield _dense(dtype, 256, False), {}
+        yield _varlen(dtype, 256), {}
+
+
+def _unique(specs, skip=()):
+    seen = {}
+    for spec, options in specs:
+        for plan in ([spec] if options is None else _plans(spec, **options)):
+            key = compile_key(plan)
+            if key not in skip:
+                seen.setdefault(key, plan)
+    return seen
+
+
+DEFAULT = _unique(_default_specs())
+SLOW = _unique(_slow_specs(), skip=DEFAULT)
+
+
+def _id(plan):
+    c = plan.aot_constexprs()
+    feats = "-".join(k.removeprefix("USE_").lower() for k, v in c.items() if k.startswith("USE_") and v)
+    varlen = "varlen-" if c.get("IS_VARLEN") else ""
+    ones = "-ones" if c.get("seq_q") == 1 else ""
+    return f"{plan.name}-{plan.input_dtypes[0]}-d{c.get('HEAD_DIM')}-{varlen}{feats}{ones}"
+
+
+def _check(plan):
+    kernel = compile_plan(plan)
+    assert kernel.metadata.num_warps == plan.num_warps
+    assert kernel.metadata.shared <= HOPPER.shared_memory, (kernel.metadata.shared, HOPPER.shared_memory)
+    assert "cubin" in kernel.asm
+
+
+@pytest.mark.parametrize("plan", list(DEFAULT.values()), ids=_id)
+def test_compiles_for_hopper(plan):
+    _check(plan)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", list(SLOW.values()), ids=_id)
+def test_compiles_for_hopper_all_head_dims(plan):
+    _check(plan)

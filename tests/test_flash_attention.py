@@ -1,0 +1,361 @@
+"""flash_attention (both fronts): forward, lse and gradients vs float64 over a feature matrix,
+fully masked rows, varlen, dropout masks, torch-vs-jax agreement, jax transforms, bad input."""
+import numpy as np
+import pytest
+
+from tests import frameworks
+from tests import references as ref
+from tests.frameworks import TOLERANCE, rel_error
+
+GRAD_TOLERANCE = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+def _segments(rng, batch, seq, n_ids=3):
+    """Sorted ids 1..n_ids with a tail of padding (0) in every row but the first."""
+    ids = np.sort(rng.integers(1, n_ids + 1, size=(batch, seq)), axis=1).astype(np.int32)
+    for b in range(1, batch):
+        ids[b, seq - rng.integers(1, seq + 1):] = 0
+    return ids
+
+
+def _make(fw, rng, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, dtype, bias=None, segments=False):
+    """Framework arrays, the numpy values they hold (what the reference sees), and options."""
+    shapes = [(batch, seq_q, heads_q, head_dim), (batch, seq_k, heads_kv, head_dim), (batch, seq_k, heads_kv, head_dim)]
+    arrays = [fw.asarray(rng.standard_normal(s), dtype) for s in shapes]
+    if bias is not None:
+        arrays.append(fw.asarray(rng.standard_normal((*bias, seq_q, seq_k)), dtype))
+    values = [fw.to_numpy(a) for a in arrays]
+    extra, ref_extra = {}, {}
+    if segments:
+        q_seg = _segments(rng, batch, seq_q)
+        kv_seg = q_seg if seq_q == seq_k else _segments(rng, batch, seq_k)
+        extra = dict(q_segment_ids=fw.asarray(q_seg), kv_segment_ids=fw.asarray(kv_seg))
+        ref_extra = dict(q_segment_ids=ref._t(q_seg), kv_segment_ids=ref._t(kv_seg))
+    return arrays, values, extra, ref_extra
+
+
+def _op(fw, options, extra):
+    def run(q, k, v, bias=None, return_lse=False):
+        return fw.ops.flash_attention(q, k, v, bias=bias, return_lse=return_lse, **options, **extra)
+    return run
+
+
+def _ref(options, extra):
+    def run(q, k, v, bias=None, return_lse=False):
+        return ref.flash_attention(q, k, v, bias=bias, return_lse=return_lse, **options, **extra)
+    return run
+
+
+def _check(fw, rng, shape, dtype, options, bias=None, segments=False):
+    arrays, values, extra, ref_extra = _make(fw, rng, *shape, dtype, bias=bias, segments=segments)
+    op, reference = _op(fw, options, extra), _ref(options, ref_extra)
+    out, lse = op(*arrays, return_lse=True)
+    out, lse = fw.to_numpy(out), fw.to_numpy(lse)
+    want_out, want_lse = (t.numpy() for t in reference(*(ref._t(a) for a in values), return_lse=True))
+    assert rel_error(out, want_out) < TOLERANCE[dtype]
+    empty = np.isneginf(want_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), empty)  # -inf exactly where nothing is attended
+    assert rel_error(lse[~empty], want_lse[~empty]) < 1e-5
+    assert not out.transpose(0, 2, 1, 3)[empty].any()  # fully masked rows give exact zeros
+
+    dout = rng.standard_normal(out.shape)
+    grads = fw.vjp(op, arrays, fw.asarray(dout, dtype))
+    expected = ref.vjp(reference, values, fw.to_numpy(fw.asarray(dout, dtype)), n_diff=len(values))
+    for name, got, want in zip(["dq", "dk", "dv", "dbias"], grads, expected):
+        assert rel_error(got, want) < GRAD_TOLERANCE[dtype], name
+    assert not grads[0].transpose(0, 2, 1, 3)[empty].any()
+
+
+# (batch, seq_q, seq_k, heads_q, heads_kv, head_dim), dtype, options, bias broadcast, segments
+CASES = [
+    ((1, 1, 1, 1, 1, 16), "float32", {}, None, False),
+    ((2, 17, 17, 4, 2, 32), "float32", dict(causal=True), None, False),
+    ((2, 17, 33, 2, 1, 80), "float16", dict(causal=True), None, False),
+    ((1, 33, 17, 2, 2, 64), "bfloat16", dict(causal=True), None, False),  # first 16 queries see nothing
+    ((2, 127, 127, 2, 2, 32), "float32", dict(sliding_window=[16, 8]), None, False),
+    ((1, 40, 40, 3, 1, 96), "bfloat16", dict(causal=True, sliding_window=7), None, False),
+    ((2, 33, 33, 2, 2, 32), "float32", dict(logits_soft_cap=5.0, softmax_scale=0.4), None, False),
+    ((2, 17, 23, 4, 2, 32), "float32", {}, (1, 4), False),
+    ((2, 20, 20, 2, 1, 24), "float16", dict(causal=True, logits_soft_cap=2.0), (2, 1), False),
+    ((2, 29, 29, 2, 1, 48), "float32", dict(causal=True), None, True),
+    ((2, 18, 31, 2, 2, 16), "bfloat16", {}, (2, 2), True),
+    ((1, 17, 17, 1, 1, 256), "float16", dict(causal=True), None, False),
+    ((1, 20, 20, 2, 2, 192), "bfloat16", {}, None, False),
+    ((1, 65, 65, 2, 2, 128), "float32", dict(sliding_window=(None, 3)), None, False),
+    ((2, 12, 12, 2, 2, 3), "float16", dict(causal=True), None, False),
+]
+
+
+@pytest.mark.parametrize("shape, dtype, options, bias, segments", CASES,
+                         ids=[f"{'x'.join(map(str, c[0]))}-{c[1]}-{'-'.join(c[2]) or 'plain'}"
+                              f"{'-bias' if c[3] else ''}{'-seg' if c[4] else ''}" for c in CASES])
+def test_matches_float64(fw, rng, shape, dtype, options, bias, segments):
+    _check(fw, rng, shape, dtype, options, bias=bias, segments=segments)
+
+
+# Long sequences cost ~30-100 s a case under the interpreter: one dtype per head_dim, and one front
+# per case (both run the same kernels; their agreement is checked on small shapes above).
+@pytest.mark.slow
+@pytest.mark.parametrize("front, seq_q, seq_k, head_dim, dtype", [
+    ("torch", 1000, 1000, 32, "float32"), ("jax", 1000, 1000, 64, "bfloat16"), ("torch", 1000, 1000, 80, "float16"),
+    ("jax", 1000, 1000, 128, "float32"), ("torch", 127, 1000, 64, "float16"), ("jax", 1000, 17, 128, "bfloat16"),
+])
+def test_long_sequences(rng, front, seq_q, seq_k, head_dim, dtype):
+    _check(frameworks.get(front), rng, (1, seq_q, seq_k, 2, 1, head_dim), dtype, dict(causal=True))
+
+
+@pytest.mark.slow
+def test_long_sequence_all_features(torch_fw, rng):
+    options = dict(sliding_window=100, logits_soft_cap=10.0, causal=True)
+    _check(torch_fw, rng, (1, 1000, 1000, 2, 2, 64), "bfloat16", options, bias=(1, 2), segments=True)
+
+
+def test_padding_rows_are_zero_with_zero_gradients(fw, rng):
+    arrays, values, _, _ = _make(fw, rng, 2, 9, 9, 2, 1, 16, "float32")
+    seg = np.array([[1] * 9, [0] * 9], np.int32)  # the second row is all padding
+    op = _op(fw, {}, dict(q_segment_ids=fw.asarray(seg), kv_segment_ids=fw.asarray(seg)))
+    out, lse = (fw.to_numpy(t) for t in op(*arrays, return_lse=True))
+    assert not out[1].any() and np.isneginf(lse[1]).all() and np.isfinite(lse[0]).all()
+    grads = fw.vjp(op, arrays, fw.asarray(rng.standard_normal(out.shape), "float32"))
+    for g in grads:
+        assert np.isfinite(g).all() and not g[1].any()
+
+
+def test_lse_gradient(fw, rng):
+    arrays, values, _, _ = _make(fw, rng, 2, 19, 25, 2, 1, 32, "float32")
+    c_out, c_lse = rng.standard_normal((2, 19, 2, 32)), rng.standard_normal((2, 2, 19))
+
+    def loss(op, q, k, v, c1, c2):
+        out, lse = op(q, k, v, return_lse=True)
+        return (out * c1).sum() + (lse * c2).sum()
+
+    op = _op(fw, dict(causal=True), {})
+    c1, c2 = fw.asarray(c_out), fw.asarray(c_lse)
+    grads = fw.vjp(lambda q, k, v: loss(op, q, k, v, c1, c2), arrays, fw.asarray(np.float32(1.0)))
+    t1, t2 = ref._t(c_out), ref._t(c_lse)
+    expected = ref.vjp(lambda q, k, v: loss(_ref(dict(causal=True), {}), q, k, v, t1, t2), values, 1.0, n_diff=3)
+    for name, got, want in zip("qkv", grads, expected):
+        assert rel_error(got, want) < GRAD_TOLERANCE["float32"], name
+
+
+# -- varlen -----------------------------------------------------------------------------------------
+
+
+def _varlen_case(fw, rng, dtype, cu_q, cu_k, heads_q=4, heads_kv=2, head_dim=32):
+    total_q, total_k = cu_q[-1], cu_k[-1]
+    shapes = [(total_q, heads_q, head_dim), (total_k, heads_kv, head_dim), (total_k, heads_kv, head_dim)]
+    arrays = [fw.asarray(rng.standard_normal(s), dtype) for s in shapes]
+    cu = [fw.asarray(np.array(c, np.int32)) for c in (cu_q, cu_k)]
+    max_q, max_k = max(np.diff(cu_q)), max(np.diff(cu_k))
+    return arrays, [fw.to_numpy(a) for a in arrays], cu, (int(max_q), int(max_k))
+
+
+@pytest.mark.parametrize("dtype, options", [("float32", dict(causal=True)), ("bfloat16", dict(sliding_window=(5, 2))),
+                                            ("float16", dict(logits_soft_cap=3.0))])
+def test_varlen_matches_float64(fw, rng, dtype, options):
+    cu_q, cu_k = [0, 5, 5, 22, 40], [0, 7, 9, 20, 45]  # an empty query sequence, seq_q != seq_k
+    arrays, values, cu, maxes = _varlen_case(fw, rng, dtype, cu_q, cu_k)
+
+    def op(q, k, v, return_lse=False):
+        return fw.ops.flash_attention_varlen(q, k, v, *cu, *maxes, return_lse=return_lse, **options)
+
+    def reference(q, k, v, return_lse=False):
+        return ref.flash_attention_varlen(q, k, v, ref._t(np.array(cu_q)), ref._t(np.array(cu_k)), *maxes,
+                                          return_lse=return_lse, **options)
+
+    out, lse = (fw.to_numpy(t) for t in op(*arrays, return_lse=True))
+    want_out, want_lse = (t.numpy() for t in reference(*(ref._t(a) for a in values), return_lse=True))
+    assert rel_error(out, want_out) < TOLERANCE[dtype]
+    finite = np.isfinite(want_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), finite)
+    assert rel_error(lse[finite], want_lse[finite]) < 1e-5
+    dout = fw.asarray(rng.standard_normal(out.shape), dtype)
+    grads = fw.vjp(op, arrays, dout)
+    expected = ref.vjp(reference, values, fw.to_numpy(dout), n_diff=3)
+    for name, got, want in zip("qkv", grads, expected):
+        assert rel_error(got, want) < GRAD_TOLERANCE[dtype], name
+
+
+def test_varlen_equals_dense_for_equal_lengths(fw, rng):
+    """Same lengths everywhere: varlen is the dense op on a reshape, dropout mask included."""
+    arrays, _, _, _ = _make(fw, rng, 3, 11, 11, 2, 2, 32, "float32")
+    cu = fw.asarray(np.arange(0, 34, 11, dtype=np.int32))
+    opts = dict(causal=True, dropout_p=0.25, dropout_seed=7)
+    dense = fw.to_numpy(fw.ops.flash_attention(*arrays, **opts))
+    flat = [a.reshape(33, 2, 32) for a in arrays]
+    packed = fw.to_numpy(fw.ops.flash_attention_varlen(*flat, cu, cu, 11, 11, **opts))
+    np.testing.assert_array_equal(packed.reshape(dense.shape), dense)
+
+
+# -- dropout ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dropout_matches_reference_with_the_kernel_mask(fw, rng, dtype):
+    p, seed = 0.3, 1234
+    arrays, values, _, _ = _make(fw, rng, 2, 23, 30, 4, 2, 32, dtype)
+    mask = fw.to_numpy(fw.ops.flash_attention_dropout_mask(seed, 2, 4, 23, 30, p))
+    assert abs(mask.mean() - (1 - p)) < 0.03
+    opts = dict(causal=True, dropout_p=p)
+
+    def op(q, k, v):
+        return fw.ops.flash_attention(q, k, v, dropout_seed=seed, **opts)
+
+    def reference(q, k, v):
+        return ref.flash_attention(q, k, v, dropout_mask=ref._t(mask), **opts)
+
+    out = fw.to_numpy(op(*arrays))
+    assert rel_error(out, ref.forward(reference, *values)) < TOLERANCE[dtype]
+    dout = fw.asarray(rng.standard_normal(out.shape), dtype)
+    grads = fw.vjp(op, arrays, dout)  # the backward regenerates the same mask
+    for name, got, want in zip("qkv", grads, ref.vjp(reference, values, fw.to_numpy(dout), n_diff=3)):
+        assert rel_error(got, want) < GRAD_TOLERANCE[dtype], name
+
+
+def test_dropout_seed_changes_the_mask(fw):
+    a = fw.to_numpy(fw.ops.flash_attention_dropout_mask(1, 1, 2, 16, 16, 0.5))
+    b = fw.to_numpy(fw.ops.flash_attention_dropout_mask(2, 1, 2, 16, 16, 0.5))
+    assert (a != b).any() and (a == fw.to_numpy(fw.ops.flash_attention_dropout_mask(1, 1, 2, 16, 16, 0.5))).all()
+
+
+# -- torch vs jax -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(dropout_p=0.2, dropout_seed=99, sliding_window=(9, 4),
+                                                             logits_soft_cap=4.0)])
+def test_torch_and_jax_agree(torch_fw, jax_fw, rng, options):
+    inputs = [rng.standard_normal(s).astype(np.float32) for s in [(2, 37, 4, 40), (2, 45, 2, 40), (2, 45, 2, 40),
+                                                                  (1, 4, 37, 45)]]
+    dout = rng.standard_normal((2, 37, 4, 40)).astype(np.float32)
+    seg = _segments(rng, 2, 37), _segments(rng, 2, 45)
+    results = []
+    for f in (torch_fw, jax_fw):
+        args = [f.asarray(a) for a in inputs]
+        extra = dict(q_segment_ids=f.asarray(seg[0]), kv_segment_ids=f.asarray(seg[1]), **options)
+        op = _op(f, extra, {})
+        out, lse = op(*args, return_lse=True)
+        results.append([f.to_numpy(out), f.to_numpy(lse), *f.vjp(op, args, f.asarray(dout))])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(np.isneginf(a), np.isneginf(b))
+        finite = ~np.isneginf(a)
+        assert np.max(np.abs(a[finite] - b[finite]), initial=0) <= 1e-6
+
+
+def test_dropout_masks_agree(torch_fw, jax_fw):
+    masks = [f.to_numpy(f.ops.flash_attention_dropout_mask(-5, 2, 3, 33, 70, 0.1)) for f in (torch_fw, jax_fw)]
+    np.testing.assert_array_equal(*masks)
+
+
+# -- jax transforms ---------------------------------------------------------------------------------
+
+
+def test_jax_jit_grad_vmap(jax_fw, rng):
+    import jax
+    import jax.numpy as jnp
+
+    import ejkernel_jax as ejj
+
+    q, k, v = (jnp.asarray(rng.standard_normal((3, 2, 13, 2, 16)), jnp.float32) for _ in range(3))
+    seed = jnp.asarray([11, 12, 13], jnp.int32)
+
+    def loss(q, k, v, s):
+        return (ejj.flash_attention(q, k, v, causal=True, dropout_p=0.1, dropout_seed=s) ** 2).sum()
+
+    grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(q, k, v, seed)  # traced seeds too
+    for i in range(3):
+        one = jax.grad(loss, argnums=(0, 1, 2))(q[i], k[i], v[i], int(seed[i]))
+        for a, b in zip(grads, one):
+            np.testing.assert_allclose(np.asarray(a[i]), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def test_jax_bias_gradient_only_when_needed(jax_fw, rng):
+    import jax
+    import jax.numpy as jnp
+
+    import ejkernel_jax as ejj
+
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 9, 2, 16)), jnp.float32) for _ in range(3))
+    bias = jnp.asarray(rng.standard_normal((1, 1, 9, 9)), jnp.float32)
+    scratch = "f32[1,2,9,9]"  # the [batch, heads_q, seq_q, seq_k] dS a bias gradient needs
+    assert scratch not in str(jax.make_jaxpr(jax.grad(lambda q: ejj.flash_attention(q, k, v, bias=bias).sum()))(q))
+    grad_bias = jax.grad(lambda b: ejj.flash_attention(q, k, v, bias=b).sum())
+    assert scratch in str(jax.make_jaxpr(grad_bias)(bias))
+    dbias = grad_bias(bias)
+    assert dbias.shape == bias.shape
+
+
+# -- bad input --------------------------------------------------------------------------------------
+
+
+def _bad_cases():
+    f32 = np.float32
+    return [
+        (dict(q=np.zeros((3, 5, 4, 16), f32)), ValueError, "k/v .* must match q"),
+        (dict(q=np.zeros((5, 2, 16), f32)), ValueError, "q must be 4-D"),
+        (dict(v=np.zeros((2, 6, 2, 16), f32)), ValueError, "k and v must have one shape"),
+        (dict(v=np.zeros((2, 5, 2, 16), np.float16)), TypeError, "q, k, v must share one dtype"),
+        (dict(q=np.zeros((2, 5, 4, 16), np.int32)), TypeError, "q must be a float"),
+        (dict(q=np.zeros((2, 5, 3, 16), f32)), ValueError, "multiple of heads of k/v"),
+        (dict(q=np.zeros((2, 5, 4, 300), f32), k=np.zeros((2, 5, 2, 300), f32), v=np.zeros((2, 5, 2, 300), f32)),
+         ValueError, "head_dim must be between 1 and 256"),
+        (dict(sliding_window=-1), ValueError, "sliding_window must be >= 0"),
+        (dict(sliding_window=(2, 3, 4)), ValueError, "sliding_window must be an int or a"),
+        (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap must be a finite number > 0"),
+        (dict(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\)"),
+        (dict(bias=np.zeros((2, 3, 5, 5), f32)), ValueError, "bias must broadcast"),
+        (dict(q_segment_ids=np.zeros((2, 5), np.int32)), ValueError, "pass both q_segment_ids and kv_segment_ids"),
+        (dict(q_segment_ids=np.zeros((2, 4), np.int32), kv_segment_ids=np.zeros((2, 5), np.int32)), ValueError,
+         r"q_segment_ids must have shape \(2, 5\)"),
+        (dict(q_segment_ids=np.zeros((2, 5), f32), kv_segment_ids=np.zeros((2, 5), f32)), TypeError,
+         "q_segment_ids must be an integer"),
+        (dict(causal=1), TypeError, "causal must be a bool"),
+    ]
+
+
+@pytest.mark.parametrize("kwargs, error, match", _bad_cases())
+def test_bad_input(fw, kwargs, error, match):
+    f32 = np.float32
+    args = dict(q=np.zeros((2, 5, 4, 16), f32), k=np.zeros((2, 5, 2, 16), f32), v=np.zeros((2, 5, 2, 16), f32))
+    args |= {n: kwargs[n] for n in "qkv" if n in kwargs}
+    options = {n: fw.asarray(a) if isinstance(a, np.ndarray) else a for n, a in kwargs.items() if n not in "qkv"}
+    with pytest.raises(error, match=match):
+        fw.ops.flash_attention(*(fw.asarray(args[n]) for n in "qkv"), **options)
+
+
+def _bad_varlen_cases():
+    return [
+        (dict(cu_q=np.array([0, 5, 3, 10], np.int32)), ValueError, "cu_seqlens_q must be non-decreasing"),
+        (dict(cu_q=np.array([0, 5, 8, 10], np.int16)), TypeError, "cu_seqlens_q must be int32"),
+        (dict(cu_k=np.array([1, 5, 8, 10], np.int32)), ValueError, "cu_seqlens_k must start at 0"),
+        (dict(cu_k=np.array([0, 5, 8, 12], np.int32)), ValueError, "cu_seqlens_k ends at 12"),
+        (dict(max_q=3), ValueError, "length 5 > max_seqlen 3"),
+        (dict(cu_k=np.array([0, 5, 10], np.int32)), ValueError, "must have one shape"),
+        (dict(bias=np.zeros((1, 1, 5, 5), np.float32)), ValueError, "takes no bias"),
+    ]
+
+
+@pytest.mark.parametrize("kwargs, error, match", _bad_varlen_cases())
+def test_bad_varlen_input(fw, kwargs, error, match):
+    x = fw.asarray(np.zeros((10, 2, 16), np.float32))
+    args = dict(cu_q=np.array([0, 5, 8, 10], np.int32), cu_k=np.array([0, 5, 8, 10], np.int32), max_q=5,
+                max_k=5) | kwargs
+    bias = args.get("bias")
+    with pytest.raises(error, match=match):
+        fw.ops.flash_attention_varlen(x, x, x, fw.asarray(args["cu_q"]), fw.asarray(args["cu_k"]), args["max_q"],
+                                      args["max_k"], bias=None if bias is None else fw.asarray(bias))
+
+
+def test_dropout_needs_a_seed_in_jax(jax_fw):
+    x = jax_fw.asarray(np.zeros((1, 4, 1, 16), np.float32))
+    with pytest.raises(ValueError, match="needs a dropout_seed"):
+        jax_fw.ops.flash_attention(x, x, x, dropout_p=0.5)
+
+
+def test_mismatched_devices_or_types(torch_fw):
+    import torch
+
+    x = torch.zeros(1, 4, 1, 16)
+    with pytest.raises(TypeError, match="k must be a torch.Tensor"):
+        torch_fw.ops.flash_attention(x, np.zeros((1, 4, 1, 16)), x)
+    with pytest.raises(ValueError, match="meta"):
+        torch_fw.ops.flash_attention(x, x.to("meta"), x)

@@ -1,0 +1,108 @@
+"""Torch-only: the registered ops pass opcheck, torch.compile(fullgraph=True) traces a model using
+them, default dropout seeds follow torch's generator, non-contiguous inputs work."""
+import numpy as np
+import pytest
+import torch
+
+import ejkernel_torch as ejk
+from tests import references as ref
+from tests.frameworks import rel_error
+
+OPS = torch.ops.ejkernel
+
+
+def _qkv(batch=2, seq_q=9, seq_k=11, heads_q=4, heads_kv=2, head_dim=16, grad=True):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(batch, seq_q, heads_q, head_dim)] + [(batch, seq_k, heads_kv, head_dim)] * 2
+    return [torch.randn(s, generator=gen).requires_grad_(grad) for s in shapes]
+
+
+# op argument tail: max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p
+def _opcheck_cases():
+    q, k, v = _qkv()
+    seed = torch.tensor([5], dtype=torch.int32)
+    bias = torch.randn(1, 4, 9, 11, requires_grad=True)
+    seg_q, seg_k = torch.tensor([[1] * 9, [1] * 5 + [0] * 4]), torch.tensor([[1] * 11, [1] * 6 + [0] * 5])
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32), torch.tensor([0, 7, 11], dtype=torch.int32)
+    flat = [x.detach()[0].requires_grad_() for x in (q, k, v)]
+    return {
+        "plain": (q, k, v, None, None, None, None, None, None, 0, 0, 0.25, -1, -1, 0.0, 0.0),
+        "all-features": (q, k, v, bias, seg_q.int(), seg_k.int(), None, None, seed, 0, 0, 0.25, 20, 0, 3.0, 0.2),
+        "varlen": (*flat, None, None, None, *cu, seed, 5, 7, 0.25, 3, 1, 0.0, 0.1),
+    }
+
+
+@pytest.mark.parametrize("case", ["plain", "all-features", "varlen"])
+def test_opcheck_forward(case):
+    torch.library.opcheck(OPS.flash_attention_fwd.default, _opcheck_cases()[case])
+
+
+def test_opcheck_backward():
+    q, k, v, bias, qs, ks, cq, ck, seed, *scalars = _opcheck_cases()["all-features"]
+    out, lse = OPS.flash_attention_fwd(q, k, v, bias, qs, ks, cq, ck, seed, *scalars)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    args = (dout, dlse, *(t.detach() for t in (q, k, v, out, lse, bias)), qs, ks, cq, ck, seed, *scalars, True)
+    torch.library.opcheck(OPS.flash_attention_bwd.default, args)
+
+
+class _TinyAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 64)
+        self.bias = torch.nn.Parameter(torch.zeros(1, 2, 9, 9))
+
+    def forward(self, x, seg):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 4, 16).split([2, 1, 1], dim=2)
+        out = ejk.flash_attention(q, k, v, causal=True, bias=self.bias, logits_soft_cap=5.0, q_segment_ids=seg,
+                                  kv_segment_ids=seg, dropout_p=0.1, dropout_seed=3)
+        return out.float().square().mean()
+
+
+def _fresh_inductor_cache():
+    from torch._inductor import utils
+
+    return (getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache)()
+
+
+def test_compile_fullgraph_matches_eager():
+    torch.manual_seed(0)
+    model = _TinyAttention()
+    x = torch.randn(2, 9, 32)
+    seg = torch.tensor([[1] * 9, [1] * 4 + [2] * 3 + [0] * 2])
+    compiled = torch.compile(model, fullgraph=True)  # raises on any graph break
+    results = []
+    with _fresh_inductor_cache():  # graphs cached by other versions of this code must not be reused
+        for fn in (model, compiled):
+            model.zero_grad()
+            loss = fn(x, seg)
+            loss.backward()
+            results.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
+    for eager, comp in zip(*results):
+        assert rel_error(comp.numpy(), eager.numpy()) < 1e-5
+
+
+def test_default_seed_follows_torch_manual_seed():
+    q, k, v = _qkv(grad=False)
+    outs = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        outs.append(ejk.flash_attention(q, k, v, dropout_p=0.5))
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+
+
+def test_non_contiguous_inputs_and_tensor_seed():
+    q, k, v = (x.detach().transpose(1, 2).contiguous().transpose(1, 2) for x in _qkv())  # strided views
+    assert not q.is_contiguous()
+    seed = torch.tensor(7)
+    out = ejk.flash_attention(q, k, v, dropout_p=0.3, dropout_seed=seed)
+    mask = ejk.flash_attention_dropout_mask(7, 2, 4, 9, 11, 0.3)
+    expected = ref.flash_attention(*(x.double() for x in (q, k, v)), dropout_p=0.3, dropout_mask=mask)
+    assert rel_error(out.numpy(), expected.numpy()) < 1e-5
+
+
+def test_bias_without_grad_gets_none():
+    q, k, v = _qkv()
+    bias = torch.randn(2, 1, 9, 11)
+    ejk.flash_attention(q, k, v, bias=bias).sum().backward()
+    assert bias.grad is None and np.isfinite(q.grad.numpy()).all()

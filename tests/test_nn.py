@@ -1,0 +1,94 @@
+"""MultiHeadAttention in torch and Flax: matches plain attention, weights move across frameworks and
+give the same outputs, dropout only in training mode."""
+import numpy as np
+import pytest
+import torch
+
+from tests.frameworks import rel_error
+
+
+def _plain_attention(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The same layer with float64 textbook attention (GQA by repeating k/v)."""
+    b, s, _ = x.shape
+    h, hkv, d = module.num_heads, module.num_kv_heads, module.head_dim
+    qkv = torch.nn.functional.linear(x, module.qkv.weight.double(), module.qkv.bias.double()).view(b, s, h + 2 * hkv, d)
+    q, k, v = (t.transpose(1, 2) for t in qkv.split([h, hkv, hkv], dim=2))
+    k, v = k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=module.causal)
+    return torch.nn.functional.linear(out.transpose(1, 2).reshape(b, s, h * d), module.out.weight.double(),
+                                      module.out.bias.double())
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 1)])
+def test_torch_module_matches_plain_attention(heads, kv_heads):
+    from ejkernel_torch.nn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(64, heads, kv_heads, dropout=0.5).eval()
+    x = torch.randn(2, 13, 64, requires_grad=True)
+    out = layer(x)
+    out.square().sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    expected = _plain_attention(layer, x64)
+    expected.square().sum().backward()
+    assert rel_error(out.detach().numpy(), expected.detach().numpy()) < 1e-5
+    assert rel_error(x.grad.numpy(), x64.grad.numpy()) < 2e-5
+
+
+def test_torch_dropout_only_in_training():
+    from ejkernel_torch.nn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(32, 2, dropout=0.5)
+    x = torch.randn(1, 9, 32)
+    train = layer(x)
+    layer.eval()
+    assert not torch.equal(train, layer(x)) and torch.equal(layer(x), layer(x))
+
+
+def test_flax_module_with_torch_weights_gives_torch_outputs():
+    import jax
+    import jax.numpy as jnp
+
+    from ejkernel_jax.nn import MultiHeadAttention as FlaxMHA
+    from ejkernel_jax.nn import params_from_torch
+    from ejkernel_torch.nn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(64, 4, 2, sliding_window=5).eval()
+    flax_layer = FlaxMHA(64, 4, 2, sliding_window=5)
+    x = np.random.default_rng(0).standard_normal((2, 11, 64)).astype(np.float32)
+    seg = np.array([[1] * 11, [1] * 6 + [0] * 5], np.int32)
+    init = flax_layer.init(jax.random.PRNGKey(0), jnp.asarray(x))
+    params = {"params": params_from_torch(layer.state_dict())}
+    assert jax.tree.map(jnp.shape, init) == jax.tree.map(jnp.shape, params)  # same names and shapes
+    got = np.asarray(flax_layer.apply(params, jnp.asarray(x), jnp.asarray(seg)))
+    want = layer(torch.from_numpy(x), torch.from_numpy(seg)).detach().numpy()
+    assert rel_error(got, want) < 1e-5
+    dropped = flax_layer.clone(dropout=0.3).apply(params, jnp.asarray(x), deterministic=False,
+                                                  rngs={"dropout": jax.random.PRNGKey(1)})
+    assert np.isfinite(np.asarray(dropped)).all() and not np.allclose(np.asarray(dropped), got)
+
+
+def _run_example(name, steps):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, f"examples/{name}", "--steps", str(steps)], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-2000:]
+    assert "max |loss difference|" in result.stdout
+
+
+@pytest.mark.parametrize("name", ["torch_gpt.py", "flax_gpt.py"])
+def test_gpt_examples_run(name):
+    _run_example(name, steps=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["torch_gpt.py", "flax_gpt.py"])
+def test_gpt_examples_train_50_steps_like_plain_attention(name):
+    _run_example(name, steps=50)

@@ -1,0 +1,78 @@
+"""Flash-attention forward: one program per (query block, head, batch row), online softmax over
+the key blocks the mask can reach. Writes the output and the natural log-sum-exp (-inf for a
+fully masked row, whose output is 0)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..padded_attention import _dot
+from .tiles import (LN2_C, _dropout_keep, _keep, _key_range, _load_bias, _load_rows, _logits2, _row_base, _sequence,
+                    _store_rows)
+
+# Runtime ints: listed so torch and jax-triton compile the same binary (see triton_kernels.plan).
+RUNTIME_INTS = ["seq_q", "seq_k", "total_q", "total_k", "win_left", "win_right"]
+
+
+@triton.jit(do_not_specialize_on_alignment=RUNTIME_INTS)
+def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_ptr, cu_k_ptr, seed_ptr,
+                     seq_q, seq_k, total_q, total_k, win_left, win_right,
+                     logit_scale, softcap, dropout_p, dropout_scale,
+                     o_ptr, lse_ptr,
+                     HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                     IS_VARLEN: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                     USE_BIAS: tl.constexpr, BIAS_BATCHED: tl.constexpr, BIAS_HEADS: tl.constexpr,
+                     USE_SEGMENTS: tl.constexpr, USE_DROPOUT: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    q_start, len_q, k_start, len_k = _sequence(b, cu_q_ptr, cu_k_ptr, seq_q, seq_k, total_q, total_k, IS_VARLEN)
+    if start_m >= len_q:  # varlen: this sequence is shorter than the grid
+        return
+    h_kv = h // (HEADS_Q // HEADS_KV)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_rows(q_ptr, q_start, offs_m, len_q, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM)
+    q_seg = offs_m
+    if USE_SEGMENTS:
+        q_seg = tl.load(q_seg_ptr + b * seq_q + offs_m, mask=offs_m < len_q, other=0)
+    seed = 0
+    if USE_DROPOUT:
+        seed = tl.load(seed_ptr)
+    drop_base = (b * HEADS_Q + h) * seq_q
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    lo, hi = _key_range(start_m, len_q, len_k, win_left, win_right, BLOCK_M, BLOCK_N, USE_WINDOW)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
+        v = _load_rows(v_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
+        bias = 0.0
+        if USE_BIAS:
+            bias = _load_bias(bias_ptr, b, h, offs_m, offs_n, len_q, len_k, BIAS_BATCHED, BIAS_HEADS)
+        k_seg = offs_n
+        if USE_SEGMENTS:
+            k_seg = tl.load(kv_seg_ptr + b * seq_k + offs_n, mask=offs_n < len_k, other=0)
+        s, _ = _logits2(_dot(q, tl.trans(k), DOT_PRECISION), bias, logit_scale, softcap, USE_SOFTCAP, USE_BIAS)
+        keep = _keep(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg, USE_WINDOW, USE_SEGMENTS)
+        s = tl.where(keep, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing attended yet: keep exp2 finite
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=1)  # the normaliser counts dropped entries too
+        if USE_DROPOUT:
+            p = tl.where(_dropout_keep(seed, drop_base, offs_m, offs_n, seq_k, dropout_p), p * dropout_scale, 0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    _store_rows(o_ptr, out, q_start, offs_m, len_q, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM)
+    lse = tl.where(empty, -float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2_C)
+    row = _row_base(b, h, q_start, seq_q, total_q, HEADS_Q, IS_VARLEN)
+    tl.store(lse_ptr + row + offs_m, lse, mask=offs_m < len_q)

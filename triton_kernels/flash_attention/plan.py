@@ -1,0 +1,159 @@
+"""Launch plans for flash attention, from a ``FlashSpec`` and ``DeviceFacts``.
+
+Every kernel takes the same nine leading arrays (``FEATURE_INPUTS``); for features a call does
+not use the fronts pass a one-element stand-in of the dtype ``feature_dtypes`` lists, so one
+kernel signature serves all calls.
+"""
+from __future__ import annotations
+
+import functools
+
+from ..padded_attention import _bwd_tiles, _dot_precision, _fwd_tiles
+from ..plan import DeviceFacts, LaunchPlan, Output, cdiv, fp32, next_power_of_2
+from .backward import flash_bwd_delta_kernel, flash_bwd_dkdv_kernel, flash_bwd_dq_kernel
+from .dropout import dropout_mask_kernel
+from .forward import flash_fwd_kernel
+from .spec import FlashSpec
+from .tiles import LOG2E
+
+# (kernel parameter, what the fronts pass) in kernel order.
+FEATURE_INPUTS = ("q_ptr", "k_ptr", "v_ptr", "bias_ptr", "q_seg_ptr", "kv_seg_ptr", "cu_q_ptr", "cu_k_ptr", "seed_ptr")
+MAX_GRID_YZ = 65_535  # CUDA's limit on grid axes 1 and 2 (heads, batch)
+
+
+def feature_dtypes(spec: FlashSpec) -> tuple[str, ...]:
+    return (spec.dtype,) * 3 + (spec.bias_dtype or spec.dtype,) + ("int32",) * 5
+
+
+def _check_grid(spec: FlashSpec) -> None:
+    if spec.batch > MAX_GRID_YZ or spec.heads_q > MAX_GRID_YZ:
+        raise ValueError(f"batch ({spec.batch}) and heads ({spec.heads_q}) must each be <= {MAX_GRID_YZ}")
+
+
+def _scalars(spec: FlashSpec) -> tuple[tuple[str, int | float], ...]:
+    left, right = spec.window or (0, 0)
+    if spec.softcap is not None:
+        logit_scale = spec.softmax_scale / spec.softcap
+    elif spec.bias is not None:
+        logit_scale = spec.softmax_scale
+    else:
+        logit_scale = spec.softmax_scale * LOG2E
+    return (
+        ("seq_q", spec.seq_q), ("seq_k", spec.seq_k), ("total_q", spec.total_q), ("total_k", spec.total_k),
+        ("win_left", left), ("win_right", right),
+        ("logit_scale", fp32(logit_scale)), ("softcap", fp32(spec.softcap or 1.0)),
+        ("dropout_p", fp32(spec.dropout_p)), ("dropout_scale", fp32(1.0 / (1.0 - spec.dropout_p))),
+    )
+
+
+def _features(spec: FlashSpec) -> tuple[tuple[str, object], ...]:
+    bias_b, bias_h = spec.bias or (1, 1)
+    return (
+        ("HEADS_Q", spec.heads_q), ("HEADS_KV", spec.heads_kv), ("HEAD_DIM", spec.head_dim),
+        ("IS_VARLEN", spec.varlen), ("USE_WINDOW", spec.window is not None),
+        ("USE_SOFTCAP", spec.softcap is not None), ("USE_BIAS", spec.bias is not None),
+        ("BIAS_BATCHED", int(bias_b > 1)), ("BIAS_HEADS", bias_h),
+        ("USE_SEGMENTS", spec.segments), ("USE_DROPOUT", spec.dropout_p > 0.0),
+    )
+
+
+def _cpu_block(n: int) -> int:
+    # The interpreter pays per element: small problems get small tiles.
+    return min(64, max(16, next_power_of_2(n)))
+
+
+def _tiles(spec: FlashSpec, facts: DeviceFacts, backward: bool) -> tuple[int, int, int, int, int]:
+    if facts.is_cpu:
+        block_d = max(16, next_power_of_2(spec.head_dim))
+        return _cpu_block(spec.seq_q), _cpu_block(spec.seq_k), block_d, 4, 1
+    return (_bwd_tiles if backward else _fwd_tiles)(spec.head_dim, spec.dtype, facts)
+
+
+def _outputs_zeroed(spec: FlashSpec) -> bool:
+    # Varlen: tokens past cu_seqlens[-1] belong to no program; they read as zeros.
+    return spec.varlen
+
+
+@functools.lru_cache(maxsize=512)
+def forward_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
+    """Inputs: FEATURE_INPUTS. Outputs: out (q's shape and dtype), lse (float32, natural log)."""
+    _check_grid(spec)
+    bm, bn, bd, warps, stages = _tiles(spec, facts, backward=False)
+    zeroed = _outputs_zeroed(spec)
+    return LaunchPlan(
+        kernel=flash_fwd_kernel, grid=(cdiv(spec.seq_q, bm), spec.heads_q, spec.batch),
+        inputs=FEATURE_INPUTS, input_dtypes=feature_dtypes(spec), scalars=_scalars(spec),
+        outputs=(Output("o_ptr", spec.q_shape, spec.dtype, zeroed),
+                 Output("lse_ptr", spec.lse_shape, "float32", zeroed)),
+        constexprs=_features(spec) + (("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_D", bd),
+                                      ("DOT_PRECISION", _dot_precision(spec.dtype, facts))),
+        num_warps=warps, num_stages=stages,
+    )
+
+
+def _delta_plan(spec: FlashSpec, facts: DeviceFacts, use_dlse: bool) -> LaunchPlan:
+    block_m = _cpu_block(spec.seq_q) if facts.is_cpu else 64
+    block_d = max(16, next_power_of_2(spec.head_dim))
+    return LaunchPlan(
+        kernel=flash_bwd_delta_kernel, grid=(cdiv(spec.seq_q, block_m), spec.heads_q, spec.batch),
+        inputs=("o_ptr", "do_ptr", "dlse_ptr", "cu_q_ptr", "cu_k_ptr"),
+        input_dtypes=(spec.dtype, spec.dtype, "float32", "int32", "int32"),
+        scalars=(("seq_q", spec.seq_q), ("seq_k", spec.seq_k), ("total_q", spec.total_q), ("total_k", spec.total_k)),
+        outputs=(Output("delta_ptr", spec.lse_shape, "float32", _outputs_zeroed(spec)),),
+        constexprs=(("HEADS_Q", spec.heads_q), ("HEAD_DIM", spec.head_dim), ("BLOCK_M", block_m),
+                    ("BLOCK_D", block_d), ("IS_VARLEN", spec.varlen), ("USE_DLSE", use_dlse)),
+        num_warps=4, num_stages=1,
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False,
+                   use_dlse: bool = False) -> tuple[LaunchPlan, LaunchPlan, LaunchPlan]:
+    """(delta, dk/dv, dq) plans.
+
+    * delta: (out, dout, dlse, cu_q, cu_k) -> delta (lse layout); dlse is a dummy unless ``use_dlse``.
+    * dkdv: (FEATURE_INPUTS, dout, lse, delta) -> dk, dv, ds. ``ds`` is the float32 gradient of the
+      logits [batch, heads_q, seq_q, seq_k] when ``write_ds`` (for a bias gradient), else a
+      one-element placeholder.
+    * dq: (FEATURE_INPUTS, dout, lse, delta) -> dq.
+    """
+    _check_grid(spec)
+    bm, bn, bd, warps, stages = _tiles(spec, facts, backward=True)
+    zeroed = _outputs_zeroed(spec)
+    inputs = FEATURE_INPUTS + ("do_ptr", "lse_ptr", "delta_ptr")
+    dtypes = feature_dtypes(spec) + (spec.dtype, "float32", "float32")
+    scalars = _scalars(spec) + (("sm_scale", fp32(spec.softmax_scale)),)
+    consts = _features(spec) + (("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_D", bd))
+    precision = (("DOT_PRECISION", _dot_precision(spec.dtype, facts)),)
+    if write_ds and spec.bias is None:
+        raise ValueError("write_ds needs a bias")
+    ds = Output("ds_ptr", spec.dbias_full_shape if write_ds else (1,), "float32", zeroed=write_ds)
+    dkdv = LaunchPlan(
+        kernel=flash_bwd_dkdv_kernel, grid=(cdiv(spec.seq_k, bn), spec.heads_kv, spec.batch),
+        inputs=inputs, input_dtypes=dtypes, scalars=scalars,
+        outputs=(Output("dk_ptr", spec.kv_shape, spec.dtype, zeroed),
+                 Output("dv_ptr", spec.kv_shape, spec.dtype, zeroed), ds),
+        constexprs=consts + (("WRITE_DS", write_ds),) + precision, num_warps=warps, num_stages=stages,
+    )
+    dq = LaunchPlan(
+        kernel=flash_bwd_dq_kernel, grid=(cdiv(spec.seq_q, bm), spec.heads_q, spec.batch),
+        inputs=inputs, input_dtypes=dtypes, scalars=scalars,
+        outputs=(Output("dq_ptr", spec.q_shape, spec.dtype, zeroed),),
+        constexprs=consts + precision, num_warps=warps, num_stages=stages,
+    )
+    return _delta_plan(spec, facts, use_dlse), dkdv, dq
+
+
+@functools.lru_cache(maxsize=128)
+def dropout_mask_plan(batch: int, heads: int, seq_q: int, seq_k: int, dropout_p: float,
+                      facts: DeviceFacts) -> LaunchPlan:
+    """(seed int32 [1]) -> int32 keep-mask (0/1) [batch, heads, seq_q, seq_k], as flash attention draws it."""
+    block_m, block_n = (_cpu_block(seq_q), _cpu_block(seq_k)) if facts.is_cpu else (64, 64)
+    return LaunchPlan(
+        kernel=dropout_mask_kernel, grid=(cdiv(seq_q, block_m), heads, batch),
+        inputs=("seed_ptr",), input_dtypes=("int32",),
+        scalars=(("seq_q", seq_q), ("seq_k", seq_k), ("dropout_p", fp32(dropout_p))),
+        outputs=(Output("mask_ptr", (batch, heads, seq_q, seq_k), "int32"),),
+        constexprs=(("HEADS", heads), ("BLOCK_M", block_m), ("BLOCK_N", block_n)),
+        num_warps=4, num_stages=1,
+    )

@@ -1,0 +1,268 @@
+"""What one flash-attention call computes, as a hashable value, and the checks that build it.
+
+Both fronts turn their arrays into shapes and dtype names, call ``dense_spec`` or ``varlen_spec``
+before any kernel runs (so they reject the same inputs with the same messages), and hand the
+resulting ``FlashSpec`` to the plan functions. Specs are cached, so a repeated call costs a dict
+lookup.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from .. import checks
+
+MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256  # padded to a power of two >= 16 inside the kernels
+
+
+@dataclass(frozen=True)
+class FlashSpec:
+    """Everything static about a call. Varlen calls use ``batch`` = number of sequences and
+    ``seq_q``/``seq_k`` = the max sequence lengths; tokens are packed (``total_q``/``total_k``)."""
+
+    batch: int
+    seq_q: int
+    seq_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    dtype: str
+    softmax_scale: float
+    window: tuple[int, int] | None = None  # (left, right) keys around the (bottom-right) diagonal
+    softcap: float | None = None
+    bias: tuple[int, int] | None = None  # (batch, heads) of the bias, each 1 or full
+    bias_dtype: str | None = None
+    segments: bool = False
+    dropout_p: float = 0.0
+    varlen: bool = False
+    total_q: int = 0
+    total_k: int = 0
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def q_shape(self) -> tuple[int, ...]:
+        if self.varlen:
+            return (self.total_q, self.heads_q, self.head_dim)
+        return (self.batch, self.seq_q, self.heads_q, self.head_dim)
+
+    @property
+    def kv_shape(self) -> tuple[int, ...]:
+        if self.varlen:
+            return (self.total_k, self.heads_kv, self.head_dim)
+        return (self.batch, self.seq_k, self.heads_kv, self.head_dim)
+
+    @property
+    def lse_shape(self) -> tuple[int, ...]:
+        if self.varlen:
+            return (self.heads_q, self.total_q)
+        return (self.batch, self.heads_q, self.seq_q)
+
+    @property
+    def bias_shape(self) -> tuple[int, ...] | None:
+        return None if self.bias is None else (*self.bias, self.seq_q, self.seq_k)
+
+    @property
+    def dbias_full_shape(self) -> tuple[int, ...]:
+        """The float32 gradient of the scores the backward writes before broadcast dims are summed."""
+        return (self.batch, self.heads_q, self.seq_q, self.seq_k)
+
+
+# --------------------------------------------------------------------------------------------
+# option checks
+
+
+def _window(causal, sliding_window) -> tuple[int | None, int | None] | None:
+    """(left, right) with None for unbounded, or None when nothing is masked by position."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if sliding_window is None:
+        return (None, 0) if causal else None
+    if isinstance(sliding_window, (tuple, list)):
+        if len(sliding_window) != 2:
+            raise ValueError(f"sliding_window must be an int or a (left, right) pair, got {sliding_window!r}")
+        left, right = sliding_window
+    else:
+        left = right = sliding_window
+    for side, w in (("left", left), ("right", right)):
+        if w is None:
+            continue
+        if isinstance(w, bool) or not isinstance(w, int):
+            raise TypeError(f"sliding_window ({side}) must be an int or None, got {w!r}")
+        if w < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {side}={w}")
+    return (left, 0 if causal else right)
+
+
+def window_arg(sliding_window):
+    """``sliding_window`` as the (hashable) value the cached spec functions take: lists become tuples."""
+    return tuple(sliding_window) if isinstance(sliding_window, list) else sliding_window
+
+
+def _clamped_window(window, seq_q: int, seq_k: int) -> tuple[int, int] | None:
+    """Unbounded sides become a width that reaches every key (keeps int32 sums from overflowing)."""
+    if window is None:
+        return None
+    reach = seq_q + seq_k
+    return tuple(reach if w is None else min(w, reach) for w in window)
+
+
+def _positive_float(name: str, value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a Python float or None, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return float(value)
+
+
+def dropout(dropout_p) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a Python float, got {dropout_p!r}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return float(dropout_p)
+
+
+def seed_value(seed) -> int:
+    """A Python int seed as the int32 the kernels read (taken modulo 2**32)."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"dropout_seed must be an int or an integer array, got {seed!r}")
+    seed %= 2**32
+    return seed - 2**32 if seed >= 2**31 else seed
+
+
+def seed_array(shape: Sequence[int], dtype: str) -> None:
+    checks.int_input("dropout_seed", dtype)
+    if tuple(shape) not in ((), (1,)):
+        raise ValueError(f"dropout_seed must be a scalar or have shape (1,), got {tuple(shape)}")
+
+
+def _head_dim(d: int) -> None:
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}, got {d}")
+
+
+def _heads(heads_q: int, heads_kv: int) -> None:
+    if heads_kv < 1 or heads_q % heads_kv:
+        raise ValueError(f"heads of q ({heads_q}) must be a multiple of heads of k/v ({heads_kv})")
+
+
+def _qkv_dtypes(dtypes: Sequence[str]) -> str:
+    for name, dtype in zip("qkv", dtypes):
+        checks.float_input(name, dtype)
+    checks.same_dtype(("q", "k", "v"), dtypes)
+    return dtypes[0]
+
+
+# --------------------------------------------------------------------------------------------
+# specs
+
+
+@functools.lru_cache(maxsize=1024)
+def dense_spec(q_shape: tuple, k_shape: tuple, v_shape: tuple, dtypes: tuple, *, causal=False,
+               softmax_scale=None, sliding_window=None, logits_soft_cap=None,
+               bias_shape: tuple | None = None, bias_dtype: str | None = None,
+               q_segment_shape: tuple | None = None, q_segment_dtype: str | None = None,
+               kv_segment_shape: tuple | None = None, kv_segment_dtype: str | None = None,
+               dropout_p=0.0) -> FlashSpec:
+    """Check a ``flash_attention`` call (q ``[b, sq, hq, d]``, k/v ``[b, sk, hkv, d]``)."""
+    layout = "[batch, seq, heads, head_dim]"
+    for name, shape in zip("qkv", (q_shape, k_shape, v_shape)):
+        checks.ndim(name, shape, 4, layout)
+    dtype = _qkv_dtypes(dtypes)
+    batch, seq_q, heads_q, head_dim = q_shape
+    if tuple(k_shape) != tuple(v_shape):
+        raise ValueError(f"k and v must have one shape, got {tuple(k_shape)} and {tuple(v_shape)}")
+    if k_shape[0] != batch or k_shape[3] != head_dim:
+        raise ValueError(f"k/v {tuple(k_shape)} must match q {tuple(q_shape)} in batch and head_dim")
+    seq_k, heads_kv = k_shape[1], k_shape[2]
+    _head_dim(head_dim)
+    _heads(heads_q, heads_kv)
+    bias = None
+    if bias_shape is not None:
+        checks.float_input("bias", bias_dtype)
+        checks.ndim("bias", bias_shape, 4, "[batch|1, heads|1, seq_q, seq_k]")
+        bb, bh, bq, bk = bias_shape
+        if bb not in (1, batch) or bh not in (1, heads_q) or (bq, bk) != (seq_q, seq_k):
+            raise ValueError(f"bias must broadcast as [{batch}|1, {heads_q}|1, {seq_q}, {seq_k}], "
+                             f"got {tuple(bias_shape)}")
+        bias = (bb, bh)
+    segments = _segments(q_segment_shape, q_segment_dtype, kv_segment_shape, kv_segment_dtype,
+                         batch, seq_q, seq_k)
+    return FlashSpec(
+        batch=batch, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+        dtype=dtype, softmax_scale=checks.softmax_scale(softmax_scale, head_dim),
+        window=_clamped_window(_window(causal, sliding_window), seq_q, seq_k),
+        softcap=_positive_float("logits_soft_cap", logits_soft_cap), bias=bias, bias_dtype=bias_dtype if bias else None,
+        segments=segments, dropout_p=dropout(dropout_p),
+    )
+
+
+def _segments(q_shape, q_dtype, kv_shape, kv_dtype, batch, seq_q, seq_k) -> bool:
+    if q_shape is None and kv_shape is None:
+        return False
+    if q_shape is None or kv_shape is None:
+        raise ValueError("pass both q_segment_ids and kv_segment_ids (or neither)")
+    for name, shape, dtype, seq in (("q_segment_ids", q_shape, q_dtype, seq_q),
+                                    ("kv_segment_ids", kv_shape, kv_dtype, seq_k)):
+        checks.int_input(name, dtype)
+        if tuple(shape) != (batch, seq):
+            raise ValueError(f"{name} must have shape ({batch}, {seq}) [batch, seq], got {tuple(shape)}")
+    return True
+
+
+@functools.lru_cache(maxsize=1024)
+def varlen_spec(q_shape: tuple, k_shape: tuple, v_shape: tuple, dtypes: tuple,
+                cu_q_shape: tuple, cu_q_dtype: str, cu_k_shape: tuple, cu_k_dtype: str,
+                max_seqlen_q, max_seqlen_k, *, causal=False, softmax_scale=None,
+                sliding_window=None, logits_soft_cap=None, dropout_p=0.0) -> FlashSpec:
+    """Check a ``flash_attention_varlen`` call (q ``[total_q, hq, d]``, k/v ``[total_k, hkv, d]``)."""
+    layout = "[total_tokens, heads, head_dim]"
+    for name, shape in zip("qkv", (q_shape, k_shape, v_shape)):
+        checks.ndim(name, shape, 3, layout)
+    dtype = _qkv_dtypes(dtypes)
+    total_q, heads_q, head_dim = q_shape
+    if tuple(k_shape) != tuple(v_shape):
+        raise ValueError(f"k and v must have one shape, got {tuple(k_shape)} and {tuple(v_shape)}")
+    total_k, heads_kv, kd = k_shape
+    if kd != head_dim:
+        raise ValueError(f"k/v {tuple(k_shape)} must match q {tuple(q_shape)} in head_dim")
+    _head_dim(head_dim)
+    _heads(heads_q, heads_kv)
+    for name, shape, dt in (("cu_seqlens_q", cu_q_shape, cu_q_dtype), ("cu_seqlens_k", cu_k_shape, cu_k_dtype)):
+        if dt != "int32":
+            raise TypeError(f"{name} must be int32, got {dt}")
+        if len(shape) != 1 or shape[0] < 2:
+            raise ValueError(f"{name} must have shape [n_seq + 1] with n_seq >= 1, got {tuple(shape)}")
+    if cu_q_shape != cu_k_shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one shape, got {cu_q_shape} and {cu_k_shape}")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TypeError(f"{name} must be a non-negative Python int, got {value!r}")
+    return FlashSpec(
+        batch=cu_q_shape[0] - 1, seq_q=max_seqlen_q, seq_k=max_seqlen_k, heads_q=heads_q, heads_kv=heads_kv,
+        head_dim=head_dim, dtype=dtype, softmax_scale=checks.softmax_scale(softmax_scale, head_dim),
+        window=_clamped_window(_window(causal, sliding_window), max_seqlen_q, max_seqlen_k),
+        softcap=_positive_float("logits_soft_cap", logits_soft_cap), dropout_p=dropout(dropout_p),
+        varlen=True, total_q=total_q, total_k=total_k,
+    )
+
+
+def cu_seqlens_values(name: str, values: Sequence[int], total: int, max_seqlen: int) -> None:
+    """Value checks for concrete cu_seqlens (skipped under tracing; kernels clamp instead)."""
+    values = [int(v) for v in values]
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name} must be non-decreasing, got {values}")
+    if values[-1] > total:
+        raise ValueError(f"{name} ends at {values[-1]} but there are only {total} tokens")
+    if max(lengths) > max_seqlen:
+        raise ValueError(f"{name} has a sequence of length {max(lengths)} > max_seqlen {max_seqlen}")

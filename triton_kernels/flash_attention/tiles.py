@@ -1,0 +1,149 @@
+"""Tile-level pieces the flash-attention kernels share: where a sequence lives, which key/query
+blocks can matter, which (query, key) pairs are attended, the logits, and the dropout draw.
+
+Conventions (all kernels): the grid's axis 1 is the head and axis 2 the batch row (or sequence,
+for varlen); logits are kept in base-2 units (``exp2``), the log-sum-exp in memory is natural.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# Kernels may only read constexpr globals.
+LOG2E_C = tl.constexpr(LOG2E)
+LN2_C = tl.constexpr(LN2)
+
+
+@triton.jit
+def _sequence(b, cu_q_ptr, cu_k_ptr, seq_q, seq_k, total_q, total_k, IS_VARLEN: tl.constexpr):
+    """(first token, length) of row ``b``'s queries and keys in the packed token axis."""
+    if IS_VARLEN:
+        # Clamped so that cu_seqlens values jax could not check (under jit) stay in bounds.
+        q_end = tl.minimum(tl.maximum(tl.load(cu_q_ptr + b + 1), 0), total_q).to(tl.int64)
+        q_start = tl.minimum(tl.maximum(tl.load(cu_q_ptr + b), 0).to(tl.int64), q_end)
+        k_end = tl.minimum(tl.maximum(tl.load(cu_k_ptr + b + 1), 0), total_k).to(tl.int64)
+        k_start = tl.minimum(tl.maximum(tl.load(cu_k_ptr + b), 0).to(tl.int64), k_end)
+        len_q = tl.minimum(q_end - q_start, seq_q).to(tl.int32)
+        len_k = tl.minimum(k_end - k_start, seq_k).to(tl.int32)
+    else:
+        q_start = b * seq_q
+        k_start = b * seq_k
+        len_q = seq_q
+        len_k = seq_k
+    return q_start, len_q, k_start, len_k
+
+
+@triton.jit
+def _key_range(start_m, len_q, len_k, win_left, win_right,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """[lo, hi): the keys a query block can attend; lo is a multiple of BLOCK_N."""
+    if USE_WINDOW:
+        diag = start_m + len_k - len_q  # key on the (bottom-right aligned) diagonal of the first query
+        lo = (tl.maximum(diag - win_left, 0) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(diag + BLOCK_M + win_right, len_k)
+    else:
+        lo = 0
+        hi = len_k
+    return lo, hi
+
+
+@triton.jit
+def _query_range(start_n, len_q, len_k, win_left, win_right,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """[lo, hi): the queries that can attend a key block; lo is a multiple of BLOCK_M."""
+    if USE_WINDOW:
+        diag = start_n - (len_k - len_q)  # query whose diagonal key is the block's first key
+        lo = (tl.maximum(diag - win_right, 0) // BLOCK_M) * BLOCK_M
+        hi = tl.minimum(diag + BLOCK_N + win_left, len_q)
+    else:
+        lo = 0
+        hi = len_q
+    return lo, hi
+
+
+@triton.jit
+def _keep(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg,
+          USE_WINDOW: tl.constexpr, USE_SEGMENTS: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] bool: query i attends key j."""
+    i = offs_m[:, None]
+    j = offs_n[None, :]
+    keep = (i < len_q) & (j < len_k)
+    if USE_WINDOW:
+        diag = i + (len_k - len_q)
+        keep = keep & (j >= diag - win_left) & (j <= diag + win_right)
+    if USE_SEGMENTS:  # same segment, and ids <= 0 are padding
+        keep = keep & (q_seg[:, None] == k_seg[None, :]) & (q_seg[:, None] > 0)
+    return keep
+
+
+@triton.jit
+def _tanh(x):
+    # exp2-based, so the interpreter and every GPU evaluate the same formula.
+    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E_C))  # tensor first: constexpr * tensor breaks the interpreter
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _logits2(qk, bias, logit_scale, softcap, USE_SOFTCAP: tl.constexpr, USE_BIAS: tl.constexpr):
+    """Base-2 logits of a tile from raw q.k products, and tanh of the capped logits (for dS).
+
+    Natural logits are ``softcap * tanh(qk * scale / softcap) + bias``; the plan passes
+    ``logit_scale`` = scale / softcap with a soft cap, scale with a bias only, else
+    scale * log2(e) (one multiply on the plain path).
+    """
+    t = qk
+    if USE_SOFTCAP:
+        t = _tanh(qk * logit_scale)
+        s = t * softcap
+        if USE_BIAS:
+            s = s + bias
+        s = s * LOG2E_C
+    elif USE_BIAS:
+        s = (qk * logit_scale + bias) * LOG2E_C
+    else:
+        s = qk * logit_scale
+    return s, t
+
+
+@triton.jit
+def _load_bias(bias_ptr, b, h, offs_m, offs_n, len_q, len_k, BIAS_BATCHED: tl.constexpr, BIAS_HEADS: tl.constexpr):
+    """Float32 tile of a dense [batch|1, heads|1, seq_q, seq_k] bias (int64 offsets: it is big)."""
+    plane = (b * BIAS_BATCHED * BIAS_HEADS + h % BIAS_HEADS) * len_q  # b is int64
+    ptrs = bias_ptr + (plane + offs_m[:, None]) * len_k + offs_n[None, :]
+    mask = (offs_m < len_q)[:, None] & (offs_n < len_k)[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _dropout_keep(seed, row_base, offs_m, offs_n, seq_k, dropout_p):
+    """Philox draw per element; the element offset is ((b * heads_q + h) * seq_q + i) * seq_k + j
+    (varlen: b is the sequence, seq_q/seq_k the max lengths). Kept with probability 1 - p."""
+    offsets = (row_base + offs_m[:, None]).to(tl.int64) * seq_k + offs_n[None, :]
+    return tl.rand(seed, offsets) >= dropout_p
+
+
+@triton.jit
+def _load_rows(ptr, token_start, offs, n_rows, col, offs_d, ROW_STRIDE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """[len(offs), BLOCK_D] tile of head ``col`` of a [tokens, heads, head_dim] array (zero padded)."""
+    ptrs = ptr + (token_start + offs[:, None]) * ROW_STRIDE + col * HEAD_DIM + offs_d[None, :]
+    return tl.load(ptrs, mask=(offs < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, value, token_start, offs, n_rows, col, offs_d, ROW_STRIDE: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    ptrs = ptr + (token_start + offs[:, None]) * ROW_STRIDE + col * HEAD_DIM + offs_d[None, :]
+    tl.store(ptrs, value.to(ptr.dtype.element_ty), mask=(offs < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _row_base(b, h, q_start, seq_q, total_q, HEADS_Q: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Offset of query 0 of (b, h) in the lse/delta layout: [heads, total_q] for varlen, else
+    [batch, heads, seq_q]."""
+    if IS_VARLEN:
+        return h.to(tl.int64) * total_q + q_start
+    else:
+        return (b * HEADS_Q + h) * seq_q
