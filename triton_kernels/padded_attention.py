@@ -112,6 +112,8 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, n_pad_ptr, seq_len, head_dim, qk_s
                          o_ptr, lse_ptr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
+    # torch.compile passes Python floats to Triton as fp64; keep the math in fp32 everywhere.
+    qk_scale = tl.cast(qk_scale, tl.float32)
     b, pad, base = _sequence(n_pad_ptr, seq_len, head_dim)
     start_m = tl.program_id(0) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -197,6 +199,9 @@ def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, n
                               dk_ptr, dv_ptr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                               DOT_PRECISION: tl.constexpr):
+    # torch.compile passes Python floats to Triton as fp64; keep the math in fp32 everywhere.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     b, pad, base = _sequence(n_pad_ptr, seq_len, head_dim)
     start_n = tl.program_id(0) * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -227,6 +232,9 @@ def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, n_p
                             dq_ptr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                             DOT_PRECISION: tl.constexpr):
+    # torch.compile passes Python floats to Triton as fp64; keep the math in fp32 everywhere.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     b, pad, base = _sequence(n_pad_ptr, seq_len, head_dim)
     start_m = tl.program_id(0) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)

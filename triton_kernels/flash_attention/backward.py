@@ -78,6 +78,12 @@ def flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, 
                           USE_BIAS: tl.constexpr, BIAS_BATCHED: tl.constexpr, BIAS_HEADS: tl.constexpr,
                      USE_SEGMENTS: tl.constexpr, USE_DROPOUT: tl.constexpr,
                           WRITE_DS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # torch.compile passes Python floats to Triton as fp64; keep the math in fp32 everywhere.
+    logit_scale = tl.cast(logit_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    dropout_p = tl.cast(dropout_p, tl.float32)
+    dropout_scale = tl.cast(dropout_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     GROUP: tl.constexpr = HEADS_Q // HEADS_KV
     start_n = tl.program_id(0) * BLOCK_N
     h_kv = tl.program_id(1)
@@ -143,6 +149,12 @@ def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu
                         USE_BIAS: tl.constexpr, BIAS_BATCHED: tl.constexpr, BIAS_HEADS: tl.constexpr,
                      USE_SEGMENTS: tl.constexpr, USE_DROPOUT: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
+    # torch.compile passes Python floats to Triton as fp64; keep the math in fp32 everywhere.
+    logit_scale = tl.cast(logit_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    dropout_p = tl.cast(dropout_p, tl.float32)
+    dropout_scale = tl.cast(dropout_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     start_m = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)

@@ -11,6 +11,8 @@ from .tiles import _dropout_keep
 @triton.jit(do_not_specialize_on_alignment=["seq_q", "seq_k"])
 def dropout_mask_kernel(seed_ptr, seq_q, seq_k, dropout_p, mask_ptr,
                         HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # torch.compile passes Python floats to Triton as fp64; keep the math in fp32 everywhere.
+    dropout_p = tl.cast(dropout_p, tl.float32)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
