@@ -22,6 +22,7 @@ import math
 import triton
 import triton.language as tl
 
+from .params import BwdParams, FwdParams, attention_smem_bytes, check_params, itemsize
 from .plan import DeviceFacts, LaunchPlan, Output, cdiv, check_float_dtype, fp32, next_power_of_2
 
 LOG2E = 1.4426950408889634
@@ -347,6 +348,42 @@ def _bwd_tiles(head_dim: int, dtype: str, facts: DeviceFacts) -> tuple[int, int,
     return block, block, block_d, 4 if block_d <= 64 else 8, 1
 
 
+MIN_BLOCK = 16  # tl.dot needs every tile dimension >= 16
+# Attention names for the same tile sides; either spelling works, not both with different values.
+_TILE_FIELDS = (("blocksize_m", "q_blocksize"), ("blocksize_n", "kv_blocksize"))
+
+
+def override_tiles(tiles: tuple[int, int, int, int, int], params: FwdParams | BwdParams | None, dtype: str,
+                   facts: DeviceFacts, what: str) -> tuple[int, int, int, int, int]:
+    """``tiles`` (BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) with ``params``' fields
+    applied, rejecting fields that do not apply, tiles below ``MIN_BLOCK`` and configs whose
+    estimated shared memory does not fit ``facts`` (``what`` names the argument in errors)."""
+    if params is None:
+        return tiles
+    given = params.to_dict()
+    known = {f for pair in _TILE_FIELDS for f in pair} | {"num_warps", "num_stages"}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(f"{what}: field(s) {unknown} do not apply; use {sorted(known)}")
+    bm, bn, bd, warps, stages = tiles
+    sides = []
+    for (name, alias), default in zip(_TILE_FIELDS, (bm, bn)):
+        a, b = given.get(name), given.get(alias)
+        if a is not None and b is not None and a != b:
+            raise ValueError(f"{what}: {name}={a} and {alias}={b} disagree (they are the same tile side)")
+        side = a or b or default
+        if side < MIN_BLOCK:
+            raise ValueError(f"{what}: {name} must be at least {MIN_BLOCK}, got {side}")
+        sides.append(side)
+    bm, bn = sides
+    warps, stages = given.get("num_warps", warps), given.get("num_stages", stages)
+    smem = attention_smem_bytes(bm, bn, bd, dtype, stages)
+    if isinstance(params, BwdParams):  # the backward keeps one more tile (dO or V) resident
+        smem += max(bm, bn) * bd * itemsize(dtype)
+    check_params(params, facts, smem, what)
+    return bm, bn, bd, warps, stages
+
+
 def _common(q_shape, dtype):
     check_float_dtype("q", dtype)
     batch, seq_len, head_dim = q_shape
@@ -355,9 +392,12 @@ def _common(q_shape, dtype):
 
 
 @functools.lru_cache(maxsize=512)
-def attention_fwd_plan(q_shape: tuple, dtype: str, softmax_scale: float, facts: DeviceFacts) -> LaunchPlan:
+def attention_fwd_plan(q_shape: tuple, dtype: str, softmax_scale: float, facts: DeviceFacts,
+                       params: FwdParams | None = None) -> LaunchPlan:
+    """``params`` overrides block sizes, warps and stages (see ``override_tiles``)."""
     batch, seq_len, head_dim = _common(q_shape, dtype)
-    bm, bn, bd, warps, stages = _fwd_tiles(head_dim, dtype, facts)
+    bm, bn, bd, warps, stages = override_tiles(_fwd_tiles(head_dim, dtype, facts), params, dtype, facts,
+                                               "padded_attention fwd_params")
     return LaunchPlan(
         kernel=attention_fwd_kernel,
         grid=(cdiv(seq_len, bm), batch),
@@ -399,11 +439,13 @@ def _delta_plan(batch, seq_len, head_dim, block_d, dtype, facts) -> LaunchPlan:
 
 
 @functools.lru_cache(maxsize=512)
-def attention_bwd_plans(q_shape: tuple, dtype: str, softmax_scale: float,
-                        facts: DeviceFacts) -> tuple[LaunchPlan, LaunchPlan, LaunchPlan]:
-    """(delta, dk/dv, dq) plans. Inputs: delta(o, do); dkdv and dq(q, k, v, do, lse, delta, n_pad)."""
+def attention_bwd_plans(q_shape: tuple, dtype: str, softmax_scale: float, facts: DeviceFacts,
+                        params: BwdParams | None = None) -> tuple[LaunchPlan, LaunchPlan, LaunchPlan]:
+    """(delta, dk/dv, dq) plans. Inputs: delta(o, do); dkdv and dq(q, k, v, do, lse, delta, n_pad).
+    ``params`` overrides the dk/dv and dq tiles (see ``override_tiles``)."""
     batch, seq_len, head_dim = _common(q_shape, dtype)
-    bm, bn, bd, warps, stages = _bwd_tiles(head_dim, dtype, facts)
+    bm, bn, bd, warps, stages = override_tiles(_bwd_tiles(head_dim, dtype, facts), params, dtype, facts,
+                                               "padded_attention bwd_params")
     delta = _delta_plan(batch, seq_len, head_dim, bd, dtype, facts)
     inputs = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "lse_ptr", "delta_ptr", "n_pad_ptr")
     in_dtypes = (dtype,) * 4 + ("float32", "float32", "int32")

@@ -231,6 +231,27 @@ class BwdParams(_Params):
         return cls(**out)
 
 
+def op_params(cls, value, name: str):
+    """An op's ``fwd_params=``/``bwd_params=`` argument as ``cls``, or ``None`` when it overrides
+    nothing (so plans, and their caches, stay exactly the defaults). Errors name ``name``."""
+    try:
+        params = cls.coerce(value)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{name}: {e}") from None
+    return params if params.to_dict() else None
+
+
+def encode_params(params: FwdParams | BwdParams | None) -> list[int] | None:
+    """Params as a list of ints in field order (0 = unset): what a torch custom-op schema carries."""
+    return None if params is None else [getattr(params, f.name) or 0 for f in dataclasses.fields(params)]
+
+
+def decode_params(cls, encoded) -> FwdParams | BwdParams | None:
+    if encoded is None:
+        return None
+    return cls(**{f.name: int(v) for f, v in zip(dataclasses.fields(cls), encoded) if v})
+
+
 # --------------------------------------------------------------------------------------------
 # Heuristics and the shared-memory rule
 # --------------------------------------------------------------------------------------------
@@ -330,6 +351,7 @@ def check_params(params: FwdParams | BwdParams, facts: DeviceFacts, smem_bytes: 
 
 __all__ = [
     "BwdParams", "FwdParams", "SMEM_LIMIT_ENV", "attention_smem_bytes",
-    "check_params", "check_shared_memory", "dtype_name", "itemsize", "select_num_stages",
+    "check_params", "check_shared_memory", "decode_params", "dtype_name", "encode_params", "itemsize",
+    "op_params", "select_num_stages",
     "select_num_warps", "shared_memory_limit", "short_hash", "stable_json",
 ]

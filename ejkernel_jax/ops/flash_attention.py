@@ -12,6 +12,7 @@ from ejkernel_jax.launch import device_facts, launch
 from ejkernel_jax.ops._common import array_arg, is_concrete, name_of
 from triton_kernels import flash_attention as fa
 from triton_kernels.flash_attention.spec import dropout as check_dropout
+from triton_kernels.params import BwdParams, FwdParams, op_params
 
 # aux arrays (never differentiated): q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed
 
@@ -23,31 +24,32 @@ def _features(q, k, v, bias, aux) -> list[jax.Array]:
     return [q, k, v, dummy_float if bias is None else bias] + [dummy_int if a is None else a for a in aux]
 
 
-def _forward(spec, q, k, v, bias, aux):
-    return launch(fa.forward_plan(spec, device_facts()), *_features(q, k, v, bias, aux))
+def _forward(spec, params, q, k, v, bias, aux):
+    return launch(fa.forward_plan(spec, device_facts(), params[0]), *_features(q, k, v, bias, aux))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(spec, q, k, v, bias, aux):
-    return tuple(_forward(spec, q, k, v, bias, aux))
+# params: (FwdParams | None, BwdParams | None), static like the spec.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _flash(spec, params, q, k, v, bias, aux):
+    return tuple(_forward(spec, params, q, k, v, bias, aux))
 
 
-def _flash_fwd(spec, q, k, v, bias, aux):
+def _flash_fwd(spec, params, q, k, v, bias, aux):
     # symbolic_zeros: arguments arrive as CustomVJPPrimal, which says whether bias is differentiated.
     bias_grad = bias is not None and bias.perturbed
     q, k, v = q.value, k.value, v.value
     bias = None if bias is None else bias.value
     aux = tuple(None if a is None else a.value for a in aux)
-    out, lse = _forward(spec, q, k, v, bias, aux)
+    out, lse = _forward(spec, params, q, k, v, bias, aux)
     return (out, lse), (q, k, v, bias, aux, out, lse, bias_grad)
 
 
-def _flash_bwd(spec, residuals, cotangents):
+def _flash_bwd(spec, params, residuals, cotangents):
     q, k, v, bias, aux, out, lse, bias_grad = residuals
     dout, dlse = cotangents
     dout = jnp.zeros_like(out) if isinstance(dout, SymbolicZero) else dout.astype(q.dtype)
     use_dlse = not isinstance(dlse, SymbolicZero)
-    delta_plan, dkdv_plan, dq_plan = fa.backward_plans(spec, device_facts(), bias_grad, use_dlse)
+    delta_plan, dkdv_plan, dq_plan = fa.backward_plans(spec, device_facts(), bias_grad, use_dlse, params[1])
     features = _features(q, k, v, bias, aux)
     dlse_arg = dlse.astype(jnp.float32) if use_dlse else jnp.zeros((1,), jnp.float32)
     (delta,) = launch(delta_plan, out, dout, dlse_arg, features[6], features[7])
@@ -98,10 +100,20 @@ def _shape_dtype(x):
     return (None, None) if x is None else (tuple(x.shape), name_of(x))
 
 
+def _params(spec, fwd_params, bwd_params):
+    """(FwdParams | None, BwdParams | None), checked against the plans before any kernel runs."""
+    params = op_params(FwdParams, fwd_params, "fwd_params"), op_params(BwdParams, bwd_params, "bwd_params")
+    if params != (None, None):
+        fa.forward_plan(spec, device_facts(), params[0])
+        fa.backward_plans(spec, device_facts(), False, False, params[1])
+    return params
+
+
 def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                     sliding_window=None, logits_soft_cap: float | None = None, bias=None,
                     q_segment_ids=None, kv_segment_ids=None, dropout_p: float = 0.0, dropout_seed=None,
-                    return_lse: bool = False):
+                    return_lse: bool = False, fwd_params: FwdParams | dict | None = None,
+                    bwd_params: BwdParams | dict | None = None):
     """Attention softmax(q k^T * scale [soft cap] + bias, masked) v with flash-attention kernels.
 
     Same arguments, defaults and semantics as ``ejkernel_torch.flash_attention``: q
@@ -111,6 +123,7 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     (ids <= 0 are padding); dropout from ``dropout_seed`` (required when ``dropout_p`` > 0: an int
     or an integer array, traced values welcome); ``return_lse`` adds the float32 log-sum-exp
     ``[batch, heads_q, seq_q]``. Rows that attend nothing give 0, lse -inf and zero gradients.
+    ``fwd_params``/``bwd_params`` override the kernels' tiles, warps and stages.
     """
     q, k, v = (array_arg(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
     bias = _optional("bias", bias)
@@ -122,8 +135,9 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         softmax_scale=softmax_scale, sliding_window=fa.window_arg(sliding_window), logits_soft_cap=logits_soft_cap,
         bias_shape=bias_shape, bias_dtype=bias_dtype, q_segment_shape=qs_shape, q_segment_dtype=qs_dtype,
         kv_segment_shape=ks_shape, kv_segment_dtype=ks_dtype, dropout_p=dropout_p)
+    params = _params(spec, fwd_params, bwd_params)
     aux = (_int32(q_seg), _int32(kv_seg), None, None, _seed(dropout_seed, spec.dropout_p))
-    out, lse = _flash(spec, q, k, v, bias, aux)
+    out, lse = _flash(spec, params, q, k, v, bias, aux)
     return (out, lse) if return_lse else out
 
 
@@ -131,7 +145,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                            causal: bool = False, softmax_scale: float | None = None, sliding_window=None,
                            logits_soft_cap: float | None = None, bias=None, q_segment_ids=None,
                            kv_segment_ids=None, dropout_p: float = 0.0, dropout_seed=None,
-                           return_lse: bool = False):
+                           return_lse: bool = False, fwd_params: FwdParams | dict | None = None,
+                           bwd_params: BwdParams | dict | None = None):
     """``flash_attention`` over packed sequences, as ``ejkernel_torch.flash_attention_varlen``:
     q ``[total_q, heads_q, head_dim]``, k/v ``[total_k, heads_kv, head_dim]``, int32 cu_seqlens
     ``[n_seq + 1]`` (values checked when concrete; under jit the kernels clamp them), static
@@ -150,8 +165,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                                      ("cu_seqlens_k", cu_k, spec.total_k, max_seqlen_k)):
         if is_concrete(cu):
             fa.cu_seqlens_values(name, jax.device_get(cu).tolist(), total, max_len)
+    params = _params(spec, fwd_params, bwd_params)
     aux = (None, None, cu_q, cu_k, _seed(dropout_seed, spec.dropout_p))
-    out, lse = _flash(spec, q, k, v, None, aux)
+    out, lse = _flash(spec, params, q, k, v, None, aux)
     return (out, lse) if return_lse else out
 
 

@@ -9,26 +9,29 @@ from ejkernel_jax.launch import device_facts, launch
 from ejkernel_jax.ops._common import array_arg, n_pad_arg, name_of
 from triton_kernels import checks
 from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan
+from triton_kernels.params import BwdParams, FwdParams, op_params
 
 
-def _forward(q, k, v, n_pad, softmax_scale):
-    plan = attention_fwd_plan(tuple(q.shape), name_of(q), softmax_scale, device_facts())
+def _forward(q, k, v, n_pad, softmax_scale, fwd_params):
+    plan = attention_fwd_plan(tuple(q.shape), name_of(q), softmax_scale, device_facts(), fwd_params)
     return launch(plan, q, k, v, n_pad)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _padded_attention(q, k, v, n_pad, softmax_scale):
-    return _forward(q, k, v, n_pad, softmax_scale)[0]
+# Params are static (hashable FwdParams/BwdParams or None), like the scale.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _padded_attention(q, k, v, n_pad, softmax_scale, fwd_params, bwd_params):
+    return _forward(q, k, v, n_pad, softmax_scale, fwd_params)[0]
 
 
-def _padded_attention_fwd(q, k, v, n_pad, softmax_scale):
-    out, lse2 = _forward(q, k, v, n_pad, softmax_scale)
+def _padded_attention_fwd(q, k, v, n_pad, softmax_scale, fwd_params, bwd_params):
+    out, lse2 = _forward(q, k, v, n_pad, softmax_scale, fwd_params)
     return out, (q, k, v, out, lse2, n_pad)
 
 
-def _padded_attention_bwd(softmax_scale, residuals, dout):
+def _padded_attention_bwd(softmax_scale, fwd_params, bwd_params, residuals, dout):
     q, k, v, out, lse2, n_pad = residuals
-    delta_plan, dkdv_plan, dq_plan = attention_bwd_plans(tuple(q.shape), name_of(q), softmax_scale, device_facts())
+    delta_plan, dkdv_plan, dq_plan = attention_bwd_plans(tuple(q.shape), name_of(q), softmax_scale, device_facts(),
+                                                         bwd_params)
     dout = dout.astype(q.dtype)
     (delta,) = launch(delta_plan, out, dout)
     dk, dv = launch(dkdv_plan, q, k, v, dout, lse2, delta, n_pad)
@@ -40,16 +43,23 @@ _padded_attention.defvjp(_padded_attention_fwd, _padded_attention_bwd)
 
 
 def padded_attention(q: jax.Array, k: jax.Array, v: jax.Array, n_pad: jax.Array,
-                     *, softmax_scale: float | None = None) -> jax.Array:
+                     *, softmax_scale: float | None = None, fwd_params: FwdParams | dict | None = None,
+                     bwd_params: BwdParams | dict | None = None) -> jax.Array:
     """Single-head causal attention over left-padded sequences, ``[batch, seq, head_dim]``.
 
     Query ``i`` of batch ``b`` attends to keys ``n_pad[b] <= j <= i``; the ``n_pad[b]`` padding
     queries give zeros. ``softmax_scale`` defaults to ``head_dim ** -0.5``. Any sequence length,
-    head_dim up to 256, float16/bfloat16/float32.
+    head_dim up to 256, float16/bfloat16/float32. ``fwd_params``/``bwd_params`` override the
+    plans as in ``ejkernel_torch.padded_attention``.
     """
     q, k, v = (array_arg(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
     batch, seq_len, head_dim = checks.single_head_qkv(
         [tuple(t.shape) for t in (q, k, v)], [name_of(t) for t in (q, k, v)]
     )
     scale = checks.softmax_scale(softmax_scale, head_dim)
-    return _padded_attention(q, k, v, n_pad_arg(n_pad, batch, seq_len), scale)
+    fwd, bwd = op_params(FwdParams, fwd_params, "fwd_params"), op_params(BwdParams, bwd_params, "bwd_params")
+    if fwd is not None or bwd is not None:  # bad overrides fail here, before any kernel runs
+        key = (tuple(q.shape), name_of(q), scale)
+        attention_fwd_plan(*key, device_facts(), fwd)
+        attention_bwd_plans(*key, device_facts(), bwd)
+    return _padded_attention(q, k, v, n_pad_arg(n_pad, batch, seq_len), scale, fwd, bwd)

@@ -17,6 +17,7 @@ from ejkernel_torch.launch import device_facts, dtype_name, launch, launch_trace
 from ejkernel_torch.ops._common import name_of, same_device, tensor_arg
 from triton_kernels import flash_attention as fa
 from triton_kernels.flash_attention.spec import dropout as check_dropout
+from triton_kernels.params import BwdParams, FwdParams, decode_params, encode_params, op_params
 
 # --------------------------------------------------------------------------------------------
 # the registered ops: arrays + the spec's static fields as plain scalars
@@ -74,11 +75,13 @@ def flash_attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                         kv_segment_ids: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
                         cu_seqlens_k: Optional[Tensor], dropout_seed: Optional[Tensor], max_seqlen_q: int,
                         max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
-                        softcap: float, dropout_p: float) -> tuple[Tensor, Tensor]:
-    """(out, lse) of flash attention; lse is float32 natural log, [b, hq, sq] or [hq, total_q]."""
+                        softcap: float, dropout_p: float, fwd_params: Optional[list[int]] = None,
+                        bwd_params: Optional[list[int]] = None) -> tuple[Tensor, Tensor]:
+    """(out, lse) of flash attention; lse is float32 natural log, [b, hq, sq] or [hq, total_q].
+    ``fwd_params``/``bwd_params``: ``encode_params`` of the overrides (``bwd_params`` is for autograd)."""
     spec = _spec_of(q, k, bias, q_segment_ids, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
                     window_left, window_right, softcap, dropout_p)
-    plan = fa.forward_plan(spec, device_facts(q.device))
+    plan = fa.forward_plan(spec, device_facts(q.device), decode_params(FwdParams, fwd_params))
     features = _features(q, k, v, bias, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, dropout_seed)
     out, lse = launch_traceable(plan, *features)
     return out, lse
@@ -90,12 +93,14 @@ def flash_attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tens
                         kv_segment_ids: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
                         cu_seqlens_k: Optional[Tensor], dropout_seed: Optional[Tensor], max_seqlen_q: int,
                         max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
-                        softcap: float, dropout_p: float, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                        softcap: float, dropout_p: float, bias_grad: bool,
+                        params: Optional[list[int]] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, ds): ds is the float32 gradient of the logits [b, hq, sq, sk] when
     ``bias_grad``, else a one-element placeholder."""
     spec = _spec_of(q, k, bias, q_segment_ids, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
                     window_left, window_right, softcap, dropout_p)
-    delta_plan, dkdv_plan, dq_plan = fa.backward_plans(spec, device_facts(q.device), bias_grad, dlse is not None)
+    delta_plan, dkdv_plan, dq_plan = fa.backward_plans(spec, device_facts(q.device), bias_grad, dlse is not None,
+                                                       decode_params(BwdParams, params))
     features = _features(q, k, v, bias, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, dropout_seed)
     dlse_arg = dlse if dlse is not None else features[-1].new_zeros(1, dtype=torch.float32)
     (delta,) = launch_traceable(delta_plan, out, dout, dlse_arg, features[6], features[7])
@@ -105,11 +110,15 @@ def flash_attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tens
 
 
 _N_ARRAYS = 9  # q, k, v, bias, q_seg, kv_seg, cu_q, cu_k, seed
+_N_SCALARS = 7  # max_seqlen_q .. dropout_p; then fwd_params, bwd_params
 
 
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:_N_ARRAYS], *output)
-    ctx.scalars = inputs[_N_ARRAYS:]
+    ctx.scalars = inputs[_N_ARRAYS:_N_ARRAYS + _N_SCALARS]
+    tail = inputs[_N_ARRAYS + _N_SCALARS:]
+    ctx.bwd_params = tail[1] if len(tail) > 1 else None
+    ctx.n_inputs = len(inputs)
     ctx.set_materialize_grads(False)  # an unused lse gives dlse=None: no dlse work in the kernels
 
 
@@ -120,9 +129,9 @@ def _backward(ctx, dout, dlse):
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
     dq, dk, dv, ds = torch.ops.ejkernel.flash_attention_bwd(
-        dout, dlse, q, k, v, out, lse, bias, q_seg, kv_seg, cu_q, cu_k, seed, *ctx.scalars, bias_grad)
+        dout, dlse, q, k, v, out, lse, bias, q_seg, kv_seg, cu_q, cu_k, seed, *ctx.scalars, bias_grad, ctx.bwd_params)
     dbias = _sum_to(ds, bias.shape).to(bias.dtype) if bias_grad else None
-    return (dq, dk, dv, dbias) + (None,) * (_N_ARRAYS - 4 + len(ctx.scalars))
+    return (dq, dk, dv, dbias) + (None,) * (ctx.n_inputs - 4)
 
 
 def _sum_to(ds: Tensor, shape) -> Tensor:
@@ -181,11 +190,21 @@ def _shapes_and_dtypes(*tensors):
     return tuple(tuple(t.shape) for t in tensors), tuple(name_of(t) for t in tensors)
 
 
+def _params(spec, fwd_params, bwd_params, device) -> tuple:
+    """The op's encoded (fwd_params, bwd_params), checked against the plans before any kernel runs."""
+    fwd, bwd = op_params(FwdParams, fwd_params, "fwd_params"), op_params(BwdParams, bwd_params, "bwd_params")
+    if (fwd is not None or bwd is not None) and not torch.compiler.is_compiling():
+        fa.forward_plan(spec, device_facts(device), fwd)
+        fa.backward_plans(spec, device_facts(device), False, False, bwd)
+    return encode_params(fwd), encode_params(bwd)
+
+
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: float | None = None,
                     sliding_window: int | tuple[int | None, int | None] | None = None,
                     logits_soft_cap: float | None = None, bias: Tensor | None = None,
                     q_segment_ids: Tensor | None = None, kv_segment_ids: Tensor | None = None,
-                    dropout_p: float = 0.0, dropout_seed: int | Tensor | None = None, return_lse: bool = False):
+                    dropout_p: float = 0.0, dropout_seed: int | Tensor | None = None, return_lse: bool = False,
+                    fwd_params: FwdParams | dict | None = None, bwd_params: BwdParams | dict | None = None):
     """Attention softmax(q k^T * scale [soft cap] + bias, masked) v with flash-attention kernels.
 
     q ``[batch, seq_q, heads_q, head_dim]``, k/v ``[batch, seq_k, heads_kv, head_dim]``, with
@@ -205,6 +224,9 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, so
       (seed, element offset) (see ``flash_attention_dropout_mask``); the seed defaults to a draw
       from torch's generator.
     * ``return_lse``: also return the float32 log-sum-exp ``[batch, heads_q, seq_q]``.
+    * ``fwd_params``/``bwd_params`` (FwdParams/BwdParams or dicts: ``blocksize_m``/``q_blocksize``,
+      ``blocksize_n``/``kv_blocksize``, ``num_warps``, ``num_stages``): override the forward /
+      backward plans; checked (shared memory included) before any kernel runs.
 
     Rows that attend nothing give 0, lse -inf and zero gradients.
     """
@@ -218,11 +240,13 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, so
         *shapes, dtypes, causal=causal, softmax_scale=softmax_scale, sliding_window=fa.window_arg(sliding_window),
         logits_soft_cap=logits_soft_cap, bias_shape=bias_shape, bias_dtype=bias_dtype, q_segment_shape=qs_shape,
         q_segment_dtype=qs_dtype, kv_segment_shape=ks_shape, kv_segment_dtype=ks_dtype, dropout_p=dropout_p)
+    params = _params(spec, fwd_params, bwd_params, device)
     seed = _seed(dropout_seed, spec.dropout_p, device)
     out, lse = torch.ops.ejkernel.flash_attention_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), None if bias is None else bias.contiguous(),
         None if q_seg is None else q_seg.to(torch.int32).contiguous(),
-        None if kv_seg is None else kv_seg.to(torch.int32).contiguous(), None, None, seed, *_op_scalars(spec))
+        None if kv_seg is None else kv_seg.to(torch.int32).contiguous(), None, None, seed, *_op_scalars(spec),
+        *params)
     return (out, lse) if return_lse else out
 
 
@@ -233,7 +257,8 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            logits_soft_cap: float | None = None, bias: Tensor | None = None,
                            q_segment_ids: Tensor | None = None, kv_segment_ids: Tensor | None = None,
                            dropout_p: float = 0.0, dropout_seed: int | Tensor | None = None,
-                           return_lse: bool = False):
+                           return_lse: bool = False, fwd_params: FwdParams | dict | None = None,
+                           bwd_params: BwdParams | dict | None = None):
     """``flash_attention`` over packed sequences: q ``[total_q, heads_q, head_dim]``, k/v
     ``[total_k, heads_kv, head_dim]``; sequence i is tokens ``cu_seqlens[i]:cu_seqlens[i+1]``
     (int32, ``[n_seq + 1]``, starting at 0, non-decreasing; checked on the host, a sync on
@@ -254,10 +279,11 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     if not torch.compiler.is_compiling():
         fa.cu_seqlens_values("cu_seqlens_q", cu_q.tolist(), spec.total_q, max_seqlen_q)
         fa.cu_seqlens_values("cu_seqlens_k", cu_k.tolist(), spec.total_k, max_seqlen_k)
+    params = _params(spec, fwd_params, bwd_params, device)
     seed = _seed(dropout_seed, spec.dropout_p, device)
     out, lse = torch.ops.ejkernel.flash_attention_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), None, None, None, cu_q.contiguous(), cu_k.contiguous(),
-        seed, *_op_scalars(spec))
+        seed, *_op_scalars(spec), *params)
     return (out, lse) if return_lse else out
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import functools
 
-from ..padded_attention import _bwd_tiles, _dot_precision, _fwd_tiles
+from ..padded_attention import _bwd_tiles, _dot_precision, _fwd_tiles, override_tiles
+from ..params import BwdParams, FwdParams
 from ..plan import DeviceFacts, LaunchPlan, Output, cdiv, fp32, next_power_of_2
 from .backward import flash_bwd_delta_kernel, flash_bwd_dkdv_kernel, flash_bwd_dq_kernel
 from .dropout import dropout_mask_kernel
@@ -75,10 +76,12 @@ def _outputs_zeroed(spec: FlashSpec) -> bool:
 
 
 @functools.lru_cache(maxsize=512)
-def forward_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
-    """Inputs: FEATURE_INPUTS. Outputs: out (q's shape and dtype), lse (float32, natural log)."""
+def forward_plan(spec: FlashSpec, facts: DeviceFacts, params: FwdParams | None = None) -> LaunchPlan:
+    """Inputs: FEATURE_INPUTS. Outputs: out (q's shape and dtype), lse (float32, natural log).
+    ``params`` overrides block sizes, warps and stages (``padded_attention.override_tiles``)."""
     _check_grid(spec)
-    bm, bn, bd, warps, stages = _tiles(spec, facts, backward=False)
+    bm, bn, bd, warps, stages = override_tiles(_tiles(spec, facts, backward=False), params, spec.dtype, facts,
+                                               "flash_attention fwd_params")
     zeroed = _outputs_zeroed(spec)
     return LaunchPlan(
         kernel=flash_fwd_kernel, grid=(cdiv(spec.seq_q, bm), spec.heads_q, spec.batch),
@@ -107,8 +110,8 @@ def _delta_plan(spec: FlashSpec, facts: DeviceFacts, use_dlse: bool) -> LaunchPl
 
 
 @functools.lru_cache(maxsize=512)
-def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False,
-                   use_dlse: bool = False) -> tuple[LaunchPlan, LaunchPlan, LaunchPlan]:
+def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False, use_dlse: bool = False,
+                   params: BwdParams | None = None) -> tuple[LaunchPlan, LaunchPlan, LaunchPlan]:
     """(delta, dk/dv, dq) plans.
 
     * delta: (out, dout, dlse, cu_q, cu_k) -> delta (lse layout); dlse is a dummy unless ``use_dlse``.
@@ -116,9 +119,12 @@ def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False,
       logits [batch, heads_q, seq_q, seq_k] when ``write_ds`` (for a bias gradient), else a
       one-element placeholder.
     * dq: (FEATURE_INPUTS, dout, lse, delta) -> dq.
+
+    ``params`` overrides the dk/dv and dq tiles; the delta plan keeps its own.
     """
     _check_grid(spec)
-    bm, bn, bd, warps, stages = _tiles(spec, facts, backward=True)
+    bm, bn, bd, warps, stages = override_tiles(_tiles(spec, facts, backward=True), params, spec.dtype, facts,
+                                               "flash_attention bwd_params")
     zeroed = _outputs_zeroed(spec)
     inputs = FEATURE_INPUTS + ("do_ptr", "lse_ptr", "delta_ptr")
     dtypes = feature_dtypes(spec) + (spec.dtype, "float32", "float32")
