@@ -95,13 +95,13 @@ def _progress(i: int, total: int, label: str) -> None:
 
 
 def _print_table(rows: list[dict]) -> None:
-    header = f"{'op':<28}{'shape':<16}{'dtype':<10}{'device':<7}{'err torch':>11}{'err jax':>11}" \
+    header = f"{'op':<36}{'shape':<22}{'dtype':<10}{'device':<7}{'err torch':>11}{'err jax':>11}" \
              f"{'|t-j| max':>11}{'bitwise':>9}{'ms torch':>10}{'ms jax':>10}"
     print(header)
     print("-" * len(header))
     for r in rows:
         ms = lambda v: f"{v:10.2f}" if v is not None else f"{'':>10}"
-        print(f"{r['op']:<28}{r['shape']:<16}{r['dtype']:<10}{r['device']:<7}{r['rel_err_torch']:11.2e}"
+        print(f"{r['op']:<36}{r['shape']:<22}{r['dtype']:<10}{r['device']:<7}{r['rel_err_torch']:11.2e}"
               f"{r['rel_err_jax']:11.2e}{r['max_abs_diff']:11.2e}{str(r['bitwise_equal']):>9}"
               f"{ms(r['ms_torch'])}{ms(r['ms_jax'])}")
 
