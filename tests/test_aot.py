@@ -3,7 +3,7 @@ shared memory: compile errors surface in CI without a GPU."""
 import pytest
 
 from triton_kernels import HOPPER
-from triton_kernels.aot import compile_key, compile_plan
+from triton_kernels.aot import compile_plan, distinct_plans
 from triton_kernels.padded_attention import (attention_bwd_plans, attention_fwd_plan, scores_v_bwd_plans,
                                               scores_v_fwd_plan)
 from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
@@ -24,14 +24,7 @@ def _plans():
             yield from scores_v_bwd_plans((2, 1000, head_dim), dtype, HOPPER)
 
 
-def _unique_plans():
-    seen = {}
-    for plan in _plans():
-        seen.setdefault(compile_key(plan), plan)
-    return list(seen.values())
-
-
-PLANS = _unique_plans()
+PLANS = distinct_plans(_plans())
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.name}-{'-'.join(f'{k}{v}' for k, v in p.constexprs)}")

@@ -4,7 +4,7 @@ import pytest
 
 from benchmarks.grouped_matmul import SWEEP_CONFIGS
 from triton_kernels import HOPPER
-from triton_kernels.aot import compile_key, compile_plan
+from triton_kernels.aot import compile_plan, distinct_plans
 from triton_kernels.grouped_matmul import gmm_plan, tgmm_plan
 
 # (tokens m, k, n, experts g): bf16 MoE layers of the sizes the benchmark runs, plus odd ones.
@@ -35,14 +35,7 @@ def _plans():
         yield gmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER, params)
 
 
-def _unique_plans():
-    seen = {}
-    for plan in _plans():
-        seen.setdefault(compile_key(plan), plan)
-    return list(seen.values())
-
-
-PLANS = _unique_plans()
+PLANS = distinct_plans(_plans())
 
 
 def _id(plan):

@@ -37,6 +37,14 @@ def compile_plan(plan: LaunchPlan, target: GPUTarget = HOPPER_TARGET):
     return triton.compile(source, target=target, options=options)
 
 
+def distinct_plans(plans) -> list[LaunchPlan]:
+    """The first plan of each ``compile_key``: what an ahead-of-time check needs to compile."""
+    seen: dict[tuple, LaunchPlan] = {}
+    for plan in plans:
+        seen.setdefault(compile_key(plan), plan)
+    return list(seen.values())
+
+
 def compile_key(plan: LaunchPlan) -> tuple:
     """Plans with equal keys compile to the same binary (runtime scalar values aside)."""
     return (plan.kernel.fn, tuple(plan.signature().items()), tuple(sorted(plan.aot_constexprs().items())),

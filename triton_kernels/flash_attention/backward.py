@@ -76,7 +76,7 @@ def flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, 
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                           IS_VARLEN: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                           USE_BIAS: tl.constexpr, BIAS_BATCHED: tl.constexpr, BIAS_HEADS: tl.constexpr,
-                     USE_SEGMENTS: tl.constexpr, USE_DROPOUT: tl.constexpr,
+                          USE_SEGMENTS: tl.constexpr, USE_DROPOUT: tl.constexpr,
                           WRITE_DS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # torch.compile passes Python floats to Triton as fp64; keep the math in fp32 everywhere.
     logit_scale = tl.cast(logit_scale, tl.float32)
@@ -147,7 +147,7 @@ def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                         IS_VARLEN: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                         USE_BIAS: tl.constexpr, BIAS_BATCHED: tl.constexpr, BIAS_HEADS: tl.constexpr,
-                     USE_SEGMENTS: tl.constexpr, USE_DROPOUT: tl.constexpr,
+                        USE_SEGMENTS: tl.constexpr, USE_DROPOUT: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
     # torch.compile passes Python floats to Triton as fp64; keep the math in fp32 everywhere.
     logit_scale = tl.cast(logit_scale, tl.float32)
