@@ -17,16 +17,19 @@ def bench_torch(fn, warmup_ms: int = 25, rep_ms: int = 200) -> float:
 
 
 def bench_jax(fn, *args, calls: int = 50, repeats: int = 9) -> float:
-    """Median milliseconds per call over ``repeats`` batches of ``calls`` back-to-back calls."""
-    fn(*args).block_until_ready()  # compile + warm up
+    """Median milliseconds per call over ``repeats`` batches of ``calls`` back-to-back calls
+    (``fn`` may return a pytree: every leaf is waited for)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compile + warm up
     for _ in range(3):
-        fn(*args).block_until_ready()
+        jax.block_until_ready(fn(*args))
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(calls):
             out = fn(*args)
-        out.block_until_ready()
+        jax.block_until_ready(out)
         samples.append((time.perf_counter() - start) * 1e3 / calls)
     return statistics.median(samples)
 

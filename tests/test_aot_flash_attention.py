@@ -88,3 +88,24 @@ def test_compiles_for_hopper(plan):
 @pytest.mark.parametrize("plan", list(SLOW.values()), ids=_id)
 def test_compiles_for_hopper_all_head_dims(plan):
     _check(plan)
+
+
+def _sweep_plans():
+    from benchmarks.flash_attention import SWEEP_BWD, SWEEP_FWD
+
+    shape = (4, 4096, 16, 128)  # head_dim 128: the largest tiles; 64 fits when these do
+    spec = fa.dense_spec(shape, shape, shape, ("bfloat16",) * 3, causal=True)
+    for params in SWEEP_FWD:
+        yield fa.forward_plan(spec, HOPPER, params)
+    for params in SWEEP_BWD:
+        yield from fa.backward_plans(spec, HOPPER, params=params)[1:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", list({compile_key(p): p for p in _sweep_plans()}.values()),
+                         ids=lambda p: f"{p.name}-{p.input_dtypes[0]}-d{dict(p.constexprs)['HEAD_DIM']}-"
+                                       f"{dict(p.constexprs)['BLOCK_M']}x{dict(p.constexprs)['BLOCK_N']}-"
+                                       f"w{p.num_warps}-s{p.num_stages}")
+def test_benchmark_sweep_configs_compile(plan):
+    """What benchmarks/flash_attention.py --sweep launches compiles for sm_90 and fits."""
+    _check(plan)

@@ -34,7 +34,8 @@ def test_overrides_change_only_what_they_name(facts):
     assert _blocks(fa.forward_plan(spec, facts, FwdParams(**FWD)))[:3] == (16, 32, 2)
     assert fa.forward_plan(spec, facts, FwdParams(**FWD)) == fa.forward_plan(spec, facts, FwdParams(**FWD))
     _, dkdv, dq = fa.backward_plans(spec, facts, False, False, BWD)
-    assert _blocks(dq)[:3] == (32, 16, 2)
+    assert _blocks(dkdv)[:3] == (32, 16, 2)
+    assert _blocks(dq)[:3] == (16, 32, 2)  # dq holds blocksize_n queries and steps over blocksize_m keys
 
 
 def _padded_inputs(fw, rng, dtype="float32"):

@@ -43,6 +43,15 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """``acc + a @ b`` with the product accumulated in place (no second accumulator tile)."""
+    if DOT_PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _causal_padded_keep(offs_m, offs_n, pad, seq_len):
     """Which (query, key) pairs are attended: key in [pad, query], both inside the sequence."""
     i = offs_m[:, None]

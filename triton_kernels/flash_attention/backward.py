@@ -15,9 +15,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..padded_attention import _dot
-from .tiles import (LOG2E_C, _dropout_keep, _keep, _key_range, _load_bias, _load_rows, _logits2, _query_range,
-                    _row_base, _sequence, _store_rows)
+from ..padded_attention import _dot, _dot_acc
+from .tiles import (LOG2E_C, _dropout_keep, _dropout_keep_pairs, _full_key_range, _full_query_range, _keep, _keep_t,
+                    _key_range, _load_bias, _load_bias_pairs, _load_full_rows, _load_rows, _logits2, _query_range,
+                    _row_base, _run_bounds, _sequence, _store_rows)
 
 RUNTIME_INTS = ["seq_q", "seq_k", "total_q", "total_k", "win_left", "win_right"]
 
@@ -46,13 +47,16 @@ def flash_bwd_delta_kernel(o_ptr, do_ptr, dlse_ptr, cu_q_ptr, cu_k_ptr, seq_q, s
 
 @triton.jit
 def _probs_and_dlogits(q, k, v, do, lse2, delta, bias, keep, seed, drop_base, offs_m, offs_n, seq_k,
-                       logit_scale, softcap, dropout_p, dropout_scale,
+                       logit_scale, softcap, dropout_p, dropout_scale, MASKED: tl.constexpr,
                        USE_SOFTCAP: tl.constexpr, USE_BIAS: tl.constexpr, USE_DROPOUT: tl.constexpr,
                        DOT_PRECISION: tl.constexpr):
     """(p as applied to v (dropped and rescaled), dS = dL/dlogits, dS through the soft cap)."""
     s, t = _logits2(_dot(q, tl.trans(k), DOT_PRECISION), bias, logit_scale, softcap, USE_SOFTCAP, USE_BIAS)
-    lse_ref = tl.where(lse2 == -float("inf"), float("inf"), lse2)  # empty rows: p = 0
-    p = tl.where(keep, tl.exp2(s - lse_ref[:, None]), 0.0)
+    if MASKED:
+        lse_ref = tl.where(lse2 == -float("inf"), float("inf"), lse2)  # empty rows: p = 0
+        p = tl.where(keep, tl.exp2(s - lse_ref[:, None]), 0.0)
+    else:  # every row attends this whole tile, so its lse is finite
+        p = tl.exp2(s - lse2[:, None])
     dp = _dot(do, tl.trans(v), DOT_PRECISION)
     p_v = p
     if USE_DROPOUT:
@@ -64,6 +68,94 @@ def _probs_and_dlogits(q, k, v, do, lse2, delta, bias, keep, seed, drop_base, of
     if USE_SOFTCAP:
         ds_raw = ds * (1.0 - t * t)
     return p_v, ds, ds_raw
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, k_seg, start_m, offs_n, offs_d, q_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptr, q_seg_ptr,
+               ds_ptr, b, h, q_start, rows, seq_q, seq_k, len_q, len_k, win_left, win_right,
+               logit_scale, softcap, dropout_p, dropout_scale, seed, drop_base,
+               HEADS_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_BIAS: tl.constexpr,
+               BIAS_BATCHED: tl.constexpr, BIAS_HEADS: tl.constexpr, USE_SEGMENTS: tl.constexpr,
+               USE_DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add query block ``start_m`` of head ``h`` to the key block's dk, dv (and write its dS).
+
+    Works on transposed tiles (keys down, queries across), so p and dS feed the dk/dv products
+    without a register transpose; only loaded q/do tiles are transposed. ``MASKED=False`` is for
+    query blocks that attend every key of the block (``_full_query_range``)."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    row_mask = offs_m < len_q
+    if MASKED:
+        q = _load_rows(q_ptr, q_start, offs_m, len_q, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM)
+        do = _load_rows(do_ptr, q_start, offs_m, len_q, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM)
+        lse2 = tl.load(lse_ptr + rows + offs_m, mask=row_mask, other=0.0) * LOG2E_C
+        delta = tl.load(delta_ptr + rows + offs_m, mask=row_mask, other=0.0)
+    else:
+        q = _load_full_rows(q_ptr, q_start, offs_m, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM, BLOCK_D)
+        do = _load_full_rows(do_ptr, q_start, offs_m, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM, BLOCK_D)
+        lse2 = tl.load(lse_ptr + rows + offs_m) * LOG2E_C
+        delta = tl.load(delta_ptr + rows + offs_m)
+    i = offs_m[None, :]
+    j = offs_n[:, None]
+    bias = 0.0
+    if USE_BIAS:
+        bias = _load_bias_pairs(bias_ptr, b, h, i, j, len_q, len_k, BIAS_BATCHED, BIAS_HEADS)
+    s, t = _logits2(_dot(k, tl.trans(q), DOT_PRECISION), bias, logit_scale, softcap, USE_SOFTCAP, USE_BIAS)
+    if MASKED:
+        q_seg = offs_m
+        if USE_SEGMENTS:
+            q_seg = tl.load(q_seg_ptr + b * seq_q + offs_m, mask=row_mask, other=0)
+        keep = _keep_t(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg, USE_WINDOW, USE_SEGMENTS)
+        lse_ref = tl.where(lse2 == -float("inf"), float("inf"), lse2)  # empty rows: p = 0
+        p = tl.where(keep, tl.exp2(s - lse_ref[None, :]), 0.0)
+    else:  # every query of the block attends these keys, so its lse is finite
+        p = tl.exp2(s - lse2[None, :])
+    dp = _dot(v, tl.trans(do), DOT_PRECISION)
+    p_v = p
+    if USE_DROPOUT:
+        z = tl.where(_dropout_keep_pairs(seed, drop_base, i, j, seq_k, dropout_p), dropout_scale, 0.0)
+        p_v = p * z
+        dp = dp * z
+    ds = p * (dp - delta[None, :])
+    dv = _dot_acc(p_v.to(do.dtype), do, dv, DOT_PRECISION)
+    ds_raw = ds
+    if USE_SOFTCAP:
+        ds_raw = ds * (1.0 - t * t)
+    dk = _dot_acc(ds_raw.to(q.dtype), q, dk, DOT_PRECISION)
+    if WRITE_DS:  # [batch, heads_q, seq_q, seq_k], float32; every pair is visited once
+        ds_base = (b * HEADS_Q + h) * seq_q * seq_k
+        tl.store(ds_ptr + ds_base + i.to(tl.int64) * seq_k + j, ds, mask=(i < len_q) & (j < len_k))
+    return dk, dv
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse2, delta, q_seg, start_n, offs_m, offs_d, k_ptr, v_ptr, bias_ptr, kv_seg_ptr, b, h, h_kv,
+             k_start, seq_k, len_q, len_k, win_left, win_right, logit_scale, softcap, dropout_p, dropout_scale, seed,
+             drop_base, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_BIAS: tl.constexpr,
+             BIAS_BATCHED: tl.constexpr, BIAS_HEADS: tl.constexpr, USE_SEGMENTS: tl.constexpr,
+             USE_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add key block ``start_n``'s share to the query block's dq (``MASKED`` as in ``_fwd_step``)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if MASKED:
+        k = _load_rows(k_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
+        v = _load_rows(v_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
+    else:
+        k = _load_full_rows(k_ptr, k_start, offs_n, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM, BLOCK_D)
+        v = _load_full_rows(v_ptr, k_start, offs_n, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM, BLOCK_D)
+    bias = 0.0
+    if USE_BIAS:
+        bias = _load_bias(bias_ptr, b, h, offs_m, offs_n, len_q, len_k, BIAS_BATCHED, BIAS_HEADS)
+    keep = True
+    if MASKED:
+        k_seg = offs_n
+        if USE_SEGMENTS:
+            k_seg = tl.load(kv_seg_ptr + b * seq_k + offs_n, mask=offs_n < len_k, other=0)
+        keep = _keep(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg, USE_WINDOW, USE_SEGMENTS)
+    _, _, ds_raw = _probs_and_dlogits(q, k, v, do, lse2, delta, bias, keep, seed, drop_base, offs_m, offs_n, seq_k,
+                                      logit_scale, softcap, dropout_p, dropout_scale, MASKED, USE_SOFTCAP, USE_BIAS,
+                                      USE_DROPOUT, DOT_PRECISION)
+    return _dot_acc(ds_raw.to(k.dtype), k, dq, DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize_on_alignment=RUNTIME_INTS)
@@ -105,33 +197,21 @@ def flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     lo, hi = _query_range(start_n, len_q, len_k, win_left, win_right, BLOCK_M, BLOCK_N, USE_WINDOW)
+    a, z = _full_query_range(start_n, len_q, len_k, win_left, win_right, lo, hi, BLOCK_M, BLOCK_N, USE_WINDOW,
+                             USE_SEGMENTS)
     for g in range(GROUP):  # the query heads sharing this kv head: summed here, not with atomics
         h = h_kv * GROUP + g
         rows = _row_base(b, h, q_start, seq_q, total_q, HEADS_Q, IS_VARLEN)
         drop_base = (b * HEADS_Q + h) * seq_q
-        for start_m in range(lo, hi, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            row_mask = offs_m < len_q
-            q = _load_rows(q_ptr, q_start, offs_m, len_q, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM)
-            do = _load_rows(do_ptr, q_start, offs_m, len_q, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM)
-            lse2 = tl.load(lse_ptr + rows + offs_m, mask=row_mask, other=0.0) * LOG2E_C
-            delta = tl.load(delta_ptr + rows + offs_m, mask=row_mask, other=0.0)
-            q_seg = offs_m
-            if USE_SEGMENTS:
-                q_seg = tl.load(q_seg_ptr + b * seq_q + offs_m, mask=row_mask, other=0)
-            bias = 0.0
-            if USE_BIAS:
-                bias = _load_bias(bias_ptr, b, h, offs_m, offs_n, len_q, len_k, BIAS_BATCHED, BIAS_HEADS)
-            keep = _keep(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg, USE_WINDOW, USE_SEGMENTS)
-            p_v, ds, ds_raw = _probs_and_dlogits(q, k, v, do, lse2, delta, bias, keep, seed, drop_base, offs_m,
-                                                 offs_n, seq_k, logit_scale, softcap, dropout_p, dropout_scale,
-                                                 USE_SOFTCAP, USE_BIAS, USE_DROPOUT, DOT_PRECISION)
-            dv += _dot(tl.trans(p_v.to(do.dtype)), do, DOT_PRECISION)
-            dk += _dot(tl.trans(ds_raw.to(q.dtype)), q, DOT_PRECISION)
-            if WRITE_DS:  # [batch, heads_q, seq_q, seq_k], float32; every pair is visited once
-                ds_base = (b * HEADS_Q + h) * seq_q * seq_k
-                tl.store(ds_ptr + ds_base + offs_m[:, None].to(tl.int64) * seq_k + offs_n[None, :], ds,
-                         mask=row_mask[:, None] & (offs_n < len_k)[None, :])
+        for run in tl.static_range(3):  # masked [lo, a), whole [a, z), masked [z, hi)
+            first, last = _run_bounds(run, lo, a, z, hi)
+            for start_m in range(first, last, BLOCK_M):
+                dk, dv = _dkdv_step(dk, dv, k, v, k_seg, start_m, offs_n, offs_d, q_ptr, do_ptr, lse_ptr, delta_ptr,
+                                    bias_ptr, q_seg_ptr, ds_ptr, b, h, q_start, rows, seq_q, seq_k, len_q, len_k,
+                                    win_left, win_right, logit_scale, softcap, dropout_p, dropout_scale, seed,
+                                    drop_base, HEADS_Q, HEAD_DIM, BLOCK_M, BLOCK_D, run != 1, USE_WINDOW,
+                                    USE_SOFTCAP, USE_BIAS, BIAS_BATCHED, BIAS_HEADS, USE_SEGMENTS, USE_DROPOUT,
+                                    WRITE_DS, DOT_PRECISION)
 
     _store_rows(dk_ptr, dk * sm_scale, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
     _store_rows(dv_ptr, dv, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
@@ -180,20 +260,15 @@ def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = _key_range(start_m, len_q, len_k, win_left, win_right, BLOCK_M, BLOCK_N, USE_WINDOW)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
-        v = _load_rows(v_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
-        k_seg = offs_n
-        if USE_SEGMENTS:
-            k_seg = tl.load(kv_seg_ptr + b * seq_k + offs_n, mask=offs_n < len_k, other=0)
-        bias = 0.0
-        if USE_BIAS:
-            bias = _load_bias(bias_ptr, b, h, offs_m, offs_n, len_q, len_k, BIAS_BATCHED, BIAS_HEADS)
-        keep = _keep(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg, USE_WINDOW, USE_SEGMENTS)
-        _, _, ds_raw = _probs_and_dlogits(q, k, v, do, lse2, delta, bias, keep, seed, drop_base, offs_m, offs_n,
-                                          seq_k, logit_scale, softcap, dropout_p, dropout_scale,
-                                          USE_SOFTCAP, USE_BIAS, USE_DROPOUT, DOT_PRECISION)
-        dq += _dot(ds_raw.to(k.dtype), k, DOT_PRECISION)
+    a, z = _full_key_range(start_m, len_q, len_k, win_left, win_right, lo, hi, BLOCK_M, BLOCK_N, USE_WINDOW,
+                           USE_SEGMENTS)
+    for run in tl.static_range(3):  # masked [lo, a), whole [a, z), masked [z, hi)
+        first, last = _run_bounds(run, lo, a, z, hi)
+        for start_n in range(first, last, BLOCK_N):
+            dq = _dq_step(dq, q, do, lse2, delta, q_seg, start_n, offs_m, offs_d, k_ptr, v_ptr, bias_ptr, kv_seg_ptr,
+                          b, h, h_kv, k_start, seq_k, len_q, len_k, win_left, win_right, logit_scale, softcap,
+                          dropout_p, dropout_scale, seed, drop_base, HEADS_KV, HEAD_DIM, BLOCK_N, BLOCK_D, run != 1,
+                          USE_WINDOW, USE_SOFTCAP, USE_BIAS, BIAS_BATCHED, BIAS_HEADS, USE_SEGMENTS, USE_DROPOUT,
+                          DOT_PRECISION)
 
     _store_rows(dq_ptr, dq * sm_scale, q_start, offs_m, len_q, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM)

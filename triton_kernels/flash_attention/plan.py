@@ -64,9 +64,17 @@ def _cpu_block(n: int) -> int:
 
 
 def _tiles(spec: FlashSpec, facts: DeviceFacts, backward: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages). Half-precision head_dim <= 128 on a GPU
+    uses the best configs of ``scripts/sweep_flash.py`` on an H200 (bf16, seq 4096; results in
+    benchmarks/results/sweep_flash-nvidia-h200.json); the rest falls back to the padded-attention
+    heuristics."""
+    block_d = max(16, next_power_of_2(spec.head_dim))
     if facts.is_cpu:
-        block_d = max(16, next_power_of_2(spec.head_dim))
         return _cpu_block(spec.seq_q), _cpu_block(spec.seq_k), block_d, 4, 1
+    if spec.dtype != "float32" and block_d <= 128:
+        if backward:  # (64, 64, 4 warps, 2 stages) is as fast but faults on Triton 3.6 at head_dim 128
+            return 32, 64, block_d, 4, 3
+        return 128, 64, block_d, 4 if block_d <= 64 else 8, 3
     return (_bwd_tiles if backward else _fwd_tiles)(spec.head_dim, spec.dtype, facts)
 
 
@@ -120,7 +128,9 @@ def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False, 
       one-element placeholder.
     * dq: (FEATURE_INPUTS, dout, lse, delta) -> dq.
 
-    ``params`` overrides the dk/dv and dq tiles; the delta plan keeps its own.
+    ``params`` overrides the tiles as dk/dv sees them: ``blocksize_m`` queries streamed past
+    ``blocksize_n`` resident keys; dq uses the transpose (``blocksize_n`` resident queries,
+    ``blocksize_m`` keys a step). The delta plan keeps its own.
     """
     _check_grid(spec)
     bm, bn, bd, warps, stages = override_tiles(_tiles(spec, facts, backward=True), params, spec.dtype, facts,
@@ -141,11 +151,14 @@ def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False, 
                  Output("dv_ptr", spec.kv_shape, spec.dtype, zeroed), ds),
         constexprs=consts + (("WRITE_DS", write_ds),) + precision, num_warps=warps, num_stages=stages,
     )
+    # dq transposes the tile: its program holds bn queries and steps over bm keys. So one
+    # (bm, bn) gives both kernels a long resident side and a short streamed one.
     dq = LaunchPlan(
-        kernel=flash_bwd_dq_kernel, grid=(cdiv(spec.seq_q, bm), spec.heads_q, spec.batch),
+        kernel=flash_bwd_dq_kernel, grid=(cdiv(spec.seq_q, bn), spec.heads_q, spec.batch),
         inputs=inputs, input_dtypes=dtypes, scalars=scalars,
         outputs=(Output("dq_ptr", spec.q_shape, spec.dtype, zeroed),),
-        constexprs=consts + precision, num_warps=warps, num_stages=stages,
+        constexprs=_features(spec) + (("BLOCK_M", bn), ("BLOCK_N", bm), ("BLOCK_D", bd)) + precision,
+        num_warps=warps, num_stages=stages,
     )
     return _delta_plan(spec, facts, use_dlse), dkdv, dq
 

@@ -64,17 +64,89 @@ def _query_range(start_n, len_q, len_k, win_left, win_right,
 
 
 @triton.jit
+def _split3(lo, hi, full_lo, full_hi):
+    """Clamp a fully-kept sub-range into [lo, hi): lo <= a <= b <= hi. The loops then visit
+    [lo, a) and [b, hi) with masks and [a, b) without."""
+    a = tl.minimum(tl.maximum(full_lo, lo), hi)
+    b = tl.maximum(tl.minimum(full_hi, hi), a)
+    return a, b
+
+
+@triton.jit
+def _run_bounds(run: tl.constexpr, lo, a, b, hi):
+    """Bounds of run 0, 1 or 2 of a loop split at a <= b: [lo, a), [a, b), [b, hi)."""
+    if run == 0:
+        return lo, a
+    elif run == 1:
+        return a, b
+    else:
+        return b, hi
+
+
+@triton.jit
+def _full_key_range(start_m, len_q, len_k, win_left, win_right, lo, hi, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SEGMENTS: tl.constexpr):
+    """[a, b) inside [lo, hi), multiples of BLOCK_N: key blocks every query row of the block
+    attends entirely (inside the sequence and the window), so they need no mask. Rows past
+    ``len_q`` are ignored: they are never stored. Segment ids: every block is masked."""
+    if USE_SEGMENTS:
+        return hi, hi
+    if USE_WINDOW:
+        diag_first = start_m + len_k - len_q
+        first = tl.maximum(diag_first + BLOCK_M - 1 - win_left, 0)  # the last row's first key
+        full_lo = (first + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        end = tl.maximum(tl.minimum(diag_first + win_right + 1, len_k), 0)  # the first row's end
+        full_hi = end // BLOCK_N * BLOCK_N
+    else:
+        full_lo = lo
+        full_hi = len_k // BLOCK_N * BLOCK_N
+    return _split3(lo, hi, full_lo, full_hi)
+
+
+@triton.jit
+def _full_query_range(start_n, len_q, len_k, win_left, win_right, lo, hi, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SEGMENTS: tl.constexpr):
+    """[a, b) inside [lo, hi), multiples of BLOCK_M: query blocks inside the sequence that attend
+    every key of the block at ``start_n``, so they need no mask (keys past ``len_k`` are never
+    stored). The backward needs whole query blocks: a row past ``len_q`` would add to dk/dv."""
+    if USE_SEGMENTS:
+        return hi, hi
+    end = len_q
+    full_lo = lo
+    if USE_WINDOW:
+        off = len_k - len_q
+        first = tl.maximum(start_n + BLOCK_N - 1 - off - win_right, 0)  # first row that sees the last key
+        full_lo = (first + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        end = tl.maximum(tl.minimum(start_n - off + win_left + 1, len_q), 0)  # rows that see the first key
+    return _split3(lo, hi, full_lo, end // BLOCK_M * BLOCK_M)
+
+
+@triton.jit
 def _keep(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg,
           USE_WINDOW: tl.constexpr, USE_SEGMENTS: tl.constexpr):
     """[BLOCK_M, BLOCK_N] bool: query i attends key j."""
-    i = offs_m[:, None]
-    j = offs_n[None, :]
+    return _keep_pairs(offs_m[:, None], offs_n[None, :], len_q, len_k, win_left, win_right, q_seg[:, None],
+                       k_seg[None, :], USE_WINDOW, USE_SEGMENTS)
+
+
+@triton.jit
+def _keep_t(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg,
+            USE_WINDOW: tl.constexpr, USE_SEGMENTS: tl.constexpr):
+    """``_keep`` transposed: [BLOCK_N, BLOCK_M], keys down, queries across."""
+    return _keep_pairs(offs_m[None, :], offs_n[:, None], len_q, len_k, win_left, win_right, q_seg[None, :],
+                       k_seg[:, None], USE_WINDOW, USE_SEGMENTS)
+
+
+@triton.jit
+def _keep_pairs(i, j, len_q, len_k, win_left, win_right, q_seg, k_seg,
+                USE_WINDOW: tl.constexpr, USE_SEGMENTS: tl.constexpr):
+    """Query i attends key j, for broadcastable 2-D index tiles (and their segment ids)."""
     keep = (i < len_q) & (j < len_k)
     if USE_WINDOW:
         diag = i + (len_k - len_q)
         keep = keep & (j >= diag - win_left) & (j <= diag + win_right)
     if USE_SEGMENTS:  # same segment, and ids <= 0 are padding
-        keep = keep & (q_seg[:, None] == k_seg[None, :]) & (q_seg[:, None] > 0)
+        keep = keep & (q_seg == k_seg) & (q_seg > 0)
     return keep
 
 
@@ -111,18 +183,28 @@ def _logits2(qk, bias, logit_scale, softcap, USE_SOFTCAP: tl.constexpr, USE_BIAS
 @triton.jit
 def _load_bias(bias_ptr, b, h, offs_m, offs_n, len_q, len_k, BIAS_BATCHED: tl.constexpr, BIAS_HEADS: tl.constexpr):
     """Float32 tile of a dense [batch|1, heads|1, seq_q, seq_k] bias (int64 offsets: it is big)."""
+    return _load_bias_pairs(bias_ptr, b, h, offs_m[:, None], offs_n[None, :], len_q, len_k, BIAS_BATCHED, BIAS_HEADS)
+
+
+@triton.jit
+def _load_bias_pairs(bias_ptr, b, h, i, j, len_q, len_k, BIAS_BATCHED: tl.constexpr, BIAS_HEADS: tl.constexpr):
+    """The bias at broadcastable 2-D query/key index tiles (``_load_bias`` or its transpose)."""
     plane = (b * BIAS_BATCHED * BIAS_HEADS + h % BIAS_HEADS) * len_q  # b is int64
-    ptrs = bias_ptr + (plane + offs_m[:, None]) * len_k + offs_n[None, :]
-    mask = (offs_m < len_q)[:, None] & (offs_n < len_k)[None, :]
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return tl.load(bias_ptr + (plane + i) * len_k + j, mask=(i < len_q) & (j < len_k), other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _dropout_keep(seed, row_base, offs_m, offs_n, seq_k, dropout_p):
     """Philox draw per element; the element offset is ((b * heads_q + h) * seq_q + i) * seq_k + j
     (varlen: b is the sequence, seq_q/seq_k the max lengths). Kept with probability 1 - p."""
-    offsets = (row_base + offs_m[:, None]).to(tl.int64) * seq_k + offs_n[None, :]
-    return tl.rand(seed, offsets) >= dropout_p
+    return _dropout_keep_pairs(seed, row_base, offs_m[:, None], offs_n[None, :], seq_k, dropout_p)
+
+
+@triton.jit
+def _dropout_keep_pairs(seed, row_base, i, j, seq_k, dropout_p):
+    """``_dropout_keep`` at broadcastable 2-D index tiles: the draw depends on (i, j) only, so a
+    transposed tile sees the same mask."""
+    return tl.rand(seed, (row_base + i).to(tl.int64) * seq_k + j) >= dropout_p
 
 
 @triton.jit
@@ -130,6 +212,18 @@ def _load_rows(ptr, token_start, offs, n_rows, col, offs_d, ROW_STRIDE: tl.const
     """[len(offs), BLOCK_D] tile of head ``col`` of a [tokens, heads, head_dim] array (zero padded)."""
     ptrs = ptr + (token_start + offs[:, None]) * ROW_STRIDE + col * HEAD_DIM + offs_d[None, :]
     return tl.load(ptrs, mask=(offs < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_full_rows(ptr, token_start, offs, col, offs_d, ROW_STRIDE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """``_load_rows`` for rows known to lie inside the sequence: no row mask, and no mask at all
+    when the head fills the tile, so the loads vectorize and pipeline."""
+    ptrs = ptr + (token_start + offs[:, None]) * ROW_STRIDE + col * HEAD_DIM + offs_d[None, :]
+    if HEAD_DIM == BLOCK_D:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
 
 
 @triton.jit

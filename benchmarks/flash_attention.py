@@ -1,0 +1,389 @@
+"""Flash attention on a CUDA GPU: ours launched from torch and from jax vs torch SDPA (flash, cuDNN,
+efficient backends) and ``jax.nn.dot_product_attention(implementation="cudnn")``, forward and
+forward+backward, TFLOP/s.
+
+Shapes follow the issue: batch * seq = 16k tokens, heads = 2048 / head_dim, seq 1k..16k, head_dim
+64 and 128, causal and not. FLOPs: 4 * B * H * S^2 * D, halved when causal; forward+backward
+counts 3.5x the forward (the backward is 2.5x).
+
+    python benchmarks/flash_attention.py [--dtypes bfloat16 float16] [--seqs 1024 4096] [--sweep]
+    python benchmarks/flash_attention.py --long        # also seq 65,536 (memory O(seq))
+    python benchmarks/flash_attention.py --overhead    # eager per-call cost vs a direct launch
+    python benchmarks/flash_attention.py --smoke       # tiny shapes on CPU: checks the script runs
+
+Timing: torch by ``triton.testing.do_bench`` (CUDA events, median); jax by the median of
+pipelined batches of calls. Ours from torch is timed both ways, so the jax-vs-torch ratio
+compares like with like (``ours_torch_wall``). Writes
+benchmarks/results/flash_attention-<gpu>.json and SVG charts next to it.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np
+
+from benchmarks.common import bench_jax, bench_torch, device_name, write_json
+from triton_kernels.params import BwdParams, FwdParams
+
+TOKENS = 16384
+HIDDEN = 2048
+SEQS = (1024, 2048, 4096, 8192, 16384)
+# Configs --sweep times for our kernels (tests/test_aot_flash_attention.py compiles them for sm_90).
+SWEEP_FWD = [FwdParams(blocksize_m=bm, blocksize_n=bn, num_warps=w, num_stages=s)
+             for bm, bn, w, s in ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 4, 3),
+                                  (64, 64, 4, 3), (128, 32, 8, 4), (64, 64, 4, 4))]
+SWEEP_BWD = [BwdParams(blocksize_m=bm, blocksize_n=bn, num_warps=w, num_stages=s)
+             for bm, bn, w, s in ((32, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (32, 128, 4, 2),
+                                  (64, 128, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2))]
+
+
+def flops(batch, heads, seq, head_dim, causal, phase) -> float:
+    f = 4.0 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
+    return f * (3.5 if phase == "fwd+bwd" else 1.0)
+
+
+def bench_torch_wall(fn, calls: int = 20, repeats: int = 7) -> float:
+    """Median milliseconds per call over pipelined batches, as ``bench_jax`` times jax."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e3 / calls)
+    return statistics.median(samples)
+
+
+def _try(times: dict, errors: dict, name: str, timer) -> None:
+    try:
+        times[name] = timer()
+    except Exception as e:  # a backend missing on this torch/jax/GPU is recorded, not fatal
+        errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+# --------------------------------------------------------------------------------------------
+# torch
+
+
+def _sdpa(backend_name: str, causal: bool):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend_name]
+
+    def call(q, k, v):  # q/k/v [batch, heads, seq, dim]: SDPA's own layout
+        with sdpa_kernel([backend]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return call
+
+
+def _torch_step(fn, q, k, v, dout):
+    import torch
+
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+
+
+def bench_torch_impls(q, k, v, dout, causal, fwd_params=None, bwd_params=None, only_ours=False) -> tuple[dict, dict]:
+    import ejkernel_torch
+
+    times, errors = {}, {}
+    ours = lambda a, b, c: ejkernel_torch.flash_attention(a, b, c, causal=causal, fwd_params=fwd_params,  # noqa: E731
+                                                          bwd_params=bwd_params)
+    impls = {"ours_torch": (ours, (q, k, v), dout)}
+    if not only_ours:
+        heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
+        for name in ("flash", "cudnn", "efficient"):
+            impls[f"sdpa_{name}"] = (_sdpa(name, causal), heads_first[:3], heads_first[3])
+    for name, (fn, args, cot) in impls.items():
+        _try(times, errors, f"fwd/{name}", lambda: bench_torch(lambda: fn(*args)))
+        _try(times, errors, f"fwd+bwd/{name}", lambda: bench_torch(_torch_step(fn, *args, cot)))
+    if not only_ours:
+        _try(times, errors, "fwd/ours_torch_wall", lambda: bench_torch_wall(lambda: ours(q, k, v)))
+        _try(times, errors, "fwd+bwd/ours_torch_wall", lambda: bench_torch_wall(_torch_step(ours, q, k, v, dout)))
+    return times, errors
+
+
+# --------------------------------------------------------------------------------------------
+# jax
+
+
+def _value_and_pullback(fn, primals, cotangent):
+    import jax
+
+    out, pullback = jax.vjp(fn, *primals)
+    return out, pullback(cotangent)
+
+
+def bench_jax_impls(q_np, k_np, v_np, do_np, dtype, causal) -> tuple[dict, dict]:
+    import jax
+    import jax.numpy as jnp
+
+    import ejkernel_jax
+
+    q, k, v, do = (jnp.asarray(a).astype(dtype) for a in (q_np, k_np, v_np, do_np))
+    impls = {"ours_jax": lambda a, b, c: ejkernel_jax.flash_attention(a, b, c, causal=causal),
+             "jax_cudnn": lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=causal,
+                                                                        implementation="cudnn")}
+    times, errors = {}, {}
+    for name, fn in impls.items():
+        fwd = jax.jit(fn)
+        _try(times, errors, f"fwd/{name}", lambda: bench_jax(fwd, q, k, v))
+        # The output and all three gradients leave the jitted step, as in a training step: XLA
+        # drops whatever is not returned and not needed.
+        step = jax.jit(lambda a, b, c, d, fn=fn: _value_and_pullback(fn, (a, b, c), d))
+        _try(times, errors, f"fwd+bwd/{name}", lambda: bench_jax(step, q, k, v, do))
+    return times, errors
+
+
+# --------------------------------------------------------------------------------------------
+# one shape
+
+
+def _inputs(batch, seq, heads, head_dim, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((batch, seq, heads, head_dim), dtype=np.float32) for _ in range(4)]
+
+
+def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=True) -> dict:
+    import torch
+
+    batch = batch or max(1, TOKENS // seq)
+    heads = HIDDEN // head_dim
+    arrays = _inputs(batch, seq, heads, head_dim)
+    q, k, v, dout = (torch.from_numpy(a).to("cuda", getattr(torch, dtype)) for a in arrays)
+    times, errors = bench_torch_impls(q, k, v, dout, causal)
+    if with_jax:
+        jt, je = bench_jax_impls(*arrays, dtype, causal)
+        times.update(jt)
+        errors.update(je)
+    row = {"batch": batch, "seq": seq, "heads": heads, "head_dim": head_dim, "causal": causal, "dtype": dtype,
+           "ms": times, "errors": errors,
+           "tflops": {n: flops(batch, heads, seq, head_dim, causal, n.split("/")[0]) / (ms * 1e-3) / 1e12
+                      for n, ms in times.items()}}
+    for phase in ("fwd", "fwd+bwd"):
+        sdpa = {n: times[f"{phase}/{n}"] for n in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
+                if f"{phase}/{n}" in times}
+        if sdpa and f"{phase}/ours_torch" in times:
+            best = min(sdpa, key=sdpa.get)
+            row[f"{phase}: ours_torch vs best sdpa"] = sdpa[best] / times[f"{phase}/ours_torch"]
+            row[f"{phase}: best sdpa"] = best
+        if f"{phase}/ours_jax" in times and f"{phase}/ours_torch_wall" in times:  # > 1: jax is slower
+            row[f"{phase}: ours_jax time / ours_torch time"] = times[f"{phase}/ours_jax"] / times[f"{phase}/ours_torch_wall"]
+        if f"{phase}/ours_jax" in times and f"{phase}/jax_cudnn" in times:
+            row[f"{phase}: ours_jax vs jax_cudnn"] = times[f"{phase}/jax_cudnn"] / times[f"{phase}/ours_jax"]
+    if sweep:
+        row["sweep"] = sweep_configs(q, k, v, dout, causal)
+    return row
+
+
+def _label(p) -> str:
+    return f"{p.blocksize_m}x{p.blocksize_n}-w{p.num_warps}-s{p.num_stages}"
+
+
+def sweep_configs(q, k, v, dout, causal) -> dict:
+    out = {"fwd": {}, "fwd+bwd": {}}
+    for p in SWEEP_FWD:
+        t, e = bench_torch_impls(q, k, v, dout, causal, fwd_params=p, only_ours=True)
+        out["fwd"][_label(p)] = t.get("fwd/ours_torch") or e.get("fwd/ours_torch")
+    for p in SWEEP_BWD:
+        t, e = bench_torch_impls(q, k, v, dout, causal, bwd_params=p, only_ours=True)
+        out["fwd+bwd"][_label(p)] = t.get("fwd+bwd/ours_torch") or e.get("fwd+bwd/ours_torch")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# eager per-call overhead
+
+
+def measure_overhead(device: str) -> dict:
+    """Per-call host cost on a tiny problem: the public op, the plan launched directly, and the
+    bare Triton kernel call (the floor), each median microseconds over many calls."""
+    import torch
+
+    import ejkernel_torch
+    from ejkernel_torch.launch import device_facts, launch
+    from triton_kernels.flash_attention import forward_plan
+    from triton_kernels.flash_attention.spec import dense_spec
+
+    q, k, v = (torch.randn(1, 128, 4, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
+    spec = dense_spec(tuple(q.shape), tuple(k.shape), tuple(v.shape), ("bfloat16",) * 3)
+    plan = forward_plan(spec, device_facts(device))
+    dummy = torch.zeros(1, dtype=torch.int32, device=device)
+    inputs = (q, k, v, q.new_zeros(1), dummy, dummy, dummy, dummy, dummy)
+    out, lse = torch.empty_like(q), torch.empty(spec.lse_shape, device=device)
+    scalars = [value for _, value in plan.scalars]
+    consts = dict(plan.constexprs)
+
+    def bare():
+        plan.kernel[plan.grid](*inputs, *scalars, out, lse, **consts, num_warps=plan.num_warps,
+                               num_stages=plan.num_stages)
+
+    calls = {"op": lambda: ejkernel_torch.flash_attention(q, k, v),
+             "launch(plan)": lambda: launch(plan, *inputs)}
+    if device == "cuda":  # the interpreter has no bare launch
+        calls["bare kernel[grid]"] = bare
+    result = {}
+    for name, fn in calls.items():
+        for _ in range(20 if device == "cuda" else 1):
+            fn()
+        samples = []
+        for _ in range(7):
+            start = time.perf_counter()
+            for _ in range(200 if device == "cuda" else 3):
+                fn()
+            samples.append((time.perf_counter() - start) * 1e6 / (200 if device == "cuda" else 3))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        result[name] = statistics.median(samples)
+    if "bare kernel[grid]" in result:
+        result["op / bare"] = result["op"] / result["bare kernel[grid]"]
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# output
+
+
+def write_svg(path: str, rows: list[dict], phase: str) -> None:
+    """Grouped bars of TFLOP/s per shape and implementation (no plotting library needed)."""
+    methods = sorted({k.split("/", 1)[1] for r in rows for k in r["tflops"]
+                      if k.startswith(phase + "/") and not k.endswith("_wall")})
+    if not rows or not methods:
+        return
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
+    top = max(r["tflops"].get(f"{phase}/{m}", 0) for r in rows for m in methods) or 1.0
+    bar, gap, height, left = 8, 18, 300, 50
+    width = left + len(rows) * (len(methods) * bar + gap) + 180
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + 150}" font-size="11" '
+           'font-family="sans-serif">', f'<text x="{left}" y="16">flash attention {phase}: TFLOP/s</text>']
+    for t in range(5):
+        y = 30 + height - height * t / 4
+        out.append(f'<text x="4" y="{y + 4:.0f}">{top * t / 4:.0f}</text>'
+                   f'<line x1="{left - 4}" x2="{width - 180}" y1="{y:.0f}" y2="{y:.0f}" stroke="#ddd"/>')
+    for i, r in enumerate(rows):
+        x0 = left + i * (len(methods) * bar + gap)
+        for j, m in enumerate(methods):
+            val = r["tflops"].get(f"{phase}/{m}", 0)
+            h = height * val / top
+            out.append(f'<rect x="{x0 + j * bar}" y="{30 + height - h:.1f}" width="{bar - 1}" height="{h:.1f}" '
+                       f'fill="{colors[j % len(colors)]}"><title>{m}: {val:.0f}</title></rect>')
+        label = f'{r["dtype"][:4]} d{r["head_dim"]} s{r["seq"] // 1024}k{" causal" if r["causal"] else ""}'
+        out.append(f'<text transform="translate({x0 + 2},{height + 40}) rotate(60)">{label}</text>')
+    for j, m in enumerate(methods):
+        y = 40 + 16 * j
+        out.append(f'<rect x="{width - 170}" y="{y - 9}" width="10" height="10" fill="{colors[j % len(colors)]}"/>'
+                   f'<text x="{width - 155}" y="{y}">{m}</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out))
+    print(f"wrote {path}")
+
+
+def _summary(rows: list[dict]) -> dict:
+    ratios = {}
+    for key in sorted({k for r in rows for k in r if ": ours" in k}):
+        values = [r[key] for r in rows if key in r]
+        ratios[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return ratios
+
+
+def smoke() -> None:
+    """Tiny CPU run through every code path of ours (the interpreter): checks the script."""
+    import torch
+
+    q, k, v, dout = (torch.from_numpy(a) for a in _inputs(1, 40, 2, 32))
+    times, errors = {}, {}
+    for causal in (False, True):
+        import ejkernel_torch
+
+        fn = lambda a, b, c: ejkernel_torch.flash_attention(a, b, c, causal=causal)  # noqa: E731
+        start = time.perf_counter()
+        _torch_step(fn, q, k, v, dout)()
+        times[f"fwd+bwd causal={causal}"] = (time.perf_counter() - start) * 1e3
+    print({"ms": times, "errors": errors, "overhead_us": measure_overhead("cpu")})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtypes", nargs="*", default=["bfloat16", "float16"])
+    parser.add_argument("--head-dims", nargs="*", type=int, default=[64, 128])
+    parser.add_argument("--seqs", nargs="*", type=int, default=list(SEQS))
+    parser.add_argument("--causal", nargs="*", default=["false", "true"], choices=["false", "true"])
+    parser.add_argument("--sweep", action="store_true", help="also time SWEEP_FWD / SWEEP_BWD for ours")
+    parser.add_argument("--no-jax", action="store_true")
+    parser.add_argument("--long", action="store_true", help="also run seq 65,536 (batch 1)")
+    parser.add_argument("--overhead", action="store_true", help="eager per-call cost vs a direct launch")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.smoke:
+        return smoke()
+
+    import jax
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (or --smoke)")
+    extras = _extras(args)  # first: a run cut short still has them
+    rows = []
+    for dtype, d, seq, causal in itertools.product(args.dtypes, args.head_dims, args.seqs, args.causal):
+        row = run_shape(seq, d, causal == "true", dtype, sweep=args.sweep, with_jax=not args.no_jax)
+        rows.append(row)
+        t = row["tflops"]
+        print(f"{dtype:9s} d{d:<4d} s{seq:<6d} {'causal' if causal == 'true' else 'full  '} "
+              + " | ".join(f"{phase}: " + ", ".join(f"{n.split('/')[1]} {v:.0f}" for n, v in t.items()
+                                                   if n.startswith(phase + "/"))
+                           for phase in ("fwd", "fwd+bwd")), flush=True)
+        for name, err in row["errors"].items():
+            print(f"    {name}: {err}")
+        if "sweep" in row:
+            print("    sweep ms:", row["sweep"], flush=True)
+        _write(args, rows, extras)  # after every shape: a run cut short keeps what it measured
+    print("ratios:", _summary(rows))
+
+
+def _extras(args) -> dict:
+    extras = {}
+    if args.long:
+        long_rows = []
+        for causal in (False, True):
+            long_rows.append(run_shape(65536, 128, causal, args.dtypes[0], batch=1, with_jax=False))
+            print("seq 65536:", {n: round(v) for n, v in long_rows[-1]["tflops"].items()}, flush=True)
+        extras["seq_65536"] = long_rows
+    if args.overhead:
+        extras["eager_overhead_us"] = measure_overhead("cuda")
+        print("eager overhead (us):", extras["eager_overhead_us"], flush=True)
+    return extras
+
+
+def _write(args, rows: list[dict], extras: dict) -> None:
+    import jax
+    import torch
+
+    payload = {"device": device_name(), "torch": torch.__version__, "jax": jax.__version__,
+               "method": "torch: triton.testing.do_bench median (CUDA events); jax and *_wall: median of "
+                         "pipelined batches; TFLOP/s on 4*B*H*S^2*D (x0.5 causal, x3.5 fwd+bwd)",
+               "ratios": _summary(rows), "results": rows, **extras}
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"flash_attention-{device_name()}.json")
+    write_json(out, payload)
+    for phase in ("fwd", "fwd+bwd"):
+        write_svg(out.removesuffix(".json") + f"-{phase.replace('+', '-')}.svg", rows, phase)
+
+
+if __name__ == "__main__":
+    main()
