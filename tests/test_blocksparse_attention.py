@@ -18,6 +18,7 @@ from ejkernel_jax.pallas.tpu.blocksparse_attention import (
     make_causal_mask,
     make_random_mask,
 )
+from tests.pallas_precision import hlo_dot_precisions, kernel_dots, mosaic_matmuls
 
 # Relative Frobenius error bounds (float32 / bfloat16 inputs).
 TOL = {"float32": {"out": 5e-6, "grad": 2e-5}, "bfloat16": {"out": 8e-3, "grad": 1.2e-2}}
@@ -325,18 +326,22 @@ def test_matches_splash_attention(rng):
     ).swapaxes(0, 1)[None]
     ours = lambda q, k, v: blocksparse_attention(q, k, v, causal=True, block_sizes=BlockSizes(128, 128))
     a, vjp_a = jax.vjp(ours, q, k, v)
-    b, vjp_b = jax.vjp(theirs, q, k, v)
+    # Splash's dots leave precision unset: make them float32 too (XLA:GPU would use TF32).
+    with jax.default_matmul_precision("highest"):
+        b, vjp_b = jax.vjp(theirs, q, k, v)
+        theirs_grads = vjp_b(do)
     assert rel_err(a, np.asarray(b, np.float64)) < 1e-5
-    for x, y in zip(vjp_a(do), vjp_b(do)):
+    for x, y in zip(vjp_a(do), theirs_grads):
         assert rel_err(x, np.asarray(y, np.float64)) < 1e-4
 
 
 # --------------------------------------------------------------------------------------
 # TPU lowering on this (CPU) machine: Mosaic's block-shape rules are enforced
 # --------------------------------------------------------------------------------------
-def lower_for_tpu(B, Sq, Skv, H, Hkv, D=128, *, seg=False, **kwargs):
-    q = jax.ShapeDtypeStruct((B, Sq, H, D), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((B, Skv, Hkv, D), jnp.bfloat16)
+def lower_for_tpu(B, Sq, Skv, H, Hkv, D=128, *, seg=False, dtype=jnp.bfloat16, **kwargs):
+    """Lowers forward and forward + backward for TPU; returns the two StableHLO texts."""
+    q = jax.ShapeDtypeStruct((B, Sq, H, D), dtype)
+    kv = jax.ShapeDtypeStruct((B, Skv, Hkv, D), dtype)
     ids = (
         (jax.ShapeDtypeStruct((B, Sq), jnp.int32), jax.ShapeDtypeStruct((B, Skv), jnp.int32))
         if seg
@@ -349,11 +354,9 @@ def lower_for_tpu(B, Sq, Skv, H, Hkv, D=128, *, seg=False, **kwargs):
     def bwd(q, k, v, qs, ks):
         return jax.grad(lambda *a: fwd(*a, qs, ks).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
 
-    counts = []
-    for fn in (fwd, bwd):
-        text = jax.jit(fn).trace(q, kv, kv, *ids).lower(lowering_platforms=("tpu",)).as_text()
-        counts.append(text.count("tpu_custom_call"))
-    assert counts == [1, 3]  # forward; forward + dq + dkv
+    texts = [jax.jit(fn).trace(q, kv, kv, *ids).lower(lowering_platforms=("tpu",)).as_text() for fn in (fwd, bwd)]
+    assert [t.count("tpu_custom_call") for t in texts] == [1, 3]  # forward; forward + dq + dkv
+    return texts
 
 
 TPU_CASES = {
@@ -402,12 +405,83 @@ TPU_CASES = {
     "dynamic-2k": dict(
         B=1, Sq=2048, Skv=2048, H=2, Hkv=2, mask=jnp.asarray(make_causal_mask((2048, 2048)))[None]
     ),
+    # float32 operands: every tpu.matmul carries contract_precision<fp32> (Precision.HIGHEST).
+    "causal-seg-softcap-2k-f32": dict(
+        B=1,
+        Sq=2048,
+        Skv=2048,
+        H=4,
+        Hkv=2,
+        causal=True,
+        seg=True,
+        logits_soft_cap=30.0,
+        dtype=jnp.float32,
+        block_sizes=BlockSizes(256, 512, 128, 256, 256, 128),
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(TPU_CASES))
 def test_lowers_for_tpu(name):
     lower_for_tpu(**TPU_CASES[name])
+
+
+# --------------------------------------------------------------------------------------
+# Matmul precision: float32 dots are HIGHEST (true float32 on CPU, GPU and TPU), bf16 / f16
+# dots DEFAULT (native path).  Interpret mode on an NVIDIA GPU would otherwise run float32 dots
+# as TF32 (~1e-3), which no GPU-less run can see, so the precision itself is checked.
+# --------------------------------------------------------------------------------------
+_EXPECTED_PRECISION = {"float32": "HIGHEST", "bfloat16": "DEFAULT", "float16": "DEFAULT"}
+# Dots per kernel body (each traced once per full / partial block path, hence "at least").
+_MIN_DOTS = {"blocksparse_attention_fwd": 2, "blocksparse_attention_dq": 3, "blocksparse_attention_dkv": 4}
+
+
+def _fwd_bwd(**kwargs):
+    def f(q, k, v, do):
+        out, pullback = jax.vjp(lambda q, k, v: blocksparse_attention(q, k, v, **kwargs), q, k, v)
+        return out, pullback(do)
+
+    return f
+
+
+@pytest.mark.parametrize("dtype", list(_EXPECTED_PRECISION))
+def test_kernel_dots_state_precision(dtype):
+    """Every dot_general in the forward, dQ and dK/dV kernel bodies, in the jaxpr."""
+    q = jnp.zeros((1, 32, 2, 16), dtype)
+    kv = jnp.zeros((1, 32, 1, 16), dtype)
+    fn = _fwd_bwd(causal=True, logits_soft_cap=5.0, block_sizes=BlockSizes(16, 16))
+    kernels = kernel_dots(fn, q, kv, kv, q)
+    assert set(kernels) == set(_MIN_DOTS), kernels.keys()
+    want = _EXPECTED_PRECISION[dtype]
+    for name, calls in kernels.items():
+        for dots in calls:
+            assert len(dots) >= _MIN_DOTS[name], (name, dots)
+            for precision, operands in dots:
+                assert precision == (want, want), f"{name}: {dtype} dot with precision {precision} {operands}"
+                assert operands == (dtype, dtype), f"{name}: dot operands {operands}, inputs {dtype}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_interpret_hlo_dots_state_precision(dtype):
+    """What XLA runs in interpret mode (on CPU here, on GPU elsewhere) keeps the precision."""
+    q = jnp.zeros((1, 32, 2, 16), dtype)
+    fn = _fwd_bwd(causal=True, block_sizes=BlockSizes(16, 16), interpret=True)
+    dots = hlo_dot_precisions(jax.jit(fn).lower(q, q, q, q).as_text())
+    want = _EXPECTED_PRECISION[dtype]
+    assert len(dots) >= sum(_MIN_DOTS.values())
+    assert set(dots) == {(f"{want},{want}", {"float32": "f32", "bfloat16": "bf16"}[dtype])}, dots
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tpu_matmuls_state_precision(dtype):
+    """In the Mosaic kernels: contract_precision<fp32> on every float32 matmul, none on bf16."""
+    texts = lower_for_tpu(1, 1024, 1024, 2, 1, seg=True, causal=True, logits_soft_cap=20.0, dtype=dtype)
+    matmuls = mosaic_matmuls(texts[1])
+    if matmuls is None:
+        pytest.skip("cannot decode Mosaic payloads with this jax version")
+    assert len(matmuls) >= sum(_MIN_DOTS.values()), matmuls
+    for line in matmuls:
+        assert ("#tpu.contract_precision<fp32>" in line) == (dtype == jnp.float32), line
 
 
 def test_tpu_block_rules_are_checked():

@@ -12,10 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 from ejkernel_jax.pallas.tpu import grouped_matmul as gm
 from tests.frameworks import TOLERANCE, rel_error
+from tests.pallas_precision import hlo_dot_precisions, kernel_dots, mosaic_matmuls
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -52,6 +54,11 @@ def ref_tgmm(lhs, rhs, sizes, group_offset=0, num_actual_groups=None) -> np.ndar
     return out
 
 
+def _mm(a, b):
+    """``a @ b`` at full precision whatever the backend (XLA:GPU would use TF32 for float32)."""
+    return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
+
+
 def jax_ref_gmm(lhs, rhs, sizes, group_offset=0, transpose_rhs=False):
     """Differentiable jnp twin of ``ref_gmm`` (float64 under ``jax.enable_x64``)."""
     off = offsets_of(sizes)
@@ -59,7 +66,7 @@ def jax_ref_gmm(lhs, rhs, sizes, group_offset=0, transpose_rhs=False):
     for i in range(rhs.shape[0]):
         s, e = int(off[group_offset + i]), int(off[group_offset + i + 1])
         w = rhs[i].T if transpose_rhs else rhs[i]
-        out = out.at[s:e].set(lhs[s:e] @ w)
+        out = out.at[s:e].set(_mm(lhs[s:e], w))
     return out
 
 
@@ -67,8 +74,8 @@ def jax_ref_tgmm(lhs, rhs, sizes, group_offset=0, num_actual_groups=None):
     num = len(sizes) if num_actual_groups is None else num_actual_groups
     off = offsets_of(sizes)
     return jnp.stack([
-        lhs[:, int(off[group_offset + i]):int(off[group_offset + i + 1])]
-        @ rhs[int(off[group_offset + i]):int(off[group_offset + i + 1])]
+        _mm(lhs[:, int(off[group_offset + i]):int(off[group_offset + i + 1])],
+            rhs[int(off[group_offset + i]):int(off[group_offset + i + 1])])
         for i in range(num)
     ])
 
@@ -480,6 +487,17 @@ def _count_tpu_kernels(lowered) -> int:
     return len(re.findall(r"@tpu_custom_call", lowered.as_text()))
 
 
+def _check_mosaic_precision(lowered, dtype):
+    """Every Mosaic matmul of a float32 problem asks for contract_precision<fp32> (HIGHEST);
+    a bf16 problem's matmuls carry no precision attribute (Mosaic's native bf16 path)."""
+    matmuls = mosaic_matmuls(lowered.as_text())
+    if matmuls is None:  # jax internals moved; the jaxpr-level test still checks precision
+        return
+    assert len(matmuls) >= 3, matmuls
+    for line in matmuls:
+        assert ("#tpu.contract_precision<fp32>" in line) == (dtype == jnp.float32), line
+
+
 @pytest.mark.parametrize(
     "m,k,n,dtype,transpose_rhs,buffers",
     [
@@ -505,6 +523,7 @@ def test_lowers_for_tpu(m, k, n, dtype, transpose_rhs, buffers):
         s((m, n), jnp.float32),
     ).lower(lowering_platforms=("tpu",))
     assert _count_tpu_kernels(lowered) == 3  # gmm, gmm for d_lhs, tgmm for d_rhs
+    _check_mosaic_precision(lowered, dtype)
 
     def tgmm_fwd_bwd(lhs, rhs, sizes, offset, ct):
         fn = lambda a, b: gm.transposed_grouped_matmul(a, b, sizes, group_offset=offset,
@@ -517,6 +536,77 @@ def test_lowers_for_tpu(m, k, n, dtype, transpose_rhs, buffers):
         s((num_local, k, n), jnp.float32),
     ).lower(lowering_platforms=("tpu",))
     assert _count_tpu_kernels(lowered) == 3  # tgmm, gmm for d_lhs, gmm for d_rhs
+    _check_mosaic_precision(lowered, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Matmul precision: the dots that multiply float32 (float32 inputs, and f16 / mixed inputs, which
+# are multiplied in float32) are HIGHEST, i.e. true float32 on CPU, GPU (not TF32) and TPU;
+# bf16 x bf16 dots are DEFAULT (the native MXU path). Checked on the jaxpr of the kernel bodies
+# and on the interpret-mode HLO, since only a GPU run would show TF32 numerically.
+# ---------------------------------------------------------------------------------------------
+_DOT_PRECISION = {  # input dtype: (precision, dtype the dot's operands have)
+    "float32": ("HIGHEST", "float32"),
+    "float16": ("HIGHEST", "float32"),
+    "bfloat16": ("DEFAULT", "bfloat16"),
+}
+
+
+def _assert_dots(kernels, expected_kernels, dtype):
+    assert set(kernels) == set(expected_kernels), kernels.keys()
+    precision, operand = _DOT_PRECISION[dtype]
+    for name, calls in kernels.items():
+        assert len(calls) == expected_kernels[name], (name, len(calls))
+        for dots in calls:
+            assert dots, f"{name}: no dot_general in the kernel body"
+            for got, operands in dots:
+                assert got == (precision, precision), f"{name} ({dtype}): precision {got}, operands {operands}"
+                assert operands == (operand, operand), f"{name} ({dtype}): operands {operands}"
+
+
+@pytest.mark.parametrize("dtype", list(_DOT_PRECISION))
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_gmm_kernel_dots_state_precision(dtype, transpose_rhs):
+    m, k, n = 24, 20, 12  # ragged k: the masked-k path of the kernel is traced too
+    sizes = jnp.array([10, 0, 14], jnp.int32)
+    lhs = jnp.zeros((m, k), dtype)
+    rhs = jnp.zeros((3, n, k) if transpose_rhs else (3, k, n), dtype)
+
+    def fwd_bwd(a, b, ct):
+        fn = lambda a, b: gm.grouped_matmul(a, b, sizes, tiling=(8, 8, 8), transpose_rhs=transpose_rhs)
+        out, pull = jax.vjp(fn, a, b)
+        return out, pull(ct)
+
+    kernels = kernel_dots(fwd_bwd, lhs, rhs, jnp.zeros((m, n), jnp.float32))
+    # forward gmm; backward: gmm for d_lhs, tgmm for d_rhs
+    _assert_dots(kernels, {"grouped_matmul": 2, "transposed_grouped_matmul": 1}, dtype)
+
+
+@pytest.mark.parametrize("dtype", list(_DOT_PRECISION))
+def test_tgmm_kernel_dots_state_precision(dtype):
+    m, k, n = 24, 20, 12
+    sizes = jnp.array([10, 0, 14], jnp.int32)
+
+    def fwd_bwd(a, b, ct):
+        fn = lambda a, b: gm.transposed_grouped_matmul(a, b, sizes, tiling=(8, 8, 8))
+        out, pull = jax.vjp(fn, a, b)
+        return out, pull(ct)
+
+    kernels = kernel_dots(fwd_bwd, jnp.zeros((k, m), dtype), jnp.zeros((m, n), dtype),
+                          jnp.zeros((3, k, n), jnp.float32))
+    # forward tgmm; backward: gmm for d_lhs and for d_rhs
+    _assert_dots(kernels, {"transposed_grouped_matmul": 1, "grouped_matmul": 2}, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_interpret_hlo_dots_state_precision(dtype):
+    """What XLA runs in interpret mode (CPU here, GPU elsewhere) keeps the precision."""
+    sizes = jnp.array([6, 10], jnp.int32)
+    fn = lambda a, b: gm.grouped_matmul(a, b, sizes, tiling=(8, 8, 8), interpret=True)
+    text = jax.jit(fn).lower(jnp.zeros((16, 8), dtype), jnp.zeros((2, 8, 8), dtype)).as_text()
+    precision, operand = _DOT_PRECISION[dtype]
+    dots = hlo_dot_precisions(text)
+    assert dots and set(dots) == {(f"{precision},{precision}", {"float32": "f32", "bfloat16": "bf16"}[operand])}, dots
 
 
 def test_tpu_lowering_rejects_illegal_blocks():

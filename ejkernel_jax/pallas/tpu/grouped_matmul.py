@@ -45,6 +45,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ._dot import dot as _dot
+
 __all__ = [
     "GroupMetadata",
     "TilingFn",
@@ -237,7 +239,8 @@ def _sanitize_sizes(group_sizes: jax.Array, m: int) -> jax.Array:
 
 
 def _compute_dtype(a, b) -> jnp.dtype:
-    # bf16 x bf16 feeds the MXU directly; anything else (f16 included) is multiplied in f32.
+    # bf16 x bf16 feeds the MXU directly; anything else (f16 included) is multiplied in f32,
+    # at Precision.HIGHEST (``_dot.dot``), so it is float32 math on TPU and GPU as on CPU.
     if a.dtype == jnp.bfloat16 and b.dtype == jnp.bfloat16:
         return jnp.dtype(jnp.bfloat16)
     return jnp.dtype(jnp.float32)
@@ -340,9 +343,7 @@ def _gmm(
                 w_axis = 1 if transpose_rhs else 0
                 w = jnp.where(lax.broadcasted_iota(jnp.int32, w.shape, w_axis) < k_rem, w, 0.0)
             dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
-            acc_ref[...] += lax.dot_general(
-                x.astype(cdt), w.astype(cdt), dims, preferred_element_type=jnp.float32
-            )
+            acc_ref[...] += _dot(x.astype(cdt), w.astype(cdt), dims)
 
         if k_rem:
             pl.when(real & (kk < tiles_k - 1))(lambda: accumulate(False))
@@ -459,9 +460,7 @@ def _tgmm(
                 w = jnp.where((w_rows >= start) & (w_rows < end), w.astype(jnp.float32), 0.0)
             if lhs_is_mk:
                 x = x.astype(jnp.float32).T  # transposed in VMEM, as f32 (supported everywhere)
-            acc_ref[...] += jnp.dot(
-                x.astype(cdt), w.astype(cdt), preferred_element_type=jnp.float32
-            )
+            acc_ref[...] += _dot(x.astype(cdt), w.astype(cdt), (((1,), (0,)), ((), ())))
 
         # Most tiles lie inside their group and need no masking.
         inside = (row0 >= start) & (row0 + tm <= end)

@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .._dot import dot as _dot
 from .info import FULL, PARTIAL
 
 NUM_LANES = 128
@@ -176,7 +177,7 @@ def _fwd_kernel(*refs, names, sched: _Schedule, cfg: Config, bkv: int, width: in
 
     def step(partial: bool):
         q, k, v = r["q"][...], r["k"][...], r["v"][...]
-        s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * cfg.scale
+        s = _dot(q, k, _NT) * cfg.scale
         z = _soft_cap(s, cfg.soft_cap)
         mask = _row_major_mask(r, kv_block, bkv, z.shape, partial, cfg.fwd.mask_function)
         if mask is not None:
@@ -187,7 +188,7 @@ def _fwd_kernel(*refs, names, sched: _Schedule, cfg: Config, bkv: int, width: in
         alpha = jnp.exp(m_prev - m_next)
         l_ref[...] = alpha * l_prev + p.sum(axis=-1)[:, None]
         m_ref[...] = m_next
-        pv = lax.dot_general(p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
+        pv = _dot(p.astype(v.dtype), v, _NN)
         acc_ref[...] = _lanes(alpha, dv) * acc_ref[...] + pv
 
     _partial_dispatch(sched.kind(s_refs, h, i, j), has_partial, step)
@@ -348,16 +349,16 @@ def _dq_kernel(*refs, names, sched: _Schedule, cfg: Config, bkv: int, width: int
 
     def step(partial: bool):
         q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
-        s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * cfg.scale
+        s = _dot(q, k, _NT) * cfg.scale
         z = _soft_cap(s, cfg.soft_cap)
         mask = _row_major_mask(r, kv_block, bkv, z.shape, partial, cfg.dq.mask_function)
         if mask is not None:
             z = jnp.where(mask, z, MASK_VALUE)
         # lse is +inf on fully masked rows (see attention_bwd): p is then exactly 0.
         p = jnp.exp(z - r["lse"][0][:, None])
-        dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+        dp = _dot(do, v, _NT)
         ds = _soft_cap_grad(p * (dp - r["di"][0][:, None]), s, cfg.soft_cap)
-        acc_ref[...] += lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=jnp.float32)
+        acc_ref[...] += _dot(ds.astype(k.dtype), k, _NN)
 
     _partial_dispatch(sched.kind(s_refs, h, i, j), has_partial, step)
 
@@ -415,7 +416,7 @@ def _dkv_kernel(
 
     def step(partial: bool):
         q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
-        s = lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32) * cfg.scale  # [bkv, bq]
+        s = _dot(k, q, _NT) * cfg.scale  # [bkv, bq]
         z = _soft_cap(s, cfg.soft_cap)
         parts = []
         if partial:
@@ -430,10 +431,10 @@ def _dkv_kernel(
         if parts:
             z = jnp.where(functools.reduce(jnp.logical_and, parts), z, MASK_VALUE)
         p = jnp.exp(z - r["lse"][:1, :])
-        dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _NN, preferred_element_type=jnp.float32)
-        dp = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
+        dv_acc[...] += _dot(p.astype(do.dtype), do, _NN)
+        dp = _dot(v, do, _NT)
         ds = _soft_cap_grad(p * (dp - r["di"][:1, :]), s, cfg.soft_cap)
-        dk_acc[...] += lax.dot_general(ds.astype(q.dtype), q, _NN, preferred_element_type=jnp.float32)
+        dk_acc[...] += _dot(ds.astype(q.dtype), q, _NN)
 
     _partial_dispatch(sched.kind(s_refs, h, t, kv), has_partial, step)
 
