@@ -114,7 +114,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, sliding_window
     keep = flash_attention_keep(q.shape[1], k.shape[1], causal=causal, sliding_window=sliding_window,
                                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, device=q.device)
     s = s.masked_fill(~keep, float("-inf"))
-    m = s.amax(dim=-1, keepdim=True)
+    # No keys at all: amax has nothing to reduce, and every row attends nothing.
+    m = s.amax(dim=-1, keepdim=True) if s.shape[-1] else s.new_zeros((*s.shape[:-1], 1))
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     e = torch.exp(s - m)
     total = e.sum(dim=-1, keepdim=True)

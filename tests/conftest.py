@@ -7,8 +7,13 @@ front and the jax front.
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# The suite never reads or tunes a developer's config cache: a private empty one, tuning off
+# (tests that tune point EJKERNEL_CONFIG_CACHE elsewhere themselves).
+os.environ["EJKERNEL_CONFIG_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="ejkernel-test-cache-"), "configs.json")
+os.environ.pop("EJKERNEL_AUTOTUNE", None)
 
 import numpy as np
 import pytest

@@ -112,6 +112,20 @@ def get(name: str) -> Framework:
     return Framework(name)
 
 
+def lse_error(lse: np.ndarray, ref: np.ndarray) -> float:
+    """Error of a log-sum-exp: relative where |lse| is large, absolute where it is near 0.
+
+    lse enters attention as exp(s - lse), so its absolute error is what reaches the output; a
+    plain relative error is ill-conditioned for a row whose lse happens to be ~0 (one key with
+    a logit of 1e-4 has lse 1e-4). Normalised by max(||ref||, sqrt(n)): rms error below 1 unit."""
+    out = np.asarray(lse, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), np.sqrt(ref.size), 1e-30))
+
+
 def rel_error(out: np.ndarray, ref: np.ndarray) -> float:
     """||out - ref|| / ||ref|| in float64; NaN anywhere in ``out`` gives inf."""
     out = np.asarray(out, np.float64)

@@ -40,3 +40,4 @@ grouped_matmul = reference.grouped_matmul
 transposed_grouped_matmul = reference.transposed_grouped_matmul
 flash_attention = reference.flash_attention
 flash_attention_varlen = reference.flash_attention_varlen
+flash_attention_keep = reference.flash_attention_keep
