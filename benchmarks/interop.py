@@ -14,8 +14,12 @@ and with grad, forward + backward of each (``raw_dlpack`` then uses a jitted ``j
 returns its pullback, and a jitted pullback call, with the same DLPack conversions a careful
 user would write; ``raw_dlpack_grad_min`` the same with the bridge's converters, and
 ``raw_dlpack_grad_min_autograd`` that inside a minimal ``torch.autograd.Function`` -- the
-floor for anything torch's autograd can call). Also: bytes copied for compact tensors (by pointer comparison on the
-conversions the bridge performs) and the jit-cache hit rate after warm-up.
+floor for anything torch's autograd can call). ``*_1thread`` variants run the backward under
+``torch.autograd.set_multithreading_enabled(False)``: on CUDA torch's engine otherwise runs
+backward on a per-device worker thread (the JAX pullback is then called from that thread, with
+two thread hand-offs per backward); on CPU it changes nothing. Also: bytes copied for compact
+tensors (by pointer comparison on the conversions the bridge performs) and the jit-cache hit
+rate after warm-up. ``scripts/probe_grad_overhead.py`` breaks the grad overhead down further.
 
 Timings are medians over many calls after warm-up, with the variants interleaved in rounds so
 that drift on a shared machine hits them alike. On CUDA each timed call ends with
@@ -140,6 +144,18 @@ def make_variants(device: str, shape, dtype):
         bridged(*xs_g)
         sync()
 
+    single_thread = getattr(torch.autograd, "set_multithreading_enabled", None)
+
+    def raw_dlpack_grad_min_autograd_1thread():
+        with single_thread(False):
+            MinimalFunction.apply(*xs_g).backward(ct)
+        sync()
+
+    def bridge_grad_1thread():
+        with single_thread(False):
+            bridged(*xs_g).backward(ct)
+        sync()
+
     variants = {
         "torch_noop": torch_noop,
         "torch_native": torch_native,
@@ -153,6 +169,9 @@ def make_variants(device: str, shape, dtype):
         "bridge_grad": bridge_grad,
         "bridge_grad_forward_only": bridge_grad_forward,
     }
+    if single_thread is not None:  # torch >= 2.0
+        variants["raw_dlpack_grad_min_autograd_1thread"] = raw_dlpack_grad_min_autograd_1thread
+        variants["bridge_grad_1thread"] = bridge_grad_1thread
     return variants, bridged, xs, xs_g
 
 
@@ -259,6 +278,11 @@ def main(argv=None):
             "bridge_grad_over_raw_dlpack_grad_min": med["bridge_grad"] / med["raw_dlpack_grad_min"],
             "bridge_grad_over_raw_dlpack_grad_min_autograd": med["bridge_grad"]
             / med["raw_dlpack_grad_min_autograd"],
+            **({
+                "bridge_grad_1thread_over_raw_dlpack_grad": med["bridge_grad_1thread"] / med["raw_dlpack_grad"],
+                "bridge_grad_1thread_over_raw_dlpack_grad_min": med["bridge_grad_1thread"]
+                / med["raw_dlpack_grad_min"],
+            } if "bridge_grad_1thread" in med else {}),
             "bridge_over_torch_noop": med["bridge"] / med["torch_noop"],
             "raw_dlpack_over_torch_noop": med["raw_dlpack"] / med["torch_noop"],
         },
