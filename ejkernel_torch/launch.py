@@ -13,6 +13,8 @@ import json
 from typing import Sequence
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
+from torch import _C
 
 from triton_kernels import debug
 from triton_kernels.interpret import run_interpreted
@@ -111,6 +113,33 @@ def launch(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
 # the plan runs in the opaque ``ejkernel::interpret_plan`` op (the interpreter cannot be traced).
 # Plans cannot be op arguments, so that op receives the plan as JSON text: compiled graphs that
 # torch caches on disk stay valid in other processes.
+#
+# In plain eager mode (``plain_eager``) neither indirection has anything to trace, so the plan is
+# launched as ``launch`` would: no JSON round trip and opaque op on CPU, no wrapper on CUDA.
+
+
+def plain_eager(*tensors) -> bool:
+    """True when nothing but torch's plain eager execution can see a call on ``tensors``: not
+    traced (torch.compile, torch.jit.trace), no torch-function or dispatch mode active (fake
+    tensors, functionalization, make_fx, opcheck's checkers, ``set_default_device``), no
+    functorch transform (vmap/grad/jvp) or forward-AD level open, no profiler recording (its
+    traces keep showing the registered ops), and every tensor a plain ``torch.Tensor`` or
+    ``nn.Parameter`` (no other subclass). ``None`` entries are skipped.
+
+    Then calling an op's body directly does what the dispatcher would end up doing, minus its
+    Python layers (tens of microseconds a call); autograd is still the caller's to record.
+    Anything unusual answers False, and the registered op handles the call as it always did."""
+    if (torch.compiler.is_compiling() or _C._len_torch_dispatch_stack() or _C._len_torch_function_stack()
+            or _C._functorch.peek_interpreter_stack() is not None or _forward_ad._current_level >= 0
+            or _C._get_tracing_state() is not None or _C._autograd._profiler_enabled()):
+        return False
+    for t in tensors:
+        if t is not None and type(t) not in _PLAIN_TENSOR_TYPES:
+            return False
+    return True
+
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -161,7 +190,10 @@ def _check_traceable_inputs(plan: LaunchPlan, inputs) -> torch.device:
 def launch_traceable(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``launch`` for use inside ``torch.library.triton_op`` bodies (inputs must be contiguous)."""
     device = _check_traceable_inputs(plan, inputs)
+    eager = plain_eager(*inputs)
     if device.type == "cpu":
+        if eager:  # what the interpret_plan op would run, without the op and the plan's JSON
+            return launch(plan, *inputs)
         return tuple(torch.ops.ejkernel.interpret_plan(list(inputs), plan_text(plan)))
     if device.type != "cuda":
         raise ValueError(f"{plan.name}: no Triton launcher for device {device}")
@@ -173,15 +205,19 @@ def launch_traceable(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Ten
     if plan.is_empty:
         return tuple(outputs)
     if device.index is None or device.index == torch.cuda.current_device():
-        _launch_wrapped(plan, inputs, outputs)
+        _launch_wrapped(plan, inputs, outputs, eager)
     else:
         with torch.cuda.device(device):
-            _launch_wrapped(plan, inputs, outputs)
+            _launch_wrapped(plan, inputs, outputs, eager)
     return tuple(outputs)
 
 
-def _launch_wrapped(plan: LaunchPlan, inputs, outputs) -> None:
-    torch.library.wrap_triton(plan.kernel)[plan.grid](
+def _launch_wrapped(plan: LaunchPlan, inputs, outputs, eager: bool) -> None:
+    # In plain eager mode wrap_triton has nothing to trace; called outside a triton_op body (the
+    # eager fast path of the ops) it would still route the launch through its higher-order op.
+    # Same launch either way: same arguments and options, so the same binary.
+    kernel = plan.kernel if eager else torch.library.wrap_triton(plan.kernel)
+    kernel[plan.grid](
         *plan.runtime_args(inputs, outputs), **plan.constexpr_dict,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )

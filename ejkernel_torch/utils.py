@@ -6,6 +6,7 @@ both fronts produce the same strings on the same device and share config-cache e
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Any, Iterator
 
@@ -42,7 +43,11 @@ def device_fingerprint(device=None) -> str:
     Built from ``torch.cuda.get_device_properties`` (never nvidia-smi); equal to
     ``ejkernel_jax.utils.device_fingerprint`` on the same device.
     """
-    dev = _device(device)
+    return _fingerprint(_device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(dev: torch.device) -> str:  # ops ask on every call: computed once per device
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
         vendor = "rocm" if torch.version.hip else "cuda"

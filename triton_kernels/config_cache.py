@@ -7,6 +7,7 @@ framework has tuned a config, both launch it and bitwise torch-vs-jax parity sti
 
 By default nothing is tuned: ``get_config`` returns a cached entry or the op's heuristic.
 Autotuning is opt-in, per call (``autotune=True``) or per process (``EJKERNEL_AUTOTUNE=1``).
+The ops reach this module through ``triton_kernels.tuning`` (keys, candidates, memoized lookups).
 
 The file (``EJKERNEL_CONFIG_CACHE``, default ``~/.cache/ejkernel/configs.json``) is only ever
 replaced whole (temp file in the same folder + ``os.replace``), so readers never see half a
@@ -19,6 +20,7 @@ Standard library only: both fronts import this module.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -50,8 +52,9 @@ Config = dict[str, Any]
 # --------------------------------------------------------------------------------------------
 
 
+@functools.cache
 def cpu_fingerprint() -> str:
-    """``cpu|<arch>|<model>``: what the Triton interpreter's speed depends on."""
+    """``cpu|<arch>|<model>``: what the Triton interpreter's speed depends on (read once)."""
     model = ""
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -161,6 +164,7 @@ class ConfigCache:
         self._stamp: tuple | None = None
         self._entries: dict[str, dict] = {}
         self._local: dict[str, dict] = {}  # stored but not persisted (unwritable location)
+        self._generation = 0
 
     # -- reading ------------------------------------------------------------------------------
     def _file_stamp(self) -> tuple | None:
@@ -180,19 +184,35 @@ class ConfigCache:
             return {}, f"could not be read ({e})", True
         return (*_parse(text), True)
 
+    def _refresh(self) -> None:
+        """Re-read the file if it changed since the last read (one ``stat`` when it did not).
+        Call with ``self._lock`` held."""
+        stamp = self._file_stamp()
+        if stamp != self._stamp:
+            entries, problem, _ = self._read_file()
+            if problem:  # once per version of the file, not on every lookup
+                warnings.warn(f"config cache {self.path} {problem}; ignoring it", stacklevel=4)
+            self._entries, self._stamp = entries, stamp
+            self._generation += 1
+
+    def generation(self) -> int:
+        """A number that changes whenever the entries may have changed (the file was replaced,
+        or an entry was kept in memory). Memos of lookups stay valid while it stays the same."""
+        with self._lock:
+            self._refresh()
+            return self._generation
+
     def entries(self) -> dict[str, dict]:
         """All entries, keyed by ``CacheKey.text``."""
         with self._lock:
-            stamp = self._file_stamp()
-            if stamp != self._stamp:
-                entries, problem, _ = self._read_file()
-                if problem:  # once per version of the file, not on every lookup
-                    warnings.warn(f"config cache {self.path} {problem}; ignoring it", stacklevel=3)
-                self._entries, self._stamp = entries, stamp
+            self._refresh()
             return {**self._entries, **self._local}
 
     def lookup(self, key: CacheKey) -> Config | None:
-        entry = self.entries().get(key.text)
+        text = key.text
+        with self._lock:
+            self._refresh()
+            entry = self._local.get(text) or self._entries.get(text)
         return dict(entry["config"]) if entry is not None else None
 
     # -- writing ------------------------------------------------------------------------------
@@ -244,21 +264,33 @@ class ConfigCache:
                     return dict(old["config"])
                 current[key.text] = entry
                 self._replace(current)
+                with self._lock:  # this process sees its own write at once, whatever the clock's grain
+                    self._entries, self._stamp = current, self._file_stamp()
+                    self._generation += 1
         except OSError as e:
             warnings.warn(f"could not write config cache {self.path} ({e}); "
                           "the config is kept for this process only", stacklevel=2)
             with self._lock:
                 self._local[key.text] = entry
+                self._generation += 1
         return dict(config)
 
 
 _caches: dict[Path, ConfigCache] = {}
+_caches_by_env: dict[str | None, ConfigCache] = {}  # hot path: no path arithmetic per call
 _caches_lock = threading.Lock()
 
 
 def get_cache(path: str | os.PathLike | None = None) -> ConfigCache:
-    """The process-wide view of the cache at ``path`` (default: from ``EJKERNEL_CONFIG_CACHE``)."""
-    resolved = Path(path).expanduser() if path is not None else default_cache_path()
+    """The process-wide view of the cache at ``path`` (default: from ``EJKERNEL_CONFIG_CACHE``,
+    which is read on every call, so changing the variable switches caches)."""
+    if path is None:
+        env = os.environ.get(CACHE_ENV) or None
+        cache = _caches_by_env.get(env)
+        if cache is None:
+            cache = _caches_by_env[env] = get_cache(default_cache_path())
+        return cache
+    resolved = Path(path).expanduser()
     with _caches_lock:
         if resolved not in _caches:
             _caches[resolved] = ConfigCache(resolved)
@@ -288,12 +320,13 @@ def get_config(key: CacheKey, heuristic: Mapping[str, Any] | Callable[[], Mappin
 
 def tune(key: CacheKey, candidates: Iterable[Mapping[str, Any]],
          bench_fn: Callable[[Config], float], *, cache: ConfigCache | None = None,
-         force: bool = False) -> Config:
+         force: bool = False, meta: Mapping[str, Any] | None = None) -> Config:
     """Time every candidate with ``bench_fn(config) -> seconds or ms``, store and return the best.
 
     A cached entry is returned without timing unless ``force``. Candidates that raise (e.g.
     out of shared memory) or time as non-finite are skipped; ties go to the earlier candidate,
-    so the choice is deterministic given the timings.
+    so the choice is deterministic given the timings. ``meta`` is stored beside the config
+    (e.g. which framework tuned it).
     """
     cache = cache or get_cache()
     if not force:
@@ -313,8 +346,8 @@ def tune(key: CacheKey, candidates: Iterable[Mapping[str, Any]],
     if best is None:
         detail = "; ".join(failures) or "no candidates given"
         raise RuntimeError(f"autotuning {key.op}: no candidate ran ({detail})")
-    return cache.store(key, best, overwrite=force, source="autotune", time=best_time,
-                       failed=len(failures))
+    return cache.store(key, best, overwrite=force, **{**dict(meta or {}), "source": "autotune",
+                                                      "time": best_time, "failed": len(failures)})
 
 
 def select_config(key: CacheKey, heuristic: Mapping[str, Any] | Callable[[], Mapping[str, Any]],

@@ -9,10 +9,12 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from ejkernel_jax.launch import device_facts, launch
+from ejkernel_jax.ops import _tuning
 from ejkernel_jax.ops._common import array_arg, is_concrete, name_of
 from triton_kernels import flash_attention as fa
 from triton_kernels.flash_attention.spec import dropout as check_dropout
 from triton_kernels.params import BwdParams, FwdParams, op_params
+from triton_kernels.tuning import FLASH_BWD, FLASH_FWD, autotune_enabled
 
 # aux arrays (never differentiated): q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed
 
@@ -25,7 +27,8 @@ def _features(q, k, v, bias, aux) -> list[jax.Array]:
 
 
 def _forward(spec, params, q, k, v, bias, aux):
-    return launch(fa.forward_plan(spec, device_facts(), params[0]), *_features(q, k, v, bias, aux))
+    plan = fa.forward_plan(spec, device_facts(), _tuning.resolve(FLASH_FWD, spec, params[0]))
+    return launch(plan, *_features(q, k, v, bias, aux))
 
 
 # params: (FwdParams | None, BwdParams | None), static like the spec.
@@ -49,7 +52,8 @@ def _flash_bwd(spec, params, residuals, cotangents):
     dout, dlse = cotangents
     dout = jnp.zeros_like(out) if isinstance(dout, SymbolicZero) else dout.astype(q.dtype)
     use_dlse = not isinstance(dlse, SymbolicZero)
-    delta_plan, dkdv_plan, dq_plan = fa.backward_plans(spec, device_facts(), bias_grad, use_dlse, params[1])
+    delta_plan, dkdv_plan, dq_plan = fa.backward_plans(spec, device_facts(), bias_grad, use_dlse,
+                                                       _tuning.resolve(FLASH_BWD, spec, params[1]))
     features = _features(q, k, v, bias, aux)
     dlse_arg = dlse.astype(jnp.float32) if use_dlse else jnp.zeros((1,), jnp.float32)
     (delta,) = launch(delta_plan, out, dout, dlse_arg, features[6], features[7])
@@ -109,11 +113,21 @@ def _params(spec, fwd_params, bwd_params):
     return params
 
 
+def _autotune(spec, params, q, k, v, bias, aux, autotune) -> None:
+    """On a cache miss with autotuning enabled and concrete arrays (never under jit), tune the
+    forward and the backward (whether a gradient follows is not known here)."""
+    if not autotune_enabled(autotune):
+        return
+    features = _features(q, k, v, bias, aux)
+    _tuning.autotune(FLASH_FWD, spec, features, autotune, params[0])
+    _tuning.autotune(FLASH_BWD, spec, features, autotune, params[1])
+
+
 def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                     sliding_window=None, logits_soft_cap: float | None = None, bias=None,
                     q_segment_ids=None, kv_segment_ids=None, dropout_p: float = 0.0, dropout_seed=None,
                     return_lse: bool = False, fwd_params: FwdParams | dict | None = None,
-                    bwd_params: BwdParams | dict | None = None):
+                    bwd_params: BwdParams | dict | None = None, autotune: bool | None = None):
     """Attention softmax(q k^T * scale [soft cap] + bias, masked) v with flash-attention kernels.
 
     Same arguments, defaults and semantics as ``ejkernel_torch.flash_attention``: q
@@ -123,7 +137,11 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     (ids <= 0 are padding); dropout from ``dropout_seed`` (required when ``dropout_p`` > 0: an int
     or an integer array, traced values welcome); ``return_lse`` adds the float32 log-sum-exp
     ``[batch, heads_q, seq_q]``. Rows that attend nothing give 0, lse -inf and zero gradients.
-    ``fwd_params``/``bwd_params`` override the kernels' tiles, warps and stages.
+    ``fwd_params``/``bwd_params`` override the kernels' tiles, warps and stages; without them the
+    plans use the config cache's entry for these shapes and device, else their heuristic.
+    ``autotune`` (default: ``EJKERNEL_AUTOTUNE``) times candidates (forward and backward) on a
+    cache miss, on concrete arrays only: under ``jit``/``grad``/``vmap`` tracing the cache is
+    only read, when the function is traced. See ``triton_kernels.tuning``.
     """
     q, k, v = (array_arg(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
     bias = _optional("bias", bias)
@@ -137,6 +155,7 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         kv_segment_shape=ks_shape, kv_segment_dtype=ks_dtype, dropout_p=dropout_p)
     params = _params(spec, fwd_params, bwd_params)
     aux = (_int32(q_seg), _int32(kv_seg), None, None, _seed(dropout_seed, spec.dropout_p))
+    _autotune(spec, params, q, k, v, bias, aux, autotune)
     out, lse = _flash(spec, params, q, k, v, bias, aux)
     return (out, lse) if return_lse else out
 
@@ -146,11 +165,12 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                            logits_soft_cap: float | None = None, bias=None, q_segment_ids=None,
                            kv_segment_ids=None, dropout_p: float = 0.0, dropout_seed=None,
                            return_lse: bool = False, fwd_params: FwdParams | dict | None = None,
-                           bwd_params: BwdParams | dict | None = None):
+                           bwd_params: BwdParams | dict | None = None, autotune: bool | None = None):
     """``flash_attention`` over packed sequences, as ``ejkernel_torch.flash_attention_varlen``:
     q ``[total_q, heads_q, head_dim]``, k/v ``[total_k, heads_kv, head_dim]``, int32 cu_seqlens
     ``[n_seq + 1]`` (values checked when concrete; under jit the kernels clamp them), static
-    ``max_seqlen_*``. lse is ``[heads_q, total_q]``. No bias or segment ids.
+    ``max_seqlen_*``. lse is ``[heads_q, total_q]``. No bias or segment ids. ``fwd_params``,
+    ``bwd_params`` and ``autotune`` as in ``flash_attention``.
     """
     q, k, v = (array_arg(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
     if bias is not None or q_segment_ids is not None or kv_segment_ids is not None:
@@ -167,6 +187,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
             fa.cu_seqlens_values(name, jax.device_get(cu).tolist(), total, max_len)
     params = _params(spec, fwd_params, bwd_params)
     aux = (None, None, cu_q, cu_k, _seed(dropout_seed, spec.dropout_p))
+    _autotune(spec, params, q, k, v, None, aux, autotune)
     out, lse = _flash(spec, params, q, k, v, None, aux)
     return (out, lse) if return_lse else out
 

@@ -18,9 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel_jax.launch import device_facts, launch
+from ejkernel_jax.ops import _tuning
 from ejkernel_jax.ops._common import array_arg, is_concrete, name_of
 from triton_kernels import grouped_matmul as gm
 from triton_kernels.params import FwdParams
+from triton_kernels.tuning import GMM, TGMM
 
 PLATFORMS = ("tpu", "gpu", "cuda", "cpu")
 
@@ -31,15 +33,15 @@ PLATFORMS = ("tpu", "gpu", "cuda", "cpu")
 def _gmm_launch(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype, params):
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    plan = gm.gmm_plan(m, k, n, group_sizes.shape[0], rhs.shape[0], transpose_rhs, name_of(lhs), out_dtype,
-                       device_facts(), params)
+    problem = (m, k, n, group_sizes.shape[0], rhs.shape[0], transpose_rhs, name_of(lhs), out_dtype)
+    plan = gm.gmm_plan(*problem, device_facts(), _tuning.resolve(GMM, problem, params))
     return launch(plan, lhs, rhs, group_sizes, offset)[0]
 
 
 def _tgmm_launch(lhs, rhs, group_sizes, offset, num_selected, lhs_mk, out_dtype, params):
     m, k = lhs.shape if lhs_mk else lhs.shape[::-1]
-    plan = gm.tgmm_plan(m, k, rhs.shape[1], group_sizes.shape[0], num_selected, lhs_mk, name_of(lhs), out_dtype,
-                        device_facts(), params)
+    problem = (m, k, rhs.shape[1], group_sizes.shape[0], num_selected, lhs_mk, name_of(lhs), out_dtype)
+    plan = gm.tgmm_plan(*problem, device_facts(), _tuning.resolve(TGMM, problem, params))
     return launch(plan, lhs, rhs, group_sizes, offset)[0]
 
 
@@ -150,7 +152,8 @@ def _pallas_tiling(params: FwdParams | None):
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    preferred_element_type=None, transpose_rhs: bool = False,
                    group_offset: int | jax.Array | None = None,
-                   fwd_params: FwdParams | dict | None = None, platform: str | None = None) -> jax.Array:
+                   fwd_params: FwdParams | dict | None = None, platform: str | None = None,
+                   autotune: bool | None = None) -> jax.Array:
     """Grouped matmul for MoE: ``out[rows_g] = lhs[rows_g] @ rhs[g - group_offset]``.
 
     ``lhs`` is ``[m, k]``; ``rhs`` is ``[num_selected, k, n]`` (``[num_selected, n, k]`` if
@@ -162,6 +165,10 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     ``preferred_element_type`` (default: the input dtype). ``fwd_params`` overrides the forward
     kernel's block sizes (Triton: also ``num_warps``/``num_stages``; Pallas: the tiling).
     ``platform``: None (the default backend), "tpu" (Pallas), "gpu"/"cuda"/"cpu" (Triton).
+    Triton without ``fwd_params``: every launch (the gradients' too) uses the config cache's
+    entry for its shapes and device, else the heuristic; ``autotune`` (default:
+    ``EJKERNEL_AUTOTUNE``) times candidates on a cache miss, on concrete arrays only (under
+    ``jit`` the cache is only read, at trace time). Pallas uses only ``fwd_params``.
     Differentiable in lhs and rhs.
     """
     lhs, rhs = array_arg("lhs", lhs), array_arg("rhs", rhs)
@@ -179,21 +186,24 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         return pallas_gm.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.dtype(out_dtype),
                                         tiling=_pallas_tiling(params), group_offset=offset[0],
                                         transpose_rhs=bool(transpose_rhs))
-    gm.gmm_plan(m, k, n, num_groups, num_selected, bool(transpose_rhs), name_of(lhs), out_dtype,
-                device_facts(), params)  # bad fwd_params fail here, before tracing the op
+    problem = (m, k, n, num_groups, num_selected, bool(transpose_rhs), name_of(lhs), out_dtype)
+    gm.gmm_plan(*problem, device_facts(), params)  # bad fwd_params fail here, before tracing the op
+    _tuning.autotune(GMM, problem, (lhs, rhs, group_sizes, offset), autotune, params)
     return _gmm(lhs, rhs, group_sizes, offset, bool(transpose_rhs), out_dtype, params)
 
 
 def transposed_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                               preferred_element_type=None, group_offset: int | jax.Array | None = None,
                               num_actual_groups: int | None = None,
-                              fwd_params: FwdParams | dict | None = None, platform: str | None = None) -> jax.Array:
+                              fwd_params: FwdParams | dict | None = None, platform: str | None = None,
+                              autotune: bool | None = None) -> jax.Array:
     """Transposed grouped matmul: ``out[i] = lhs[:, rows_g] @ rhs[rows_g]`` with ``g = group_offset + i``.
 
     ``lhs`` is ``[k, m]``, ``rhs`` ``[m, n]``; returns ``[num_actual_groups, k, n]`` (default: all
     groups, static); an empty group gives zeros. The weight gradient of ``grouped_matmul``.
     ``fwd_params``: ``blocksize_k`` x ``blocksize_n`` is the output tile, ``blocksize_m`` the rows
-    summed per step. ``platform`` as in ``grouped_matmul``. Differentiable in lhs and rhs.
+    summed per step. ``platform``, ``fwd_params`` and ``autotune`` as in ``grouped_matmul``.
+    Differentiable in lhs and rhs.
     """
     lhs, rhs = array_arg("lhs", lhs), array_arg("rhs", rhs)
     group_sizes = array_arg("group_sizes", group_sizes)
@@ -210,5 +220,7 @@ def transposed_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
         return pallas_gm.transposed_grouped_matmul(
             lhs, rhs, group_sizes, preferred_element_type=jnp.dtype(out_dtype), tiling=_pallas_tiling(params),
             group_offset=offset[0], num_actual_groups=num_selected)
-    gm.tgmm_plan(m, k, n, num_groups, num_selected, False, name_of(lhs), out_dtype, device_facts(), params)
+    problem = (m, k, n, num_groups, num_selected, False, name_of(lhs), out_dtype)
+    gm.tgmm_plan(*problem, device_facts(), params)
+    _tuning.autotune(TGMM, problem, (lhs, rhs, group_sizes, offset), autotune, params)
     return _tgmm(lhs, rhs, group_sizes, offset, num_selected, False, out_dtype, params)

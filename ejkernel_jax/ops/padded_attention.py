@@ -6,14 +6,17 @@ import functools
 import jax
 
 from ejkernel_jax.launch import device_facts, launch
+from ejkernel_jax.ops import _tuning
 from ejkernel_jax.ops._common import array_arg, n_pad_arg, name_of
 from triton_kernels import checks
+from triton_kernels.tuning import PADDED_BWD, PADDED_FWD
 from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan
 from triton_kernels.params import BwdParams, FwdParams, op_params
 
 
 def _forward(q, k, v, n_pad, softmax_scale, fwd_params):
-    plan = attention_fwd_plan(tuple(q.shape), name_of(q), softmax_scale, device_facts(), fwd_params)
+    problem = (tuple(q.shape), name_of(q), softmax_scale)
+    plan = attention_fwd_plan(*problem, device_facts(), _tuning.resolve(PADDED_FWD, problem, fwd_params))
     return launch(plan, q, k, v, n_pad)
 
 
@@ -30,8 +33,9 @@ def _padded_attention_fwd(q, k, v, n_pad, softmax_scale, fwd_params, bwd_params)
 
 def _padded_attention_bwd(softmax_scale, fwd_params, bwd_params, residuals, dout):
     q, k, v, out, lse2, n_pad = residuals
-    delta_plan, dkdv_plan, dq_plan = attention_bwd_plans(tuple(q.shape), name_of(q), softmax_scale, device_facts(),
-                                                         bwd_params)
+    problem = (tuple(q.shape), name_of(q), softmax_scale)
+    delta_plan, dkdv_plan, dq_plan = attention_bwd_plans(*problem, device_facts(),
+                                                         _tuning.resolve(PADDED_BWD, problem, bwd_params))
     dout = dout.astype(q.dtype)
     (delta,) = launch(delta_plan, out, dout)
     dk, dv = launch(dkdv_plan, q, k, v, dout, lse2, delta, n_pad)
@@ -44,13 +48,16 @@ _padded_attention.defvjp(_padded_attention_fwd, _padded_attention_bwd)
 
 def padded_attention(q: jax.Array, k: jax.Array, v: jax.Array, n_pad: jax.Array,
                      *, softmax_scale: float | None = None, fwd_params: FwdParams | dict | None = None,
-                     bwd_params: BwdParams | dict | None = None) -> jax.Array:
+                     bwd_params: BwdParams | dict | None = None, autotune: bool | None = None) -> jax.Array:
     """Single-head causal attention over left-padded sequences, ``[batch, seq, head_dim]``.
 
     Query ``i`` of batch ``b`` attends to keys ``n_pad[b] <= j <= i``; the ``n_pad[b]`` padding
     queries give zeros. ``softmax_scale`` defaults to ``head_dim ** -0.5``. Any sequence length,
     head_dim up to 256, float16/bfloat16/float32. ``fwd_params``/``bwd_params`` override the
-    plans as in ``ejkernel_torch.padded_attention``.
+    plans as in ``ejkernel_torch.padded_attention``; without them the plans use the config
+    cache's entry, else their heuristic. ``autotune`` (default: ``EJKERNEL_AUTOTUNE``) times
+    candidates (forward and backward) on a cache miss, on concrete arrays only: under ``jit``
+    the cache is only read, when the function is traced. See ``triton_kernels.tuning``.
     """
     q, k, v = (array_arg(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
     batch, seq_len, head_dim = checks.single_head_qkv(
@@ -62,4 +69,7 @@ def padded_attention(q: jax.Array, k: jax.Array, v: jax.Array, n_pad: jax.Array,
         key = (tuple(q.shape), name_of(q), scale)
         attention_fwd_plan(*key, device_facts(), fwd)
         attention_bwd_plans(*key, device_facts(), bwd)
-    return _padded_attention(q, k, v, n_pad_arg(n_pad, batch, seq_len), scale, fwd, bwd)
+    n_pad, problem = n_pad_arg(n_pad, batch, seq_len), (tuple(q.shape), name_of(q), scale)
+    _tuning.autotune(PADDED_FWD, problem, (q, k, v, n_pad), autotune, fwd)
+    _tuning.autotune(PADDED_BWD, problem, (q, k, v, n_pad), autotune, bwd)  # a gradient may follow
+    return _padded_attention(q, k, v, n_pad, scale, fwd, bwd)

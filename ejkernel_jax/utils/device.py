@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Any, Iterator
 
@@ -30,7 +31,11 @@ def device_fingerprint(device=None) -> str:
     Built from the device's own attributes (never nvidia-smi); equal to
     ``ejkernel_torch.utils.device_fingerprint`` on the same device.
     """
-    dev = _device(device)
+    return _fingerprint(_device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(dev) -> str:  # ops ask on every call: computed once per device
     if dev.platform == "cpu":
         return cpu_fingerprint()
     if dev.platform in ("gpu", "cuda", "rocm"):

@@ -4,6 +4,11 @@ Both are registered ops (``torch.ops.ejkernel.flash_attention_fwd`` / ``_bwd``) 
 ``torch.library.triton_op``: on CUDA their bodies launch the shared Triton kernels through
 ``wrap_triton``, so ``torch.compile(fullgraph=True)`` traces them without a graph break; on CPU
 they run the Triton interpreter inside an opaque op. Autograd is ``register_autograd``.
+
+In plain eager mode the public functions skip the dispatcher and run the op bodies directly
+(``_call_forward``; the same autograd functions through ``_FlashAttentionFn`` when a gradient is
+recorded): same plans, same kernels, same results, tens of microseconds less host time a call.
+``scripts/profile_op_overhead.py`` measures each layer.
 """
 from __future__ import annotations
 
@@ -13,11 +18,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ejkernel_torch.launch import device_facts, dtype_name, launch, launch_traceable
+from ejkernel_torch.launch import device_facts, dtype_name, launch, launch_traceable, plain_eager
+from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import name_of, same_device, tensor_arg
 from triton_kernels import flash_attention as fa
 from triton_kernels.flash_attention.spec import dropout as check_dropout
 from triton_kernels.params import BwdParams, FwdParams, decode_params, encode_params, op_params
+from triton_kernels.tuning import FLASH_BWD, FLASH_FWD, autotune_enabled
 
 # --------------------------------------------------------------------------------------------
 # the registered ops: arrays + the spec's static fields as plain scalars
@@ -58,16 +65,47 @@ def _spec_of(q, k, bias, q_seg, cu_q, max_q, max_k, scale, left, right, softcap,
                  0 if cu_q is None else int(cu_q.shape[0]), max_q, max_k, scale, left, right, softcap, dropout_p)
 
 
+# One-element zero stand-ins for unused kernel inputs, per (device, dtype). Making them afresh
+# costs an allocation per unused input and call (plus a fill kernel launch each on CUDA). They
+# are only ever kernel inputs, which the kernels never write, and never returned or saved for
+# backward, so no caller can get hold of one and write into it.
+_dummies: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+
+def _dummy(device: torch.device, dtype: torch.dtype, cached: bool) -> Tensor:
+    if not cached:  # traced (fake/functional tensors, compile): a real cached tensor must not leak in
+        return torch.zeros(1, dtype=dtype, device=device)
+    t = _dummies.get((device, dtype))
+    if t is None:
+        t = torch.zeros(1, dtype=dtype, device=device)
+        # Allocated during CUDA graph capture it would live in the graph's private pool and its
+        # fill would only run on replay: use it for this call, keep none.
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _dummies[(device, dtype)] = t
+    return t
+
+
 def _features(q, k, v, bias, q_seg, kv_seg, cu_q, cu_k, seed) -> list[Tensor]:
     """The kernels' nine feature inputs, with one-element stand-ins for unused ones."""
-    dummy = functools.partial(torch.zeros, 1, device=q.device)
+    device, cached = q.device, plain_eager(q)
+    dummy = functools.partial(_dummy, device, cached=cached)
     return [q, k, v,
-            bias if bias is not None else dummy(dtype=q.dtype),
-            q_seg if q_seg is not None else dummy(dtype=torch.int32),
-            kv_seg if kv_seg is not None else dummy(dtype=torch.int32),
-            cu_q if cu_q is not None else dummy(dtype=torch.int32),
-            cu_k if cu_k is not None else dummy(dtype=torch.int32),
-            seed if seed is not None else dummy(dtype=torch.int32)]
+            bias if bias is not None else dummy(q.dtype),
+            q_seg if q_seg is not None else dummy(torch.int32),
+            kv_seg if kv_seg is not None else dummy(torch.int32),
+            cu_q if cu_q is not None else dummy(torch.int32),
+            cu_k if cu_k is not None else dummy(torch.int32),
+            seed if seed is not None else dummy(torch.int32)]
+
+
+def _forward(spec: fa.FlashSpec, arrays, fwd_params: Optional[list[int]]) -> tuple[Tensor, Tensor]:
+    """(out, lse) for the op's nine arrays: the body of ``flash_attention_fwd``, which the public
+    functions also call directly in plain eager mode (``_call_forward``)."""
+    device = arrays[0].device
+    plan = fa.forward_plan(spec, device_facts(device),
+                           _tuning.resolve(FLASH_FWD, spec, device, decode_params(FwdParams, fwd_params)))
+    out, lse = launch_traceable(plan, *_features(*arrays))
+    return out, lse
 
 
 @torch.library.triton_op("ejkernel::flash_attention_fwd", mutates_args=())
@@ -81,32 +119,38 @@ def flash_attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
     ``fwd_params``/``bwd_params``: ``encode_params`` of the overrides (``bwd_params`` is for autograd)."""
     spec = _spec_of(q, k, bias, q_segment_ids, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
                     window_left, window_right, softcap, dropout_p)
-    plan = fa.forward_plan(spec, device_facts(q.device), decode_params(FwdParams, fwd_params))
-    features = _features(q, k, v, bias, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, dropout_seed)
-    out, lse = launch_traceable(plan, *features)
-    return out, lse
+    return _forward(spec, (q, k, v, bias, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, dropout_seed),
+                    fwd_params)
 
 
-@torch.library.triton_op("ejkernel::flash_attention_bwd", mutates_args=())
-def flash_attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                        lse: Tensor, bias: Optional[Tensor], q_segment_ids: Optional[Tensor],
-                        kv_segment_ids: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
-                        cu_seqlens_k: Optional[Tensor], dropout_seed: Optional[Tensor], max_seqlen_q: int,
-                        max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
-                        softcap: float, dropout_p: float, bias_grad: bool,
-                        params: Optional[list[int]] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _backward_kernels(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                      lse: Tensor, bias: Optional[Tensor], q_segment_ids: Optional[Tensor],
+                      kv_segment_ids: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
+                      cu_seqlens_k: Optional[Tensor], dropout_seed: Optional[Tensor], max_seqlen_q: int,
+                      max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+                      softcap: float, dropout_p: float, bias_grad: bool,
+                      params: Optional[list[int]] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, ds): ds is the float32 gradient of the logits [b, hq, sq, sk] when
     ``bias_grad``, else a one-element placeholder."""
     spec = _spec_of(q, k, bias, q_segment_ids, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
                     window_left, window_right, softcap, dropout_p)
-    delta_plan, dkdv_plan, dq_plan = fa.backward_plans(spec, device_facts(q.device), bias_grad, dlse is not None,
-                                                       decode_params(BwdParams, params))
+    delta_plan, dkdv_plan, dq_plan = fa.backward_plans(
+        spec, device_facts(q.device), bias_grad, dlse is not None,
+        _tuning.resolve(FLASH_BWD, spec, q.device, decode_params(BwdParams, params)))
     features = _features(q, k, v, bias, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, dropout_seed)
-    dlse_arg = dlse if dlse is not None else features[-1].new_zeros(1, dtype=torch.float32)
+    dlse_arg = dlse if dlse is not None else _dummy(q.device, torch.float32, plain_eager(q))
     (delta,) = launch_traceable(delta_plan, out, dout, dlse_arg, features[6], features[7])
     dk, dv, ds = launch_traceable(dkdv_plan, *features, dout, lse, delta)
     (dq,) = launch_traceable(dq_plan, *features, dout, lse, delta)
     return dq, dk, dv, ds
+
+
+# Registered from a named function so that ``_backward`` can also call the body directly.
+flash_attention_bwd = torch.library.triton_op("ejkernel::flash_attention_bwd", _backward_kernels, mutates_args=())
+
+
+def _needs_grad(tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 _N_ARRAYS = 9  # q, k, v, bias, q_seg, kv_seg, cu_q, cu_k, seed
@@ -128,8 +172,13 @@ def _backward(ctx, dout, dlse):
     dout = torch.zeros_like(out) if dout is None else dout.to(q.dtype).contiguous()
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
-    dq, dk, dv, ds = torch.ops.ejkernel.flash_attention_bwd(
-        dout, dlse, q, k, v, out, lse, bias, q_seg, kv_seg, cu_q, cu_k, seed, *ctx.scalars, bias_grad, ctx.bwd_params)
+    args = (dout, dlse, q, k, v, out, lse, bias, q_seg, kv_seg, cu_q, cu_k, seed, *ctx.scalars, bias_grad,
+            ctx.bwd_params)
+    tensors = (dout, dlse, q, k, v, out, lse, bias, q_seg, kv_seg, cu_q, cu_k, seed)
+    if plain_eager(*tensors) and not _needs_grad(tensors):  # as in _call_forward: skip the dispatcher
+        dq, dk, dv, ds = _backward_kernels(*args)
+    else:
+        dq, dk, dv, ds = torch.ops.ejkernel.flash_attention_bwd(*args)
     dbias = _sum_to(ds, bias.shape).to(bias.dtype) if bias_grad else None
     return (dq, dk, dv, dbias) + (None,) * (ctx.n_inputs - 4)
 
@@ -140,6 +189,25 @@ def _sum_to(ds: Tensor, shape) -> Tensor:
 
 
 flash_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _FlashAttentionFn(torch.autograd.Function):
+    """The registered forward op's autograd (same ``_setup_context`` and ``_backward``) for plain
+    eager calls that need a gradient. The op's own autograd wrapper costs much more than this
+    (it rebuilds the schema's argument list per call, quadratically). Arguments: the op's,
+    then the spec they were made from (last, so ``needs_input_grad`` indices match the op's)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        inputs, spec = inputs[:-1], inputs[-1]
+        output = _forward(spec, inputs[:_N_ARRAYS], inputs[_N_ARRAYS + _N_SCALARS])
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return *_backward(ctx, dout, dlse), None  # nothing for the spec
+
 
 # --------------------------------------------------------------------------------------------
 # public functions
@@ -177,7 +245,7 @@ def _checked(spec_fn):
 
 
 def _qkv(q, k, v):
-    q, k, v = (tensor_arg(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
+    q, k, v = tensor_arg("q", q), tensor_arg("k", k), tensor_arg("v", v)
     device = same_device(q=q, k=k, v=v)
     return q, k, v, device
 
@@ -192,6 +260,8 @@ def _shapes_and_dtypes(*tensors):
 
 def _params(spec, fwd_params, bwd_params, device) -> tuple:
     """The op's encoded (fwd_params, bwd_params), checked against the plans before any kernel runs."""
+    if fwd_params is None and bwd_params is None:  # the usual call: nothing to coerce or check
+        return None, None
     fwd, bwd = op_params(FwdParams, fwd_params, "fwd_params"), op_params(BwdParams, bwd_params, "bwd_params")
     if (fwd is not None or bwd is not None) and not torch.compiler.is_compiling():
         fa.forward_plan(spec, device_facts(device), fwd)
@@ -199,12 +269,40 @@ def _params(spec, fwd_params, bwd_params, device) -> tuple:
     return encode_params(fwd), encode_params(bwd)
 
 
+def _call_forward(spec: fa.FlashSpec, arrays: tuple, params: tuple) -> tuple[Tensor, Tensor]:
+    """The registered forward op on the public functions' arrays (``spec`` is what they were
+    checked into; the op would rebuild the same one from its scalars).
+
+    In plain eager mode (``plain_eager``) the op's body runs without the dispatcher, which
+    would run exactly that body after tens of microseconds of Python (custom-op, autograd and
+    triton_op wrappers, dynamo's disable guard): directly when no gradient is recorded, else
+    through ``_FlashAttentionFn``, the op's own autograd functions. Anything else (torch.compile,
+    fake or functional tensors, modes, functorch transforms) calls the registered op."""
+    if not plain_eager(*arrays):
+        return torch.ops.ejkernel.flash_attention_fwd(*arrays, *_op_scalars(spec), *params)
+    if _needs_grad(arrays[:4]):
+        return _FlashAttentionFn.apply(*arrays, *_op_scalars(spec), *params, spec)
+    return _forward(spec, arrays, params[0])
+
+
+def _autotune(spec, arrays, params, autotune, device) -> None:
+    """On a cache miss with autotuning enabled, tune the forward, and the backward when a
+    gradient will be taken (``arrays``: the op's nine array arguments)."""
+    if torch.compiler.is_compiling() or not autotune_enabled(autotune):
+        return
+    features = _features(*arrays)
+    _tuning.autotune(FLASH_FWD, spec, device, features, autotune, params[0])
+    if _needs_grad(arrays[:4]):
+        _tuning.autotune(FLASH_BWD, spec, device, features, autotune, params[1])
+
+
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: float | None = None,
                     sliding_window: int | tuple[int | None, int | None] | None = None,
                     logits_soft_cap: float | None = None, bias: Tensor | None = None,
                     q_segment_ids: Tensor | None = None, kv_segment_ids: Tensor | None = None,
                     dropout_p: float = 0.0, dropout_seed: int | Tensor | None = None, return_lse: bool = False,
-                    fwd_params: FwdParams | dict | None = None, bwd_params: BwdParams | dict | None = None):
+                    fwd_params: FwdParams | dict | None = None, bwd_params: BwdParams | dict | None = None,
+                    autotune: bool | None = None):
     """Attention softmax(q k^T * scale [soft cap] + bias, masked) v with flash-attention kernels.
 
     q ``[batch, seq_q, heads_q, head_dim]``, k/v ``[batch, seq_k, heads_kv, head_dim]``, with
@@ -226,7 +324,11 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, so
     * ``return_lse``: also return the float32 log-sum-exp ``[batch, heads_q, seq_q]``.
     * ``fwd_params``/``bwd_params`` (FwdParams/BwdParams or dicts: ``blocksize_m``/``q_blocksize``,
       ``blocksize_n``/``kv_blocksize``, ``num_warps``, ``num_stages``): override the forward /
-      backward plans; checked (shared memory included) before any kernel runs.
+      backward plans; checked (shared memory included) before any kernel runs. Without them the
+      plans use the config cache's entry for this call's shapes and device, else their heuristic.
+    * ``autotune`` (default: ``EJKERNEL_AUTOTUNE``): on a cache miss, time candidate configs and
+      store the fastest (the backward's too when an input requires grad); eager only, never while
+      ``torch.compile`` traces. See ``triton_kernels.tuning``.
 
     Rows that attend nothing give 0, lse -inf and zero gradients.
     """
@@ -242,11 +344,11 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, so
         q_segment_dtype=qs_dtype, kv_segment_shape=ks_shape, kv_segment_dtype=ks_dtype, dropout_p=dropout_p)
     params = _params(spec, fwd_params, bwd_params, device)
     seed = _seed(dropout_seed, spec.dropout_p, device)
-    out, lse = torch.ops.ejkernel.flash_attention_fwd(
-        q.contiguous(), k.contiguous(), v.contiguous(), None if bias is None else bias.contiguous(),
-        None if q_seg is None else q_seg.to(torch.int32).contiguous(),
-        None if kv_seg is None else kv_seg.to(torch.int32).contiguous(), None, None, seed, *_op_scalars(spec),
-        *params)
+    arrays = (q.contiguous(), k.contiguous(), v.contiguous(), None if bias is None else bias.contiguous(),
+              None if q_seg is None else q_seg.to(torch.int32).contiguous(),
+              None if kv_seg is None else kv_seg.to(torch.int32).contiguous(), None, None, seed)
+    _autotune(spec, arrays, params, autotune, device)
+    out, lse = _call_forward(spec, arrays, params)
     return (out, lse) if return_lse else out
 
 
@@ -258,13 +360,15 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            q_segment_ids: Tensor | None = None, kv_segment_ids: Tensor | None = None,
                            dropout_p: float = 0.0, dropout_seed: int | Tensor | None = None,
                            return_lse: bool = False, fwd_params: FwdParams | dict | None = None,
-                           bwd_params: BwdParams | dict | None = None):
+                           bwd_params: BwdParams | dict | None = None, autotune: bool | None = None):
     """``flash_attention`` over packed sequences: q ``[total_q, heads_q, head_dim]``, k/v
     ``[total_k, heads_kv, head_dim]``; sequence i is tokens ``cu_seqlens[i]:cu_seqlens[i+1]``
     (int32, ``[n_seq + 1]``, starting at 0, non-decreasing; checked on the host, a sync on
     CUDA). ``max_seqlen_*`` bound the lengths. lse is ``[heads_q, total_q]``; tokens past
     ``cu_seqlens[-1]`` give 0. Dropout offsets are those of the padded ``[n_seq, heads_q,
     max_seqlen_q, max_seqlen_k]`` problem. Bias and segment ids are not supported here.
+    ``fwd_params``/``bwd_params``/``autotune`` as in ``flash_attention`` (cache keys count the
+    token totals by power of two).
     """
     q, k, v, device = _qkv(q, k, v)
     if bias is not None or q_segment_ids is not None or kv_segment_ids is not None:
@@ -281,9 +385,10 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         fa.cu_seqlens_values("cu_seqlens_k", cu_k.tolist(), spec.total_k, max_seqlen_k)
     params = _params(spec, fwd_params, bwd_params, device)
     seed = _seed(dropout_seed, spec.dropout_p, device)
-    out, lse = torch.ops.ejkernel.flash_attention_fwd(
-        q.contiguous(), k.contiguous(), v.contiguous(), None, None, None, cu_q.contiguous(), cu_k.contiguous(),
-        seed, *_op_scalars(spec), *params)
+    arrays = (q.contiguous(), k.contiguous(), v.contiguous(), None, None, None, cu_q.contiguous(), cu_k.contiguous(),
+              seed)
+    _autotune(spec, arrays, params, autotune, device)
+    out, lse = _call_forward(spec, arrays, params)
     return (out, lse) if return_lse else out
 
 

@@ -18,9 +18,11 @@ from typing import Optional
 import torch
 
 from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable
+from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import name_of, same_device, tensor_arg
 from triton_kernels import grouped_matmul as gm
 from triton_kernels.params import FwdParams
+from triton_kernels.tuning import GMM, TGMM
 
 _PARAM_FIELDS = ("blocksize_m", "blocksize_n", "blocksize_k", "num_warps", "num_stages")
 
@@ -52,8 +54,8 @@ def _gmm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, group_
          transpose_rhs: bool, out_dtype: torch.dtype, params: Optional[list[int]]) -> torch.Tensor:
     (m, k), (groups,), (selected, *rest) = _static(lhs.shape), _static(group_sizes.shape), _static(rhs.shape)
     n = rest[0] if transpose_rhs else rest[1]
-    plan = gm.gmm_plan(m, k, n, groups, selected, transpose_rhs, dtype_name(lhs.dtype),
-                       dtype_name(out_dtype), device_facts(lhs.device), _decode(params))
+    problem = (m, k, n, groups, selected, transpose_rhs, dtype_name(lhs.dtype), dtype_name(out_dtype))
+    plan = gm.gmm_plan(*problem, device_facts(lhs.device), _tuning.resolve(GMM, problem, lhs.device, _decode(params)))
     return launch_traceable(plan, lhs.contiguous(), rhs.contiguous(), group_sizes, group_offset)[0]
 
 
@@ -62,8 +64,9 @@ def _tgmm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, group
           num_selected: int, lhs_mk: bool, out_dtype: torch.dtype, params: Optional[list[int]]) -> torch.Tensor:
     """``lhs`` is [k, m], or [m, k] when ``lhs_mk`` (the gmm backward's layout: no transpose copy)."""
     m, k = _static(lhs.shape) if lhs_mk else _static(lhs.shape)[::-1]
-    plan = gm.tgmm_plan(m, k, int(rhs.shape[1]), int(group_sizes.shape[0]), num_selected, lhs_mk, dtype_name(lhs.dtype),
-                        dtype_name(out_dtype), device_facts(lhs.device), _decode(params))
+    problem = (m, k, int(rhs.shape[1]), int(group_sizes.shape[0]), num_selected, lhs_mk, dtype_name(lhs.dtype),
+               dtype_name(out_dtype))
+    plan = gm.tgmm_plan(*problem, device_facts(lhs.device), _tuning.resolve(TGMM, problem, lhs.device, _decode(params)))
     return launch_traceable(plan, lhs.contiguous(), rhs.contiguous(), group_sizes, group_offset)[0]
 
 
@@ -163,7 +166,7 @@ def _out_dtype(preferred_element_type, default: torch.dtype) -> torch.dtype:
 def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *,
                    preferred_element_type: torch.dtype | None = None, transpose_rhs: bool = False,
                    group_offset: int | torch.Tensor | None = None,
-                   fwd_params: FwdParams | dict | None = None) -> torch.Tensor:
+                   fwd_params: FwdParams | dict | None = None, autotune: bool | None = None) -> torch.Tensor:
     """Grouped matmul for MoE: ``out[rows_g] = lhs[rows_g] @ rhs[g - group_offset]``.
 
     ``lhs`` is ``[m, k]``; ``rhs`` is ``[num_selected, k, n]`` (``[num_selected, n, k]`` if
@@ -173,7 +176,10 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     ``[group_offset, group_offset + num_selected)``. Rows of other groups and rows past
     ``sum(group_sizes)`` are zeros. Accumulates in float32; the output dtype is
     ``preferred_element_type`` (default: the input dtype). ``fwd_params`` overrides the forward
-    kernel's ``blocksize_m/n/k``, ``num_warps``, ``num_stages``. Differentiable in lhs and rhs.
+    kernel's ``blocksize_m/n/k``, ``num_warps``, ``num_stages``; without it every launch (the
+    gradients' too) uses the config cache's entry for its shapes and device, else the heuristic.
+    ``autotune`` (default: ``EJKERNEL_AUTOTUNE``) times candidates on a cache miss and stores the
+    fastest (eager only; see ``triton_kernels.tuning``). Differentiable in lhs and rhs.
     """
     lhs, rhs, group_sizes = (tensor_arg(n, t) for n, t in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)))
     m, k, n, num_groups, num_selected = gm.check_gmm(
@@ -183,24 +189,26 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
     params = FwdParams.coerce(fwd_params) if fwd_params is not None else None
     group_sizes, offset = _group_args(group_sizes, group_offset, m, num_groups, num_selected, device)
+    problem = (m, k, n, num_groups, num_selected, bool(transpose_rhs), name_of(lhs), dtype_name(out_dtype))
+    lhs, rhs = lhs.contiguous(), rhs.contiguous()
     if not torch.compiler.is_compiling():  # bad fwd_params fail here (dynamo cannot trace plans)
-        gm.gmm_plan(m, k, n, num_groups, num_selected, bool(transpose_rhs), name_of(lhs), dtype_name(out_dtype),
-                    device_facts(device), params)
-    return _gmm(lhs.contiguous(), rhs.contiguous(), group_sizes, offset, bool(transpose_rhs), out_dtype,
-                _encode(params))
+        gm.gmm_plan(*problem, device_facts(device), params)
+        _tuning.autotune(GMM, problem, device, (lhs, rhs, group_sizes, offset), autotune, params)
+    return _gmm(lhs, rhs, group_sizes, offset, bool(transpose_rhs), out_dtype, _encode(params))
 
 
 def transposed_grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *,
                               preferred_element_type: torch.dtype | None = None,
                               group_offset: int | torch.Tensor | None = None,
                               num_actual_groups: int | None = None,
-                              fwd_params: FwdParams | dict | None = None) -> torch.Tensor:
+                              fwd_params: FwdParams | dict | None = None,
+                              autotune: bool | None = None) -> torch.Tensor:
     """Transposed grouped matmul: ``out[i] = lhs[:, rows_g] @ rhs[rows_g]`` with ``g = group_offset + i``.
 
     ``lhs`` is ``[k, m]``, ``rhs`` ``[m, n]``; returns ``[num_actual_groups, k, n]`` (default: all
     groups); an empty group gives zeros. This is the weight gradient of ``grouped_matmul``.
     ``fwd_params``: ``blocksize_k`` x ``blocksize_n`` is the output tile, ``blocksize_m`` the rows
-    summed per step. Differentiable in lhs and rhs.
+    summed per step. ``fwd_params``/``autotune``: as in ``grouped_matmul``. Differentiable in lhs and rhs.
     """
     lhs, rhs, group_sizes = (tensor_arg(n, t) for n, t in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)))
     m, k, n, num_groups, num_selected = gm.check_tgmm(
@@ -210,8 +218,9 @@ def transposed_grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes:
     out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
     params = FwdParams.coerce(fwd_params) if fwd_params is not None else None
     group_sizes, offset = _group_args(group_sizes, group_offset, m, num_groups, num_selected, device)
+    problem = (m, k, n, num_groups, num_selected, False, name_of(lhs), dtype_name(out_dtype))
+    lhs, rhs = lhs.contiguous(), rhs.contiguous()
     if not torch.compiler.is_compiling():
-        gm.tgmm_plan(m, k, n, num_groups, num_selected, False, name_of(lhs), dtype_name(out_dtype),
-                     device_facts(device), params)
-    return _tgmm(lhs.contiguous(), rhs.contiguous(), group_sizes, offset, num_selected, False, out_dtype,
-                 _encode(params))
+        gm.tgmm_plan(*problem, device_facts(device), params)
+        _tuning.autotune(TGMM, problem, device, (lhs, rhs, group_sizes, offset), autotune, params)
+    return _tgmm(lhs, rhs, group_sizes, offset, num_selected, False, out_dtype, _encode(params))

@@ -1,0 +1,33 @@
+"""The jax side of ``triton_kernels.tuning``: device identity, launcher and clock for the resolver.
+
+``resolve`` is called where an op builds its plan (explicit params, else the shared config
+cache, else the heuristic); under ``jax.jit`` that happens when the function is traced.
+``autotune`` is called by the public functions and tunes only when every array is concrete:
+under ``jit``, ``grad`` or ``vmap`` tracing it does nothing, and the ops just read the cache.
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable, Sequence
+
+import jax
+
+from ejkernel_jax.launch import device_facts, launch
+from ejkernel_jax.ops._common import is_concrete
+from ejkernel_jax.utils import device_fingerprint
+from triton_kernels import tuning
+
+
+def resolve(tunable: tuning.Tunable, problem: Hashable, explicit=None):
+    """The params to build ``tunable``'s plan with: ``explicit``, else the cached entry, else None."""
+    return tuning.resolve(tunable, problem, device_facts(), device_fingerprint(), explicit)
+
+
+def autotune(tunable: tuning.Tunable, problem: Hashable, arrays: Sequence[Any], autotune: bool | None,
+             explicit: Any = None) -> None:
+    """With autotuning enabled, no ``explicit`` params and concrete ``arrays``: tune ``problem``
+    on a cache miss, timing the candidates on ``arrays`` (as the plan's launch takes them)."""
+    if explicit is not None or not tuning.autotune_enabled(autotune) or not all(map(is_concrete, arrays)):
+        return
+    facts = device_facts()
+    tuning.resolve(tunable, problem, facts, device_fingerprint(), autotune=True, framework="jax",
+                   measure=tuning.measure(tunable, problem, facts, arrays, launch, jax.block_until_ready))

@@ -1,0 +1,378 @@
+"""The config cache wired into the ops: heuristics by default, opt-in autotuning from either
+framework, the tuned config launched by both (bitwise parity kept), explicit params first,
+jit reads only, bad files and stale entries fall back to the heuristic."""
+from __future__ import annotations
+
+import importlib
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+from tests.frameworks import rel_error
+from triton_kernels import config_cache as cc
+from triton_kernels import tuning
+from triton_kernels.config_cache import ConfigCache
+from triton_kernels.params import BwdParams, FwdParams
+from triton_kernels.plan import DeviceFacts
+
+CPU = DeviceFacts.cpu()
+
+
+@pytest.fixture(autouse=True)
+def cache_path(tmp_path, monkeypatch):
+    """Every test has its own cache file and starts with autotuning off (never ~/.cache)."""
+    path = tmp_path / "configs.json"
+    monkeypatch.setenv(cc.CACHE_ENV, str(path))
+    monkeypatch.delenv(cc.AUTOTUNE_ENV, raising=False)
+    monkeypatch.setattr(cc, "_caches", {})
+    monkeypatch.setattr(cc, "_caches_by_env", {})
+    tuning.clear_memo()
+    yield path
+    tuning.clear_memo()
+
+
+def fresh_process_view(monkeypatch):
+    """What another process would see: no memoized lookups, no cache objects yet."""
+    tuning.clear_memo()
+    monkeypatch.setattr(cc, "_caches", {})
+    monkeypatch.setattr(cc, "_caches_by_env", {})
+
+
+# --------------------------------------------------------------------------------------------
+# the ops under test: tiny shapes; candidates are two configs that both differ from the CPU
+# heuristic, so the launched plan shows whether the cache was used
+
+
+class Case:
+    def __init__(self, name, shapes, call, module, problem, candidates):
+        self.name, self.shapes, self.call, self.module = name, shapes, call, module
+        self.problem = problem  # the problem both fronts key the call by (shapes -> problem)
+        self.candidates = candidates  # {tunable: [config, config]}
+
+    def inputs(self, fw, rng):
+        return [fw.asarray(rng.standard_normal(s), "float32") for s in self.shapes]
+
+
+def _flash(fw, arrays, **kw):
+    return fw.ops.flash_attention(*arrays, causal=True, **kw)
+
+
+def _flash_problem(shapes):
+    from triton_kernels import flash_attention as fa
+
+    return fa.dense_spec(*shapes, ("float32",) * 3, causal=True)
+
+
+def _padded(fw, arrays, **kw):
+    return fw.ops.padded_attention(*arrays, fw.asarray(np.array([0, 5], np.int32)), **kw)
+
+
+def _gmm(fw, arrays, **kw):
+    return fw.ops.grouped_matmul(*arrays, fw.asarray(np.array([10, 0, 25], np.int32)), **kw)
+
+
+CASES = {
+    # CPU heuristic: 32 x 32 tiles (seq 20 / 24)
+    "flash": Case("flash", [(1, 20, 2, 16), (1, 24, 1, 16), (1, 24, 1, 16)], _flash, "flash_attention",
+                  _flash_problem, {
+        tuning.FLASH_FWD: [dict(blocksize_m=16, blocksize_n=16), dict(blocksize_m=16, blocksize_n=64)],
+        tuning.FLASH_BWD: [dict(blocksize_m=16, blocksize_n=32), dict(blocksize_m=64, blocksize_n=16)],
+    }),
+    # CPU heuristic: 64 x 64
+    "padded": Case("padded", [(2, 37, 24)] * 3, _padded, "padded_attention",
+                   lambda shapes: (shapes[0], "float32", 24 ** -0.5), {
+        tuning.PADDED_FWD: [dict(blocksize_m=16, blocksize_n=32), dict(blocksize_m=32, blocksize_n=16)],
+        tuning.PADDED_BWD: [dict(blocksize_m=16, blocksize_n=16), dict(blocksize_m=32, blocksize_n=32)],
+    }),
+    # CPU heuristic: 64 x 64 x 64
+    "gmm": Case("gmm", [(40, 32), (3, 32, 24)], _gmm, "grouped_matmul",
+                lambda shapes: (40, 32, 24, 3, 3, False, "float32", "float32"), {
+        tuning.GMM: [dict(blocksize_m=16, blocksize_n=32, blocksize_k=16),
+                     dict(blocksize_m=32, blocksize_n=16, blocksize_k=32, num_warps=2)],
+    }),
+}
+
+
+def spy_candidates(monkeypatch, case):
+    """Replace the case's candidate lists; returns {tunable: [problems it was asked to tune]}."""
+    asked = {t: [] for t in case.candidates}
+    for tunable, configs in case.candidates.items():
+        def candidates(problem, facts, default, tunable=tunable, configs=configs):
+            assert facts == CPU and tunable.params.from_dict(default) != tunable.params.from_dict(configs[0])
+            asked[tunable].append(problem)
+            return [dict(c) for c in configs]
+        monkeypatch.setattr(tunable, "candidates", candidates)
+    return asked
+
+
+def spy_launches(monkeypatch, fw, case) -> list:
+    """Plans the op module launches (tuning's own timing launches are not recorded)."""
+    module = importlib.import_module(f"ejkernel_{fw.name}.ops.{case.module}")
+    name = "launch_traceable" if hasattr(module, "launch_traceable") else "launch"
+    real, plans = getattr(module, name), []
+
+    def spy(plan, *arrays):
+        plans.append(plan)
+        return real(plan, *arrays)
+
+    monkeypatch.setattr(module, name, spy)
+    return plans
+
+
+def run(fw, case, values, rng_cot, **kw):
+    """Output and input gradients (numpy) of one call."""
+    arrays = [fw.asarray(v, "float32") for v in values]
+    out = case.call(fw, arrays, **kw)
+    cot = fw.asarray(rng_cot.standard_normal(tuple(out.shape)), "float32")
+    grads = fw.vjp(lambda *a: case.call(fw, a, **kw), arrays, cot)
+    return [fw.to_numpy(out), *grads]
+
+
+def entry(path, tunable, problem, device):
+    doc = json.loads(path.read_text())
+    return doc["entries"].get(tunable.cache_key(problem, device).text)
+
+
+def fingerprint(fw):
+    return importlib.import_module(f"ejkernel_{fw.name}.utils").device_fingerprint()
+
+
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_default_is_the_heuristic_and_writes_nothing(fw, case, rng, cache_path, monkeypatch):
+    asked = spy_candidates(monkeypatch, case)
+    plans = spy_launches(monkeypatch, fw, case)
+    monkeypatch.setenv(cc.AUTOTUNE_ENV, "0")
+    run(fw, case, [fw.to_numpy(a) for a in case.inputs(fw, rng)], rng)
+    assert plans and not any(asked.values())
+    assert not cache_path.exists() and not list(cache_path.parent.iterdir())
+    problem = case.problem(case.shapes)
+    for tunable in case.candidates:  # every tuned kernel launched with the plan's own choice
+        assert tunable.plan(problem, CPU, None) in plans
+
+
+@pytest.mark.parametrize("tuner", ["torch", "jax"])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_one_framework_tunes_the_other_launches_it(case, tuner, torch_fw, jax_fw, rng, cache_path, monkeypatch):
+    tune_fw, read_fw = (torch_fw, jax_fw) if tuner == "torch" else (jax_fw, torch_fw)
+    values = [torch_fw.to_numpy(a) for a in case.inputs(torch_fw, rng)]
+    seed = int(rng.integers(1 << 30))
+    heuristic = run(tune_fw, case, values, np.random.default_rng(seed))
+    asked = spy_candidates(monkeypatch, case)
+
+    # tune: torch tunes the backward when an input requires grad; jax tunes on concrete arrays
+    arrays = [tune_fw.asarray(v, "float32") for v in values]
+    if tuner == "torch":
+        for a in arrays:
+            a.requires_grad_(True)
+    case.call(tune_fw, arrays, autotune=True)
+    tuned = {}
+    for tunable, configs in case.candidates.items():
+        assert asked[tunable] == [case.problem(case.shapes)]  # timed once, for this call's problem
+        problem = asked[tunable][0]
+        stored = entry(cache_path, tunable, problem, fingerprint(tune_fw))
+        assert stored["framework"] == tuner and stored["source"] == "autotune"
+        assert stored["config"] in configs
+        tuned[tunable] = tunable.plan(problem, CPU, tunable.params.from_dict(stored["config"]))
+    tuner_plans = spy_launches(monkeypatch, tune_fw, case)
+    tuned_run = run(tune_fw, case, values, np.random.default_rng(seed), autotune=True)  # stored: no new timing
+    assert sum(map(len, asked.values())) == len(case.candidates)
+    assert rel_error(tuned_run[0], heuristic[0]) < 1e-5  # another tiling, same result
+
+    # the other framework, as a fresh process would: reads the entries, launches the same plans
+    fresh_process_view(monkeypatch)
+    reader_plans = spy_launches(monkeypatch, read_fw, case)
+    read_run = run(read_fw, case, values, np.random.default_rng(seed))
+    for tunable, plan in tuned.items():
+        heuristic_plan = tunable.plan(asked[tunable][0], CPU, None)
+        assert plan != heuristic_plan
+        for plans in (tuner_plans, reader_plans):
+            assert plan in plans and heuristic_plan not in plans
+    assert sum(map(len, asked.values())) == len(case.candidates)  # the reader timed nothing
+    for a, b in zip(tuned_run, read_run, strict=True):
+        np.testing.assert_array_equal(a, b)  # bitwise
+
+
+def test_explicit_params_beat_the_cache(fw, rng, cache_path, monkeypatch):
+    case = CASES["flash"]
+    asked = spy_candidates(monkeypatch, case)
+    values = [fw.to_numpy(a) for a in case.inputs(fw, rng)]
+    # store entries as a tuning run would (autotune from this framework)
+    fw_arrays = [fw.asarray(v, "float32") for v in values]
+    if fw.name == "torch":
+        for a in fw_arrays:
+            a.requires_grad_(True)
+    case.call(fw, fw_arrays, autotune=True)
+    (problem,) = asked[tuning.FLASH_FWD]
+    stored = {t: tunable_plan(t, problem, entry(cache_path, t, problem, fingerprint(fw))["config"])
+              for t in case.candidates}
+    explicit_fwd, explicit_bwd = FwdParams(blocksize_m=64, blocksize_n=32), BwdParams(blocksize_m=32, blocksize_n=64)
+    want = {tuning.FLASH_FWD: tuning.FLASH_FWD.plan(problem, CPU, explicit_fwd),
+            tuning.FLASH_BWD: tuning.FLASH_BWD.plan(problem, CPU, explicit_bwd)}
+    plans = spy_launches(monkeypatch, fw, case)
+    run(fw, case, values, rng, fwd_params=explicit_fwd, bwd_params=explicit_bwd, autotune=True)
+    for t in case.candidates:
+        assert want[t] in plans and stored[t] not in plans
+    plans.clear()  # one explicit, the other from the cache
+    run(fw, case, values, rng, fwd_params=explicit_fwd)
+    assert want[tuning.FLASH_FWD] in plans and stored[tuning.FLASH_BWD] in plans
+    assert stored[tuning.FLASH_FWD] not in plans
+    assert sum(map(len, asked.values())) == 2  # explicit params are never tuned over
+
+
+def tunable_plan(tunable, problem, config):
+    return tunable.plan(problem, CPU, tunable.params.from_dict(config))
+
+
+def test_autotune_from_the_environment(fw, rng, cache_path, monkeypatch):
+    case = CASES["gmm"]
+    asked = spy_candidates(monkeypatch, case)
+    arrays = case.inputs(fw, rng)
+    monkeypatch.setenv(cc.AUTOTUNE_ENV, "1")
+    case.call(fw, arrays, autotune=False)  # the argument beats the environment
+    assert not cache_path.exists() and not asked[tuning.GMM]
+    case.call(fw, arrays)
+    (problem,) = asked[tuning.GMM]
+    stored = entry(cache_path, tuning.GMM, problem, fingerprint(fw))
+    assert stored["framework"] == fw.name and stored["config"] in case.candidates[tuning.GMM]
+    monkeypatch.setenv(cc.AUTOTUNE_ENV, "0")
+    plans = spy_launches(monkeypatch, fw, case)
+    case.call(fw, arrays, autotune=None)  # env off now: still reads what was tuned
+    assert tunable_plan(tuning.GMM, problem, stored["config"]) in plans
+
+
+def test_jit_reads_the_cache_and_never_tunes(jax_fw, rng, cache_path, monkeypatch):
+    import jax
+
+    fw, case = jax_fw, CASES["flash"]
+    asked = spy_candidates(monkeypatch, case)
+    values = [fw.to_numpy(a) for a in case.inputs(fw, rng)]
+    arrays = [fw.asarray(v, "float32") for v in values]
+    problem = case.problem([tuple(a.shape) for a in arrays])
+    fwd_cfg, bwd_cfg = case.candidates[tuning.FLASH_FWD][1], case.candidates[tuning.FLASH_BWD][1]
+    cache = ConfigCache(cache_path)  # pre-stored, as by an earlier tuning run (of either framework)
+    cache.store(tuning.FLASH_FWD.cache_key(problem, fingerprint(fw)), fwd_cfg)
+    cache.store(tuning.FLASH_BWD.cache_key(problem, fingerprint(fw)), bwd_cfg)
+    before = cache_path.read_bytes()
+    monkeypatch.setenv(cc.AUTOTUNE_ENV, "1")
+    plans = spy_launches(monkeypatch, fw, case)
+
+    loss = lambda *a: (case.call(fw, a, autotune=True) ** 2).sum()  # noqa: E731
+    jax.block_until_ready(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*arrays))
+    assert tunable_plan(tuning.FLASH_FWD, problem, fwd_cfg) in plans
+    assert tunable_plan(tuning.FLASH_BWD, problem, bwd_cfg) in plans
+    assert tuning.FLASH_FWD.plan(problem, CPU, None) not in plans
+
+    # a problem with no entry: the heuristic, and still nothing timed or written under jit
+    other = [fw.asarray(np.ones((1, 9, 2, 16)), "float32")] * 3
+    plans.clear()
+    jax.block_until_ready(jax.jit(lambda *a: case.call(fw, a, autotune=True))(*other))
+    assert tuning.FLASH_FWD.plan(case.problem([a.shape for a in other]), CPU, None) in plans
+    assert not any(asked.values()) and cache_path.read_bytes() == before
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"format": "something else"}'])
+def test_corrupt_cache_file_warns_and_uses_the_heuristic(fw, rng, cache_path, monkeypatch, content):
+    case = CASES["padded"]
+    values = [fw.to_numpy(a) for a in case.inputs(fw, rng)]
+    seed = int(rng.integers(1 << 30))
+    clean = run(fw, case, values, np.random.default_rng(seed))
+    cache_path.write_text(content)
+    fresh_process_view(monkeypatch)
+    plans = spy_launches(monkeypatch, fw, case)
+    with pytest.warns(UserWarning, match="config cache .* ignoring it"):
+        got = run(fw, case, values, np.random.default_rng(seed))
+    for a, b in zip(clean, got, strict=True):
+        np.testing.assert_array_equal(a, b)
+    problem = case.problem(case.shapes)
+    assert all(t.plan(problem, CPU, None) in plans for t in case.candidates)  # the heuristic's plans
+    # autotuning over a corrupt file replaces it (the old one is kept aside) and works
+    asked = spy_candidates(monkeypatch, case)
+    with pytest.warns(UserWarning, match="moved it to"):
+        case.call(fw, case.inputs(fw, rng), autotune=True)
+    assert cache_path.with_name("configs.json.bad").read_text() == content
+    (problem,) = asked[tuning.PADDED_FWD]
+    stored = entry(cache_path, tuning.PADDED_FWD, problem, fingerprint(fw))
+    assert stored["config"] in case.candidates[tuning.PADDED_FWD]
+
+
+@pytest.mark.parametrize("config, why", [
+    ({"blocksize_q": 32}, "unknown field"),
+    ({"blocksize_m": 8}, "at least 16"),
+    ({"blocksize_m": 256, "blocksize_n": 256, "num_stages": 4}, "shared memory"),
+])
+def test_stale_entry_warns_and_uses_the_heuristic(fw, rng, cache_path, monkeypatch, config, why):
+    monkeypatch.setenv("EJKERNEL_TRITON_SMEM_LIMIT", str(64 * 1024))
+    case = CASES["flash"]
+    arrays = case.inputs(fw, rng)
+    problem = case.problem([tuple(a.shape) for a in arrays])
+    ConfigCache(cache_path).store(tuning.FLASH_FWD.cache_key(problem, fingerprint(fw)), config)
+    plans = spy_launches(monkeypatch, fw, case)
+    with pytest.warns(UserWarning, match=f"flash_attention_fwd entry .*does not apply.*{why}"):
+        case.call(fw, arrays)
+    assert tuning.FLASH_FWD.plan(problem, CPU, None) in plans
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per version of the file, not per call
+        case.call(fw, arrays)
+    # autotuning replaces the stale entry
+    asked = spy_candidates(monkeypatch, case)
+    plans.clear()
+    case.call(fw, arrays, autotune=True)
+    assert asked[tuning.FLASH_FWD] == [problem]
+    tuned = entry(cache_path, tuning.FLASH_FWD, problem, fingerprint(fw))["config"]
+    assert tuned in case.candidates[tuning.FLASH_FWD] and tunable_plan(tuning.FLASH_FWD, problem, tuned) in plans
+
+
+def test_lookups_are_memoized_until_the_file_changes(fw, rng, cache_path, monkeypatch):
+    case = CASES["flash"]
+    arrays = case.inputs(fw, rng)
+    problem = case.problem([tuple(a.shape) for a in arrays])
+    key = tuning.FLASH_FWD.cache_key(problem, fingerprint(fw))
+    ConfigCache(cache_path).store(key, case.candidates[tuning.FLASH_FWD][0])
+    reads, real_read = [], ConfigCache._read_file
+    monkeypatch.setattr(ConfigCache, "_read_file", lambda self: reads.append(1) or real_read(self))
+    lookups, real_lookup = [], ConfigCache.lookup
+    monkeypatch.setattr(ConfigCache, "lookup", lambda self, k: lookups.append(k) or real_lookup(self, k))
+    plans = spy_launches(monkeypatch, fw, case)
+    for _ in range(3):
+        case.call(fw, arrays)
+    assert len(reads) == 1 and len(lookups) == 1  # parsed once, looked up once, then memoized
+    assert plans.count(tunable_plan(tuning.FLASH_FWD, problem, case.candidates[tuning.FLASH_FWD][0])) == 3
+    # another process replaces the entry: the next call sees it
+    ConfigCache(cache_path).store(key, case.candidates[tuning.FLASH_FWD][1], overwrite=True)
+    case.call(fw, arrays)
+    assert plans[-1] == tunable_plan(tuning.FLASH_FWD, problem, case.candidates[tuning.FLASH_FWD][1])
+
+
+def test_varlen_keys_bucket_the_token_totals(fw, rng, cache_path, monkeypatch):
+    asked = spy_candidates(monkeypatch, CASES["flash"])
+    seq_lens = {25: [0, 7, 25], 29: [0, 11, 29]}  # both totals count as 32
+    for total, cu in seq_lens.items():
+        arrays = [fw.asarray(rng.standard_normal((total, 2, 16)), "float32") for _ in range(3)]
+        cu = fw.asarray(np.array(cu, np.int32))
+        fw.ops.flash_attention_varlen(*arrays, cu, cu, 18, 18, causal=True, autotune=True)
+    assert len(asked[tuning.FLASH_FWD]) == 1  # the second total found the first one's entry
+    (problem,) = asked[tuning.FLASH_FWD]
+    assert problem.varlen and problem.total_q == 25
+    assert tuning.FLASH_FWD.key(problem)["total_q"] == 32
+
+
+def test_candidates_fit_the_device():
+    from triton_kernels import flash_attention as fa
+    from triton_kernels.plan import HOPPER
+
+    spec = fa.dense_spec((2, 512, 8, 256), (2, 512, 8, 256), (2, 512, 8, 256), ("float32",) * 3, causal=True)
+    for tunable in (tuning.FLASH_FWD, tuning.FLASH_BWD):
+        cpu = tunable.candidate_params(spec, CPU)
+        assert len(cpu) == 2 and cpu[0] == tunable.params.from_dict(tunable.defaults(spec, CPU))
+        gpu = tunable.candidate_params(spec, HOPPER)
+        assert gpu[0] == tunable.params.from_dict(tunable.defaults(spec, HOPPER))  # the heuristic first
+        every = [tunable.params.from_dict(dict(zip(("blocksize_m", "blocksize_n", "num_warps", "num_stages"), row)))
+                 for row in (tuning._ATTENTION_FWD_GPU if tunable is tuning.FLASH_FWD else tuning._ATTENTION_BWD_GPU)]
+        assert 1 < len(gpu) < 1 + len(every)  # fp32, head_dim 256: the big tiles do not fit 227 KiB
+        for params in gpu:
+            tunable.plan(spec, HOPPER, params)  # raises if it did not fit
