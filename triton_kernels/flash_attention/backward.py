@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from ..padded_attention import _dot, _dot_acc
-from .tiles import (LOG2E_C, _dropout_keep, _dropout_keep_pairs, _full_key_range, _full_query_range, _keep, _keep_t,
-                    _key_range, _load_bias, _load_bias_pairs, _load_full_rows, _load_rows, _logits2, _query_range,
+from .tiles import (LOG2E_C, _dropout_keep_pairs, _full_key_range, _full_query_range, _keep, _keep_t, _key_range,
+                    _load_bias, _load_bias_pairs, _load_full_rows, _load_kv, _load_rows, _logits2, _query_range,
                     _row_base, _run_bounds, _sequence, _store_rows)
 
 RUNTIME_INTS = ["seq_q", "seq_k", "total_q", "total_k", "win_left", "win_right"]
@@ -46,24 +46,30 @@ def flash_bwd_delta_kernel(o_ptr, do_ptr, dlse_ptr, cu_q_ptr, cu_k_ptr, seq_q, s
 
 
 @triton.jit
-def _probs_and_dlogits(q, k, v, do, lse2, delta, bias, keep, seed, drop_base, offs_m, offs_n, seq_k,
-                       logit_scale, softcap, dropout_p, dropout_scale, MASKED: tl.constexpr,
-                       USE_SOFTCAP: tl.constexpr, USE_BIAS: tl.constexpr, USE_DROPOUT: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
-    """(p as applied to v (dropped and rescaled), dS = dL/dlogits, dS through the soft cap)."""
-    s, t = _logits2(_dot(q, tl.trans(k), DOT_PRECISION), bias, logit_scale, softcap, USE_SOFTCAP, USE_BIAS)
+def _dlogits(s, t, dp, lse2, delta, keep, seed, drop_base, i, j, seq_k, dropout_p, dropout_scale,
+             MASKED: tl.constexpr, TRANSPOSED: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_DROPOUT: tl.constexpr):
+    """(p as applied to v (dropped and rescaled), dS = dL/dlogits, dS through the soft cap) of a
+    tile of base-2 logits ``s`` with dP = dO V^T ``dp``. ``lse2``/``delta`` are per query: along
+    the rows, or the columns when ``TRANSPOSED`` (keys down); ``i``/``j`` are the broadcastable
+    query/key indices the dropout draw is keyed on."""
     if MASKED:
-        lse_ref = tl.where(lse2 == -float("inf"), float("inf"), lse2)  # empty rows: p = 0
-        p = tl.where(keep, tl.exp2(s - lse_ref[:, None]), 0.0)
-    else:  # every row attends this whole tile, so its lse is finite
-        p = tl.exp2(s - lse2[:, None])
-    dp = _dot(do, tl.trans(v), DOT_PRECISION)
+        lse2 = tl.where(lse2 == -float("inf"), float("inf"), lse2)  # empty rows: p = 0
+    if TRANSPOSED:
+        lse_b = lse2[None, :]
+        delta_b = delta[None, :]
+    else:
+        lse_b = lse2[:, None]
+        delta_b = delta[:, None]
+    if MASKED:
+        p = tl.where(keep, tl.exp2(s - lse_b), 0.0)
+    else:  # every query attends this whole tile, so its lse is finite
+        p = tl.exp2(s - lse_b)
     p_v = p
     if USE_DROPOUT:
-        z = tl.where(_dropout_keep(seed, drop_base, offs_m, offs_n, seq_k, dropout_p), dropout_scale, 0.0)
+        z = tl.where(_dropout_keep_pairs(seed, drop_base, i, j, seq_k, dropout_p), dropout_scale, 0.0)
         p_v = p * z
         dp = dp * z
-    ds = p * (dp - delta[:, None])
+    ds = p * (dp - delta_b)
     ds_raw = ds
     if USE_SOFTCAP:
         ds_raw = ds * (1.0 - t * t)
@@ -101,26 +107,16 @@ def _dkdv_step(dk, dv, k, v, k_seg, start_m, offs_n, offs_d, q_ptr, do_ptr, lse_
     if USE_BIAS:
         bias = _load_bias_pairs(bias_ptr, b, h, i, j, len_q, len_k, BIAS_BATCHED, BIAS_HEADS)
     s, t = _logits2(_dot(k, tl.trans(q), DOT_PRECISION), bias, logit_scale, softcap, USE_SOFTCAP, USE_BIAS)
+    keep = True
     if MASKED:
         q_seg = offs_m
         if USE_SEGMENTS:
             q_seg = tl.load(q_seg_ptr + b * seq_q + offs_m, mask=row_mask, other=0)
         keep = _keep_t(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg, USE_WINDOW, USE_SEGMENTS)
-        lse_ref = tl.where(lse2 == -float("inf"), float("inf"), lse2)  # empty rows: p = 0
-        p = tl.where(keep, tl.exp2(s - lse_ref[None, :]), 0.0)
-    else:  # every query of the block attends these keys, so its lse is finite
-        p = tl.exp2(s - lse2[None, :])
     dp = _dot(v, tl.trans(do), DOT_PRECISION)
-    p_v = p
-    if USE_DROPOUT:
-        z = tl.where(_dropout_keep_pairs(seed, drop_base, i, j, seq_k, dropout_p), dropout_scale, 0.0)
-        p_v = p * z
-        dp = dp * z
-    ds = p * (dp - delta[None, :])
+    p_v, ds, ds_raw = _dlogits(s, t, dp, lse2, delta, keep, seed, drop_base, i, j, seq_k, dropout_p, dropout_scale,
+                               MASKED, True, USE_SOFTCAP, USE_DROPOUT)
     dv = _dot_acc(p_v.to(do.dtype), do, dv, DOT_PRECISION)
-    ds_raw = ds
-    if USE_SOFTCAP:
-        ds_raw = ds * (1.0 - t * t)
     dk = _dot_acc(ds_raw.to(q.dtype), q, dk, DOT_PRECISION)
     if WRITE_DS:  # [batch, heads_q, seq_q, seq_k], float32; every pair is visited once
         ds_base = (b * HEADS_Q + h) * seq_q * seq_k
@@ -137,24 +133,20 @@ def _dq_step(dq, q, do, lse2, delta, q_seg, start_n, offs_m, offs_d, k_ptr, v_pt
              USE_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Add key block ``start_n``'s share to the query block's dq (``MASKED`` as in ``_fwd_step``)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    if MASKED:
-        k = _load_rows(k_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
-        v = _load_rows(v_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
-    else:
-        k = _load_full_rows(k_ptr, k_start, offs_n, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM, BLOCK_D)
-        v = _load_full_rows(v_ptr, k_start, offs_n, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM, BLOCK_D)
+    k, v = _load_kv(k_ptr, v_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV, HEAD_DIM, BLOCK_D, MASKED)
     bias = 0.0
     if USE_BIAS:
         bias = _load_bias(bias_ptr, b, h, offs_m, offs_n, len_q, len_k, BIAS_BATCHED, BIAS_HEADS)
+    s, t = _logits2(_dot(q, tl.trans(k), DOT_PRECISION), bias, logit_scale, softcap, USE_SOFTCAP, USE_BIAS)
     keep = True
     if MASKED:
         k_seg = offs_n
         if USE_SEGMENTS:
             k_seg = tl.load(kv_seg_ptr + b * seq_k + offs_n, mask=offs_n < len_k, other=0)
         keep = _keep(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg, USE_WINDOW, USE_SEGMENTS)
-    _, _, ds_raw = _probs_and_dlogits(q, k, v, do, lse2, delta, bias, keep, seed, drop_base, offs_m, offs_n, seq_k,
-                                      logit_scale, softcap, dropout_p, dropout_scale, MASKED, USE_SOFTCAP, USE_BIAS,
-                                      USE_DROPOUT, DOT_PRECISION)
+    dp = _dot(do, tl.trans(v), DOT_PRECISION)
+    _, _, ds_raw = _dlogits(s, t, dp, lse2, delta, keep, seed, drop_base, offs_m[:, None], offs_n[None, :], seq_k,
+                            dropout_p, dropout_scale, MASKED, False, USE_SOFTCAP, USE_DROPOUT)
     return _dot_acc(ds_raw.to(k.dtype), k, dq, DOT_PRECISION)
 
 

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ..padded_attention import _dot, _dot_acc
-from .tiles import (LN2_C, _dropout_keep, _full_key_range, _keep, _key_range, _load_bias, _load_full_rows,
+from .tiles import (LN2_C, _dropout_keep, _full_key_range, _keep, _key_range, _load_bias, _load_kv,
                     _load_rows, _logits2, _row_base, _run_bounds, _sequence,
                     _store_rows)
 
@@ -26,12 +26,7 @@ def _fwd_step(acc, m_i, l_i, q, q_seg, start_n, k_ptr, v_ptr, bias_ptr, kv_seg_p
     """Fold key block ``start_n`` into the online-softmax state (acc, running max, normaliser).
     ``MASKED=False`` is for blocks every row attends entirely (``_full_key_range``)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    if MASKED:
-        k = _load_rows(k_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
-        v = _load_rows(v_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
-    else:
-        k = _load_full_rows(k_ptr, k_start, offs_n, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM, BLOCK_D)
-        v = _load_full_rows(v_ptr, k_start, offs_n, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM, BLOCK_D)
+    k, v = _load_kv(k_ptr, v_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV, HEAD_DIM, BLOCK_D, MASKED)
     bias = 0.0
     if USE_BIAS:
         bias = _load_bias(bias_ptr, b, h, offs_m, offs_n, len_q, len_k, BIAS_BATCHED, BIAS_HEADS)

@@ -227,6 +227,19 @@ def _load_full_rows(ptr, token_start, offs, col, offs_d, ROW_STRIDE: tl.constexp
 
 
 @triton.jit
+def _load_kv(k_ptr, v_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+             BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+    """The k and v tiles of key block ``offs_n``; unmasked rows when the block lies inside the sequence."""
+    if MASKED:
+        k = _load_rows(k_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
+        v = _load_rows(v_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
+    else:
+        k = _load_full_rows(k_ptr, k_start, offs_n, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM, BLOCK_D)
+        v = _load_full_rows(v_ptr, k_start, offs_n, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM, BLOCK_D)
+    return k, v
+
+
+@triton.jit
 def _store_rows(ptr, value, token_start, offs, n_rows, col, offs_d, ROW_STRIDE: tl.constexpr,
                 HEAD_DIM: tl.constexpr):
     ptrs = ptr + (token_start + offs[:, None]) * ROW_STRIDE + col * HEAD_DIM + offs_d[None, :]
