@@ -60,3 +60,56 @@ def write_json(path: str, payload: dict) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
     print(f"wrote {path}")
+
+
+def try_time(times: dict, errors: dict, name: str, timer) -> None:
+    """``times[name] = timer()``; a method missing on this torch/jax/GPU is recorded in
+    ``errors`` (first line of its message), not fatal."""
+    try:
+        times[name] = timer()
+    except Exception as e:
+        errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def value_and_pullback(fn, primals, cotangent):
+    """A training step's worth of work: the output and the gradients. Return both from a jitted
+    step, or XLA drops whatever the gradients alone do not need (a grouped matmul's forward)."""
+    import jax
+
+    out, pullback = jax.vjp(fn, *primals)
+    return out, pullback(cotangent)
+
+
+def write_bar_svg(path: str, rows: list[dict], phase: str, title: str, label, skip=lambda method: False) -> None:
+    """Grouped bars of ``row["tflops"]["<phase>/<method>"]`` per row (no plotting library
+    needed); ``label(row)`` names a group, ``skip(method)`` leaves a method out."""
+    methods = sorted({k.split("/", 1)[1] for r in rows for k in r["tflops"]
+                      if k.startswith(phase + "/") and not skip(k.split("/", 1)[1])})
+    if not rows or not methods:
+        return
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
+    top = max(r["tflops"].get(f"{phase}/{m}", 0) for r in rows for m in methods) or 1.0
+    bar, gap, height, left, legend = 9, 20, 300, 55, 200
+    width = left + len(rows) * (len(methods) * bar + gap) + legend
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + 150}" font-size="11" '
+           'font-family="sans-serif">', f'<text x="{left}" y="16">{title}</text>']
+    for t in range(5):
+        y = 30 + height - height * t / 4
+        out.append(f'<text x="4" y="{y + 4:.0f}">{top * t / 4:.0f}</text>'
+                   f'<line x1="{left - 4}" x2="{width - legend}" y1="{y:.0f}" y2="{y:.0f}" stroke="#ddd"/>')
+    for i, r in enumerate(rows):
+        x0 = left + i * (len(methods) * bar + gap)
+        for j, m in enumerate(methods):
+            val = r["tflops"].get(f"{phase}/{m}", 0)
+            h = height * val / top
+            out.append(f'<rect x="{x0 + j * bar}" y="{30 + height - h:.1f}" width="{bar - 1}" height="{h:.1f}" '
+                       f'fill="{colors[j % len(colors)]}"><title>{m}: {val:.1f}</title></rect>')
+        out.append(f'<text transform="translate({x0 + 2},{height + 40}) rotate(60)">{label(r)}</text>')
+    for j, m in enumerate(methods):
+        y = 40 + 16 * j
+        out.append(f'<rect x="{width - legend + 10}" y="{y - 9}" width="10" height="10" '
+                   f'fill="{colors[j % len(colors)]}"/><text x="{width - legend + 25}" y="{y}">{m}</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out))
+    print(f"wrote {path}")

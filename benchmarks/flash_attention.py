@@ -30,7 +30,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np
 
-from benchmarks.common import bench_jax, bench_torch, device_name, write_json
+from benchmarks.common import (bench_jax, bench_torch, device_name, try_time, value_and_pullback, write_bar_svg,
+                               write_json)
 from triton_kernels.params import BwdParams, FwdParams
 
 TOKENS = 16384
@@ -65,13 +66,6 @@ def bench_torch_wall(fn, calls: int = 20, repeats: int = 7) -> float:
         torch.cuda.synchronize()
         samples.append((time.perf_counter() - start) * 1e3 / calls)
     return statistics.median(samples)
-
-
-def _try(times: dict, errors: dict, name: str, timer) -> None:
-    try:
-        times[name] = timer()
-    except Exception as e:  # a backend missing on this torch/jax/GPU is recorded, not fatal
-        errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -110,23 +104,16 @@ def bench_torch_impls(q, k, v, dout, causal, fwd_params=None, bwd_params=None, o
         for name in ("flash", "cudnn", "efficient"):
             impls[f"sdpa_{name}"] = (_sdpa(name, causal), heads_first[:3], heads_first[3])
     for name, (fn, args, cot) in impls.items():
-        _try(times, errors, f"fwd/{name}", lambda: bench_torch(lambda: fn(*args)))
-        _try(times, errors, f"fwd+bwd/{name}", lambda: bench_torch(_torch_step(fn, *args, cot)))
+        try_time(times, errors, f"fwd/{name}", lambda: bench_torch(lambda: fn(*args)))
+        try_time(times, errors, f"fwd+bwd/{name}", lambda: bench_torch(_torch_step(fn, *args, cot)))
     if not only_ours:
-        _try(times, errors, "fwd/ours_torch_wall", lambda: bench_torch_wall(lambda: ours(q, k, v)))
-        _try(times, errors, "fwd+bwd/ours_torch_wall", lambda: bench_torch_wall(_torch_step(ours, q, k, v, dout)))
+        try_time(times, errors, "fwd/ours_torch_wall", lambda: bench_torch_wall(lambda: ours(q, k, v)))
+        try_time(times, errors, "fwd+bwd/ours_torch_wall", lambda: bench_torch_wall(_torch_step(ours, q, k, v, dout)))
     return times, errors
 
 
 # --------------------------------------------------------------------------------------------
 # jax
-
-
-def _value_and_pullback(fn, primals, cotangent):
-    import jax
-
-    out, pullback = jax.vjp(fn, *primals)
-    return out, pullback(cotangent)
 
 
 def bench_jax_impls(q_np, k_np, v_np, do_np, dtype, causal) -> tuple[dict, dict]:
@@ -142,11 +129,11 @@ def bench_jax_impls(q_np, k_np, v_np, do_np, dtype, causal) -> tuple[dict, dict]
     times, errors = {}, {}
     for name, fn in impls.items():
         fwd = jax.jit(fn)
-        _try(times, errors, f"fwd/{name}", lambda: bench_jax(fwd, q, k, v))
+        try_time(times, errors, f"fwd/{name}", lambda: bench_jax(fwd, q, k, v))
         # The output and all three gradients leave the jitted step, as in a training step: XLA
         # drops whatever is not returned and not needed.
-        step = jax.jit(lambda a, b, c, d, fn=fn: _value_and_pullback(fn, (a, b, c), d))
-        _try(times, errors, f"fwd+bwd/{name}", lambda: bench_jax(step, q, k, v, do))
+        step = jax.jit(lambda a, b, c, d, fn=fn: value_and_pullback(fn, (a, b, c), d))
+        try_time(times, errors, f"fwd+bwd/{name}", lambda: bench_jax(step, q, k, v, do))
     return times, errors
 
 
@@ -259,39 +246,8 @@ def measure_overhead(device: str) -> dict:
 # output
 
 
-def write_svg(path: str, rows: list[dict], phase: str) -> None:
-    """Grouped bars of TFLOP/s per shape and implementation (no plotting library needed)."""
-    methods = sorted({k.split("/", 1)[1] for r in rows for k in r["tflops"]
-                      if k.startswith(phase + "/") and not k.endswith("_wall")})
-    if not rows or not methods:
-        return
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
-    top = max(r["tflops"].get(f"{phase}/{m}", 0) for r in rows for m in methods) or 1.0
-    bar, gap, height, left = 8, 18, 300, 50
-    width = left + len(rows) * (len(methods) * bar + gap) + 180
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + 150}" font-size="11" '
-           'font-family="sans-serif">', f'<text x="{left}" y="16">flash attention {phase}: TFLOP/s</text>']
-    for t in range(5):
-        y = 30 + height - height * t / 4
-        out.append(f'<text x="4" y="{y + 4:.0f}">{top * t / 4:.0f}</text>'
-                   f'<line x1="{left - 4}" x2="{width - 180}" y1="{y:.0f}" y2="{y:.0f}" stroke="#ddd"/>')
-    for i, r in enumerate(rows):
-        x0 = left + i * (len(methods) * bar + gap)
-        for j, m in enumerate(methods):
-            val = r["tflops"].get(f"{phase}/{m}", 0)
-            h = height * val / top
-            out.append(f'<rect x="{x0 + j * bar}" y="{30 + height - h:.1f}" width="{bar - 1}" height="{h:.1f}" '
-                       f'fill="{colors[j % len(colors)]}"><title>{m}: {val:.0f}</title></rect>')
-        label = f'{r["dtype"][:4]} d{r["head_dim"]} s{r["seq"] // 1024}k{" causal" if r["causal"] else ""}'
-        out.append(f'<text transform="translate({x0 + 2},{height + 40}) rotate(60)">{label}</text>')
-    for j, m in enumerate(methods):
-        y = 40 + 16 * j
-        out.append(f'<rect x="{width - 170}" y="{y - 9}" width="10" height="10" fill="{colors[j % len(colors)]}"/>'
-                   f'<text x="{width - 155}" y="{y}">{m}</text>')
-    out.append("</svg>")
-    with open(path, "w") as f:
-        f.write("\n".join(out))
-    print(f"wrote {path}")
+def _svg_label(r: dict) -> str:
+    return f'{r["dtype"][:4]} d{r["head_dim"]} s{r["seq"] // 1024}k{" causal" if r["causal"] else ""}'
 
 
 def _summary(rows: list[dict]) -> dict:
@@ -382,7 +338,8 @@ def _write(args, rows: list[dict], extras: dict) -> None:
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"flash_attention-{device_name()}.json")
     write_json(out, payload)
     for phase in ("fwd", "fwd+bwd"):
-        write_svg(out.removesuffix(".json") + f"-{phase.replace('+', '-')}.svg", rows, phase)
+        write_bar_svg(out.removesuffix(".json") + f"-{phase.replace('+', '-')}.svg", rows, phase,
+                      f"flash attention {phase}: TFLOP/s", _svg_label, skip=lambda m: m.endswith("_wall"))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np
 
-from benchmarks.common import bench_jax, bench_torch, device_name, write_json
+from benchmarks.common import (bench_jax, bench_torch, device_name, try_time, value_and_pullback, write_bar_svg,
+                               write_json)
 from triton_kernels.params import FwdParams
 
 # (experts g, tokens m, k, n): MoE layers from the issue's ranges, largest balanced ones first.
@@ -78,13 +79,6 @@ def _time_jax(fn, args, smoke: bool) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def _try(results: dict, errors: dict, name: str, timer):
-    try:
-        results[name] = timer()
-    except Exception as e:  # a baseline missing on this torch/jax/GPU is recorded, not fatal
-        errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-
-
 # --------------------------------------------------------------------------------------------
 # one shape
 
@@ -129,7 +123,7 @@ def _bench_torch(lhs_np, rhs_np, sizes_np, dtype, smoke, rng):
     times, errors = {}, {}
     for name, fn in _torch_methods(rhs, sizes_np, device).items():
         weights = rhs_cm if name == "torch._grouped_mm" else rhs
-        _try(times, errors, f"fwd/{name}", lambda: _time_torch(lambda: fn(lhs, weights), smoke))
+        try_time(times, errors, f"fwd/{name}", lambda: _time_torch(lambda: fn(lhs, weights), smoke))
         if name == "dense_matmul":  # one [k, n] weight and the routed rows only: equal FLOPs
             total = int(sizes_np.sum())
             a = lhs[:total].clone().requires_grad_(True)
@@ -139,15 +133,8 @@ def _bench_torch(lhs_np, rhs_np, sizes_np, dtype, smoke, rng):
             a = lhs.clone().requires_grad_(True)
             b = weights.clone().requires_grad_(True)
             step = lambda: torch.autograd.grad(fn(a, b), (a, b), cot)  # noqa: E731
-        _try(times, errors, f"fwd+bwd/{name}", lambda: _time_torch(step, smoke))
+        try_time(times, errors, f"fwd+bwd/{name}", lambda: _time_torch(step, smoke))
     return times, errors, (lhs, rhs, cot)
-
-
-def _value_and_pullback(fn, primals, cotangent):
-    import jax
-
-    out, pullback = jax.vjp(fn, *primals)
-    return out, pullback(cotangent)
 
 
 def _bench_jax(lhs_np, rhs_np, sizes_np, dtype, smoke, rng):
@@ -166,11 +153,11 @@ def _bench_jax(lhs_np, rhs_np, sizes_np, dtype, smoke, rng):
     times, errors = {}, {}
     for name, fn in methods.items():
         fwd = jax.jit(fn)
-        _try(times, errors, f"fwd/{name}", lambda: _time_jax(fwd, (lhs, rhs, gs), smoke))
+        try_time(times, errors, f"fwd/{name}", lambda: _time_jax(fwd, (lhs, rhs, gs), smoke))
         # fwd+bwd: the forward output and both gradients leave the jitted step, as in a training
         # step (the gradients alone do not need the forward, and XLA would drop it).
-        step = jax.jit(lambda a, b, s, c, fn=fn: _value_and_pullback(lambda x, y: fn(x, y, s), (a, b), c))
-        _try(times, errors, f"fwd+bwd/{name}", lambda: _time_jax(step, (lhs, rhs, gs, cot), smoke))
+        step = jax.jit(lambda a, b, s, c, fn=fn: value_and_pullback(lambda x, y: fn(x, y, s), (a, b), c))
+        try_time(times, errors, f"fwd+bwd/{name}", lambda: _time_jax(step, (lhs, rhs, gs, cot), smoke))
     return times, errors
 
 
@@ -185,7 +172,7 @@ def _sweep(lhs, rhs, sizes_np, smoke) -> dict:
         key = f"{params.blocksize_m}x{params.blocksize_n}x{params.blocksize_k}-w{params.num_warps}-s{params.num_stages}"
         errors = {}
         call = lambda: ejkernel_torch.grouped_matmul(lhs, rhs, gs, fwd_params=params)  # noqa: E731
-        _try(out, errors, key, lambda: _time_torch(call, smoke))
+        try_time(out, errors, key, lambda: _time_torch(call, smoke))
         if errors:
             out[key] = errors[key]
     return out
@@ -234,39 +221,8 @@ def run_shape(g, m, k, n, routing, dtype, smoke, sweep, seed=0) -> dict:
 # output
 
 
-def write_svg(path: str, rows: list[dict], phase: str = "fwd") -> None:
-    """Grouped bar chart of TFLOP/s per shape and method (no plotting library needed)."""
-    methods = sorted({k.split("/", 1)[1] for r in rows for k in r["tflops"] if k.startswith(phase + "/")})
-    if not rows or not methods:
-        return
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
-    top = max(max((r["tflops"].get(f"{phase}/{m}", 0) for m in methods), default=0) for r in rows) or 1.0
-    bar, gap, height, left = 10, 24, 300, 60
-    width = left + len(rows) * (len(methods) * bar + gap) + 220
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + 140}" font-size="11" '
-           'font-family="sans-serif">',
-           f'<text x="{left}" y="16">{phase} TFLOP/s (useful FLOPs), higher is better</text>']
-    for t in range(5):
-        y = 30 + height - height * t / 4
-        out.append(f'<text x="4" y="{y + 4:.0f}">{top * t / 4:.0f}</text>'
-                   f'<line x1="{left - 4}" x2="{width - 220}" y1="{y:.0f}" y2="{y:.0f}" stroke="#ddd"/>')
-    for i, r in enumerate(rows):
-        x0 = left + i * (len(methods) * bar + gap)
-        for j, m in enumerate(methods):
-            v = r["tflops"].get(f"{phase}/{m}", 0)
-            h = height * v / top
-            out.append(f'<rect x="{x0 + j * bar}" y="{30 + height - h:.1f}" width="{bar - 1}" height="{h:.1f}" '
-                       f'fill="{colors[j % len(colors)]}"><title>{m}: {v:.1f}</title></rect>')
-        label = f'g{r["experts"]} m{r["tokens"] // 1024}k k{r["k"]} n{r["n"]} {r["routing"][:4]}'
-        out.append(f'<text transform="translate({x0 + 4},{height + 40}) rotate(60)">{label}</text>')
-    for j, m in enumerate(methods):
-        y = 40 + 16 * j
-        out.append(f'<rect x="{width - 210}" y="{y - 9}" width="10" height="10" fill="{colors[j % len(colors)]}"/>'
-                   f'<text x="{width - 195}" y="{y}">{m}</text>')
-    out.append("</svg>")
-    with open(path, "w") as f:
-        f.write("\n".join(out))
-    print(f"wrote {path}")
+def _svg_label(r: dict) -> str:
+    return f'g{r["experts"]} m{r["tokens"] // 1024}k k{r["k"]} n{r["n"]} {r["routing"][:4]}'
 
 
 def main() -> None:
@@ -318,8 +274,9 @@ def _write(args, device: str, rows: list[dict]) -> None:
                                "batches of 50 pipelined calls; TFLOP/s on 2*sum(group_sizes)*k*n per matmul "
                                "(x3 for fwd+bwd)",
                      "ratios": ratios, "results": rows})
-    write_svg(out.removesuffix(".json") + ".svg", rows)
-    write_svg(out.removesuffix(".json") + "-fwd-bwd.svg", rows, "fwd+bwd")
+    for phase, suffix in (("fwd", ""), ("fwd+bwd", "-fwd-bwd")):
+        write_bar_svg(out.removesuffix(".json") + f"{suffix}.svg", rows, phase,
+                      f"{phase} TFLOP/s (useful FLOPs), higher is better", _svg_label)
 
 
 if __name__ == "__main__":
