@@ -2,16 +2,20 @@
 a per-expert torch.matmul loop, a dense torch.matmul of equal FLOPs and jax.lax.ragged_dot.
 Forward and forward+backward, TFLOP/s on the useful FLOPs (2 * sum(group_sizes) * k * n per matmul).
 
-    python benchmarks/grouped_matmul.py [--shapes quick|default|full] [--sweep] [--out PATH]
+    python benchmarks/grouped_matmul.py [--shapes quick|default|full] [--only 0 2 ..] [--sweep]
+                                        [--merge PATH] [--out PATH]
     python benchmarks/grouped_matmul.py --smoke     # tiny shapes on CPU: checks the script runs
 
 Writes benchmarks/results/grouped_matmul-<gpu>.json and an SVG bar chart next to it. ``--sweep``
 also times every config in SWEEP_CONFIGS for our forward (torch) and records the best per shape.
+``--only`` picks shapes by index; ``--merge`` starts from the rows of an earlier results file (so a
+run split across several commands ends in one file and one plot).
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import statistics
 import sys
@@ -98,11 +102,11 @@ def _torch_methods(rhs, sizes_np, device):
         return torch.cat([a[bounds[i]:bounds[i + 1]] @ b[i] for i in range(b.shape[0])] + [a.new_zeros(
             (a.shape[0] - total, b.shape[2]))])
 
-    offset = torch.zeros(1, dtype=torch.int32, device=device)
     return {
         "ours_torch": lambda a, b: ejkernel_torch.grouped_matmul(a, b, gs),
-        # The registered op without the public function's value checks (one host sync per call).
-        "ours_torch_op": lambda a, b: torch.ops.ejkernel.grouped_matmul(a, b, gs, offset, False, a.dtype, None),
+        # Without the value checks on group_sizes (one host sync per call), as a training loop with
+        # a trusted router would call it.
+        "ours_torch_unchecked": lambda a, b: ejkernel_torch.grouped_matmul(a, b, gs, check_values=False),
         # _grouped_mm wants the weights column-major; the transpose copy is made outside the timing.
         "torch._grouped_mm": lambda a, b: torch._grouped_mm(a, b, offs=offs),
         "torch_loop": loop,
@@ -205,7 +209,7 @@ def run_shape(g, m, k, n, routing, dtype, smoke, sweep, seed=0) -> dict:
     row = {"experts": g, "tokens": m, "k": k, "n": n, "routing": routing, "dtype": dtype,
            "max_group": int(sizes.max()), "ms": times, "tflops": tflops, "errors": errors,
            "plans": _plan_summary(m, k, n, g, dtype, smoke)}
-    for phase, mine, base in itertools.product(("fwd", "fwd+bwd"), ("ours_torch", "ours_torch_op"),
+    for phase, mine, base in itertools.product(("fwd", "fwd+bwd"), ("ours_torch", "ours_torch_unchecked"),
                                                ("torch._grouped_mm", "dense_matmul", "torch_loop")):
         if times.get(f"{phase}/{mine}") and times.get(f"{phase}/{base}"):  # > 1: ours is faster
             row[f"{phase}: {mine} vs {base}"] = times[f"{phase}/{base}"] / times[f"{phase}/{mine}"]
@@ -232,6 +236,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--sweep", action="store_true", help="also time SWEEP_CONFIGS for our forward")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter): checks the script")
+    parser.add_argument("--only", nargs="*", type=int, default=None, help="indices into the shape list")
+    parser.add_argument("--merge", default=None, help="results JSON whose rows this run extends")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -244,7 +250,12 @@ def main() -> None:
         if not torch.cuda.is_available():
             sys.exit("needs a CUDA GPU (or --smoke)")
         shapes, device = SHAPES[args.shapes], device_name()
+    if args.only is not None:
+        shapes = [shapes[i] for i in args.only]
     rows = []
+    if args.merge:
+        with open(args.merge) as f:
+            rows = json.load(f)["results"]
     for (g, m, k, n), routing in itertools.product(shapes, args.routing):
         row = run_shape(g, m, k, n, routing, args.dtype, args.smoke, args.sweep)
         rows.append(row)

@@ -1,7 +1,8 @@
 """Time flash-attention tile configs on a CUDA GPU, each backward config in its own subprocess so
 that a faulting config (a sticky CUDA error) is reported and the sweep goes on.
 
-    python scripts/sweep_flash.py [--out PATH]
+    python scripts/sweep_flash.py [--head-dims 64 128] [--causal false true] [--phases fwd bwd]
+                                  [--fwd 128,64,8,3 ...] [--bwd 32,64,4,3 ...] [--out PATH]
 
 bf16, batch 4, seq 4096, heads 2048 / head_dim, head_dim 64 and 128, causal and not. Prints and
 writes milliseconds and TFLOP/s per config (forward, and forward+backward for backward configs).
@@ -51,16 +52,29 @@ def _time(case: dict) -> dict:
     return results
 
 
+def _config(text: str) -> tuple[int, int, int, int]:
+    values = tuple(int(x) for x in text.split(","))
+    if len(values) != 4:
+        raise argparse.ArgumentTypeError(f"expected BLOCK_M,BLOCK_N,warps,stages, got {text!r}")
+    return values
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("{"):
         print("RESULT", json.dumps(_time(json.loads(sys.argv[1]))))
         return
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
+    parser.add_argument("--head-dims", nargs="*", type=int, default=[128, 64])
+    parser.add_argument("--causal", nargs="*", default=["false", "true"], choices=["false", "true"])
+    parser.add_argument("--phases", nargs="*", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    parser.add_argument("--fwd", nargs="*", type=_config, default=FWD, help="BLOCK_M,BLOCK_N,warps,stages")
+    parser.add_argument("--bwd", nargs="*", type=_config, default=BWD, help="BLOCK_M,BLOCK_N,warps,stages")
     args = parser.parse_args()
-    jobs = [dict(head_dim=d, causal=c, phase="fwd", configs=FWD) for d, c in itertools.product((128, 64), (False, True))]
+    cases = list(itertools.product(args.head_dims, [c == "true" for c in args.causal]))
+    jobs = [dict(head_dim=d, causal=c, phase="fwd", configs=args.fwd) for d, c in cases if "fwd" in args.phases]
     jobs += [dict(head_dim=d, causal=c, phase="bwd", configs=[cfg])
-             for d, c, cfg in itertools.product((128, 64), (False, True), BWD)]
+             for (d, c), cfg in itertools.product(cases, args.bwd) if "bwd" in args.phases]
     table = []
     for job in jobs:
         r = subprocess.run([sys.executable, __file__, json.dumps(job)], capture_output=True, text=True, timeout=300)

@@ -382,6 +382,35 @@ def test_torch_rejects_mixed_devices_and_non_tensors(torch_fw):
             ejk.grouped_matmul(lhs.cuda(), rhs.cuda(), torch.tensor([2, 3], dtype=torch.int32))
 
 
+def test_check_values_false_skips_only_the_value_checks(fw, rng):
+    """check_values=False does not read group_sizes / a tensor group_offset (the host sync on a
+    GPU): valid values give the same bits as a checked call, bad values are not raised but
+    clamped by the kernels, and shape/dtype checks still run."""
+    m, k, n, held = 37, 20, 19, 2
+    sizes = ragged_sizes(rng, m, 4)
+    (lhs, rhs, lhs_t, rhs_t), _ = _arrays(fw, rng, "float32", (m, k), (held, k, n), (k, m), (m, n))
+    for offset in (1, fw.asarray(np.int32(1))):
+        gmm = [fw.to_numpy(fw.ops.grouped_matmul(lhs, rhs, fw.asarray(sizes), group_offset=offset,
+                                                   fwd_params=SMALL, check_values=check)) for check in (True, False)]
+        tgmm = [fw.to_numpy(fw.ops.transposed_grouped_matmul(lhs_t, rhs_t, fw.asarray(sizes), group_offset=offset,
+                                                             num_actual_groups=held, fwd_params=SMALL,
+                                                             check_values=check)) for check in (True, False)]
+        assert np.array_equal(*gmm) and np.array_equal(*tgmm)
+    bad = fw.asarray(np.array([-5, 40, 40, 40], np.int32))
+    with pytest.raises(ValueError, match="group_sizes"):
+        fw.ops.grouped_matmul(lhs, rhs, bad)
+    with pytest.raises(ValueError, match="group_offset"):
+        fw.ops.grouped_matmul(lhs, rhs, fw.asarray(sizes), group_offset=fw.asarray(np.int32(7)))
+    out = fw.ops.grouped_matmul(lhs, rhs, bad, group_offset=fw.asarray(np.int32(7)), check_values=False)
+    assert np.isfinite(fw.to_numpy(out)).all()
+    out = fw.ops.transposed_grouped_matmul(lhs_t, rhs_t, bad, check_values=False)
+    assert np.isfinite(fw.to_numpy(out)).all()
+    with pytest.raises(ValueError, match="group_offset=9"):  # an int offset costs nothing to check
+        fw.ops.grouped_matmul(lhs, rhs, fw.asarray(sizes), group_offset=9, check_values=False)
+    with pytest.raises(TypeError, match="group_sizes must be an int32"):
+        fw.ops.grouped_matmul(lhs, rhs, fw.asarray(sizes.astype(np.int16)), check_values=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # tracing: jax.jit with traced group sizes / offset, torch.compile
 

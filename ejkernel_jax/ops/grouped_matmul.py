@@ -6,8 +6,9 @@ through jax-triton on GPU, the Triton interpreter on CPU). ``platform=`` overrid
 ``platform="tpu"`` off a TPU runs Pallas in interpret mode.
 
 Value checks on ``group_sizes`` (negative sizes, ``sum > m``) and ``group_offset`` run when the
-values are concrete. Under ``jax.jit`` they are traced and cannot be checked: the kernels then
-clamp them (no out-of-bounds access, meaningless result).
+values are concrete (reading them is a device-to-host copy on GPU) unless ``check_values=False``.
+Under ``jax.jit`` they are traced and cannot be checked: the kernels then clamp them (no
+out-of-bounds access, meaningless result).
 """
 from __future__ import annotations
 
@@ -97,17 +98,18 @@ _tgmm.defvjp(_tgmm_fwd, _tgmm_bwd)
 # argument handling
 
 
-def _group_sizes_arg(group_sizes, m: int):
+def _group_sizes_arg(group_sizes, m: int, check_values: bool):
     group_sizes = array_arg("group_sizes", group_sizes)
     num_groups = gm.check_group_sizes(tuple(group_sizes.shape), name_of(group_sizes))
-    if num_groups and is_concrete(group_sizes):
+    if check_values and num_groups and is_concrete(group_sizes):
         sizes = np.asarray(group_sizes).astype(np.int64)
         gm.check_group_values(int(sizes.min()), int(sizes.sum()), m)
     return group_sizes
 
 
-def _group_offset_arg(group_offset, num_groups: int, num_selected: int) -> jax.Array:
-    """group_offset as an int32 [1] array; its value is checked when concrete."""
+def _group_offset_arg(group_offset, num_groups: int, num_selected: int, check_values: bool) -> jax.Array:
+    """group_offset as an int32 [1] array; its value is checked when concrete (an array's only if
+    ``check_values``)."""
     if group_offset is None:
         group_offset = 0
     if isinstance(group_offset, (bool, np.bool_)):
@@ -118,7 +120,7 @@ def _group_offset_arg(group_offset, num_groups: int, num_selected: int) -> jax.A
     if not isinstance(group_offset, (jax.Array, np.ndarray)):
         raise TypeError(f"group_offset must be an int or an integer scalar array, got {group_offset!r}")
     gm.check_group_offset_shape(tuple(group_offset.shape), jnp.dtype(group_offset.dtype).name)
-    if is_concrete(group_offset):
+    if check_values and is_concrete(group_offset):
         gm.check_group_offset_value(int(np.asarray(group_offset).reshape(())), num_groups, num_selected)
     return jnp.reshape(group_offset, (1,)).astype(jnp.int32)
 
@@ -153,7 +155,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    preferred_element_type=None, transpose_rhs: bool = False,
                    group_offset: int | jax.Array | None = None,
                    fwd_params: FwdParams | dict | None = None, platform: str | None = None,
-                   autotune: bool | None = None) -> jax.Array:
+                   autotune: bool | None = None, check_values: bool = True) -> jax.Array:
     """Grouped matmul for MoE: ``out[rows_g] = lhs[rows_g] @ rhs[g - group_offset]``.
 
     ``lhs`` is ``[m, k]``; ``rhs`` is ``[num_selected, k, n]`` (``[num_selected, n, k]`` if
@@ -169,6 +171,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     entry for its shapes and device, else the heuristic; ``autotune`` (default:
     ``EJKERNEL_AUTOTUNE``) times candidates on a cache miss, on concrete arrays only (under
     ``jit`` the cache is only read, at trace time). Pallas uses only ``fwd_params``.
+    ``check_values=False`` skips reading concrete ``group_sizes``/``group_offset`` arrays for
+    the value checks (a device-to-host copy on GPU): for values known valid.
     Differentiable in lhs and rhs.
     """
     lhs, rhs = array_arg("lhs", lhs), array_arg("rhs", rhs)
@@ -178,8 +182,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         tuple(group_sizes.shape), name_of(group_sizes), bool(transpose_rhs))
     out_dtype = _out_dtype(preferred_element_type, name_of(lhs))
     params = FwdParams.coerce(fwd_params) if fwd_params is not None else None
-    group_sizes = _group_sizes_arg(group_sizes, m)
-    offset = _group_offset_arg(group_offset, num_groups, num_selected)
+    group_sizes = _group_sizes_arg(group_sizes, m, bool(check_values))
+    offset = _group_offset_arg(group_offset, num_groups, num_selected, bool(check_values))
     if _platform(platform) == "tpu":
         from ejkernel_jax.pallas.tpu import grouped_matmul as pallas_gm
 
@@ -196,13 +200,14 @@ def transposed_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
                               preferred_element_type=None, group_offset: int | jax.Array | None = None,
                               num_actual_groups: int | None = None,
                               fwd_params: FwdParams | dict | None = None, platform: str | None = None,
-                              autotune: bool | None = None) -> jax.Array:
+                              autotune: bool | None = None, check_values: bool = True) -> jax.Array:
     """Transposed grouped matmul: ``out[i] = lhs[:, rows_g] @ rhs[rows_g]`` with ``g = group_offset + i``.
 
     ``lhs`` is ``[k, m]``, ``rhs`` ``[m, n]``; returns ``[num_actual_groups, k, n]`` (default: all
     groups, static); an empty group gives zeros. The weight gradient of ``grouped_matmul``.
     ``fwd_params``: ``blocksize_k`` x ``blocksize_n`` is the output tile, ``blocksize_m`` the rows
-    summed per step. ``platform``, ``fwd_params`` and ``autotune`` as in ``grouped_matmul``.
+    summed per step. ``platform``, ``fwd_params``, ``autotune`` and ``check_values`` as in
+    ``grouped_matmul``.
     Differentiable in lhs and rhs.
     """
     lhs, rhs = array_arg("lhs", lhs), array_arg("rhs", rhs)
@@ -212,8 +217,8 @@ def transposed_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
         tuple(group_sizes.shape), name_of(group_sizes), num_actual_groups)
     out_dtype = _out_dtype(preferred_element_type, name_of(lhs))
     params = FwdParams.coerce(fwd_params) if fwd_params is not None else None
-    group_sizes = _group_sizes_arg(group_sizes, m)
-    offset = _group_offset_arg(group_offset, num_groups, num_selected)
+    group_sizes = _group_sizes_arg(group_sizes, m, bool(check_values))
+    offset = _group_offset_arg(group_offset, num_groups, num_selected, bool(check_values))
     if _platform(platform) == "tpu":
         from ejkernel_jax.pallas.tpu import grouped_matmul as pallas_gm
 

@@ -8,7 +8,9 @@ each op is made of the two ops, so higher-order gradients run on the kernels too
 
 Value checks on ``group_sizes`` (negative sizes, ``sum > m``) and on a tensor ``group_offset``
 read the values, a host sync on CUDA. They run eagerly, and are skipped while ``torch.compile``
-traces or a CUDA graph is captured; unchecked bad values are clamped by the kernels (no
+traces, while a CUDA graph is captured, or when the caller passes ``check_values=False`` (values
+known valid, e.g. a router's ``bincount``: the sync stalls the launch queue, which costs up to
+half the time of a small grouped matmul). Unchecked bad values are clamped by the kernels (no
 out-of-bounds access, meaningless result).
 """
 from __future__ import annotations
@@ -125,8 +127,9 @@ def _checking_values() -> bool:
 
 
 def _group_args(group_sizes, group_offset, m: int, num_groups: int, num_selected: int,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """group_sizes as given (int32, checked) and group_offset as an int32 [1] tensor on ``device``."""
+                device: torch.device, check_values: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """group_sizes as given (int32, checked) and group_offset as an int32 [1] tensor on ``device``.
+    Values are read (one host sync) only if ``check_values`` and ``_checking_values()``."""
     if group_sizes.device != device:
         raise ValueError(f"group_sizes is on {group_sizes.device} but lhs is on {device}")
     if group_offset is None:
@@ -137,11 +140,12 @@ def _group_args(group_sizes, group_offset, m: int, num_groups: int, num_selected
         offset_value = None
     elif isinstance(group_offset, int) and not isinstance(group_offset, bool):
         gm.check_group_offset_value(group_offset, num_groups, num_selected)
-        offset = torch.tensor([group_offset], dtype=torch.int32, device=device)
+        # torch.full fills on the device; torch.tensor([...], device="cuda") would sync the stream.
+        offset = torch.full((1,), group_offset, dtype=torch.int32, device=device)
         offset_value = group_offset
     else:
         raise TypeError(f"group_offset must be an int or an integer scalar tensor, got {group_offset!r}")
-    if _checking_values():
+    if check_values and _checking_values():
         values = [group_sizes.min(), group_sizes.sum(dtype=torch.int64)] if num_groups else []
         if offset_value is None:
             values.append(group_offset.reshape(()).to(device))
@@ -166,7 +170,8 @@ def _out_dtype(preferred_element_type, default: torch.dtype) -> torch.dtype:
 def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *,
                    preferred_element_type: torch.dtype | None = None, transpose_rhs: bool = False,
                    group_offset: int | torch.Tensor | None = None,
-                   fwd_params: FwdParams | dict | None = None, autotune: bool | None = None) -> torch.Tensor:
+                   fwd_params: FwdParams | dict | None = None, autotune: bool | None = None,
+                   check_values: bool = True) -> torch.Tensor:
     """Grouped matmul for MoE: ``out[rows_g] = lhs[rows_g] @ rhs[g - group_offset]``.
 
     ``lhs`` is ``[m, k]``; ``rhs`` is ``[num_selected, k, n]`` (``[num_selected, n, k]`` if
@@ -179,7 +184,9 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     kernel's ``blocksize_m/n/k``, ``num_warps``, ``num_stages``; without it every launch (the
     gradients' too) uses the config cache's entry for its shapes and device, else the heuristic.
     ``autotune`` (default: ``EJKERNEL_AUTOTUNE``) times candidates on a cache miss and stores the
-    fastest (eager only; see ``triton_kernels.tuning``). Differentiable in lhs and rhs.
+    fastest (eager only; see ``triton_kernels.tuning``). ``check_values=False`` skips reading
+    ``group_sizes`` (and a tensor ``group_offset``) for the value checks, a host sync on CUDA:
+    for values known valid. Differentiable in lhs and rhs.
     """
     lhs, rhs, group_sizes = (tensor_arg(n, t) for n, t in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)))
     m, k, n, num_groups, num_selected = gm.check_gmm(
@@ -188,7 +195,8 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     device = same_device(lhs=lhs, rhs=rhs)
     out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
     params = FwdParams.coerce(fwd_params) if fwd_params is not None else None
-    group_sizes, offset = _group_args(group_sizes, group_offset, m, num_groups, num_selected, device)
+    group_sizes, offset = _group_args(group_sizes, group_offset, m, num_groups, num_selected, device,
+                                      bool(check_values))
     problem = (m, k, n, num_groups, num_selected, bool(transpose_rhs), name_of(lhs), dtype_name(out_dtype))
     lhs, rhs = lhs.contiguous(), rhs.contiguous()
     if not torch.compiler.is_compiling():  # bad fwd_params fail here (dynamo cannot trace plans)
@@ -202,13 +210,14 @@ def transposed_grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes:
                               group_offset: int | torch.Tensor | None = None,
                               num_actual_groups: int | None = None,
                               fwd_params: FwdParams | dict | None = None,
-                              autotune: bool | None = None) -> torch.Tensor:
+                              autotune: bool | None = None, check_values: bool = True) -> torch.Tensor:
     """Transposed grouped matmul: ``out[i] = lhs[:, rows_g] @ rhs[rows_g]`` with ``g = group_offset + i``.
 
     ``lhs`` is ``[k, m]``, ``rhs`` ``[m, n]``; returns ``[num_actual_groups, k, n]`` (default: all
     groups); an empty group gives zeros. This is the weight gradient of ``grouped_matmul``.
     ``fwd_params``: ``blocksize_k`` x ``blocksize_n`` is the output tile, ``blocksize_m`` the rows
-    summed per step. ``fwd_params``/``autotune``: as in ``grouped_matmul``. Differentiable in lhs and rhs.
+    summed per step. ``fwd_params``/``autotune``/``check_values``: as in ``grouped_matmul``.
+    Differentiable in lhs and rhs.
     """
     lhs, rhs, group_sizes = (tensor_arg(n, t) for n, t in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)))
     m, k, n, num_groups, num_selected = gm.check_tgmm(
@@ -217,7 +226,8 @@ def transposed_grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes:
     device = same_device(lhs=lhs, rhs=rhs)
     out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
     params = FwdParams.coerce(fwd_params) if fwd_params is not None else None
-    group_sizes, offset = _group_args(group_sizes, group_offset, m, num_groups, num_selected, device)
+    group_sizes, offset = _group_args(group_sizes, group_offset, m, num_groups, num_selected, device,
+                                      bool(check_values))
     problem = (m, k, n, num_groups, num_selected, False, name_of(lhs), dtype_name(out_dtype))
     lhs, rhs = lhs.contiguous(), rhs.contiguous()
     if not torch.compiler.is_compiling():

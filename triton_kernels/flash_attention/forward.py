@@ -30,16 +30,24 @@ def _fwd_step(acc, m_i, l_i, q, q_seg, start_n, k_ptr, v_ptr, bias_ptr, kv_seg_p
     bias = 0.0
     if USE_BIAS:
         bias = _load_bias(bias_ptr, b, h, offs_m, offs_n, len_q, len_k, BIAS_BATCHED, BIAS_HEADS)
-    s, _ = _logits2(_dot(q, tl.trans(k), DOT_PRECISION), bias, logit_scale, softcap, USE_SOFTCAP, USE_BIAS)
-    if MASKED:
-        k_seg = offs_n
-        if USE_SEGMENTS:
-            k_seg = tl.load(kv_seg_ptr + b * seq_k + offs_n, mask=offs_n < len_k, other=0)
-        keep = _keep(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg, USE_WINDOW, USE_SEGMENTS)
-        s = tl.where(keep, s, -float("inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing attended yet: keep exp2 finite
-    p = tl.exp2(s - m_ref[:, None])
+    qk = _dot(q, tl.trans(k), DOT_PRECISION)
+    if MASKED or USE_SOFTCAP or USE_BIAS:
+        s, _ = _logits2(qk, bias, logit_scale, softcap, USE_SOFTCAP, USE_BIAS)
+        if MASKED:
+            k_seg = offs_n
+            if USE_SEGMENTS:
+                k_seg = tl.load(kv_seg_ptr + b * seq_k + offs_n, mask=offs_n < len_k, other=0)
+            keep = _keep(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg, USE_WINDOW, USE_SEGMENTS)
+            s = tl.where(keep, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing attended yet: keep exp2 finite
+        p = tl.exp2(s - m_ref[:, None])
+    else:
+        # Plain whole tile: scale the row max instead of the tile (the same value, the scale being
+        # positive), so that scaling and subtracting fuse into one FMA per logit.
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * logit_scale)
+        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
+        p = tl.exp2(qk * logit_scale - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, axis=1)  # the normaliser counts dropped entries too
     if USE_DROPOUT:
