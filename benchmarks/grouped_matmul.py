@@ -23,6 +23,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# jax's allocator keeps what it grew to; without a cap, ragged_dot's autotuner leaves too little
+# for torch's largest shapes on an 80 GB GPU.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.3")
 
 import numpy as np
 
@@ -175,7 +178,7 @@ def _sweep(lhs, rhs, sizes_np, smoke) -> dict:
     for params in SWEEP_CONFIGS:
         key = f"{params.blocksize_m}x{params.blocksize_n}x{params.blocksize_k}-w{params.num_warps}-s{params.num_stages}"
         errors = {}
-        call = lambda: ejkernel_torch.grouped_matmul(lhs, rhs, gs, fwd_params=params)  # noqa: E731
+        call = lambda: ejkernel_torch.grouped_matmul(lhs, rhs, gs, fwd_params=params, check_values=False)  # noqa: E731
         try_time(out, errors, key, lambda: _time_torch(call, smoke))
         if errors:
             out[key] = errors[key]
