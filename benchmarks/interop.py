@@ -17,7 +17,10 @@ user would write; ``raw_dlpack_grad_min`` the same with the bridge's converters,
 floor for anything torch's autograd can call). ``*_1thread`` variants run the backward under
 ``torch.autograd.set_multithreading_enabled(False)``: on CUDA torch's engine otherwise runs
 backward on a per-device worker thread (the JAX pullback is then called from that thread, with
-two thread hand-offs per backward); on CPU it changes nothing. Also: bytes copied for compact
+two thread hand-offs per backward); on CPU it changes nothing. ``*_grad_chain`` variants chain
+CHAIN calls (``h = f(h, y, z)``) into one graph and run one backward, as a model with several
+bridged layers would: the engine's per-backward cost is then shared, and
+``bridge_grad_marginal_over_raw_marginal`` compares what each extra call adds. Also: bytes copied for compact
 tensors (by pointer comparison on the conversions the bridge performs) and the jit-cache hit
 rate after warm-up. ``scripts/probe_grad_overhead.py`` breaks the grad overhead down further.
 
@@ -48,6 +51,9 @@ import torch  # noqa: E402
 
 from ejkernel_torch import interop  # noqa: E402
 from ejkernel_torch._interop import _bridge, _convert  # noqa: E402
+
+
+CHAIN = 8  # bridged calls in one autograd graph for the *_chain variants
 
 
 def fn(x, y, z):
@@ -144,6 +150,29 @@ def make_variants(device: str, shape, dtype):
         bridged(*xs_g)
         sync()
 
+    def raw_dlpack_grad_chain():
+        # CHAIN calls in one graph, driven by hand: what a model with several bridged layers pays
+        # without torch's autograd (the cotangent of y and z summed over the calls, as autograd would).
+        h, pullbacks = xs_g[0].detach(), []
+        for _ in range(CHAIN):
+            out, pullback = jfwd(*[_convert.tensor_to_jax(t, None) for t in (h, xs_g[1].detach(), xs_g[2].detach())])
+            h = _convert.array_to_torch(out, None)
+            pullbacks.append(pullback)
+        g, gy, gz = ct, 0, 0
+        for pullback in reversed(pullbacks):
+            gx_j, gy_j, gz_j = jbwd(pullback, _convert.tensor_to_jax(g, None))
+            g = _convert.array_to_torch(gx_j, None)
+            gy = gy + _convert.array_to_torch(gy_j, None)
+            gz = gz + _convert.array_to_torch(gz_j, None)
+        sync()
+
+    def bridge_grad_chain():
+        h = xs_g[0]
+        for _ in range(CHAIN):
+            h = bridged(h, xs_g[1], xs_g[2])
+        h.backward(ct)
+        sync()
+
     single_thread = getattr(torch.autograd, "set_multithreading_enabled", None)
 
     def raw_dlpack_grad_min_autograd_1thread():
@@ -168,6 +197,8 @@ def make_variants(device: str, shape, dtype):
         "raw_dlpack_grad_min_autograd": raw_dlpack_grad_min_autograd,
         "bridge_grad": bridge_grad,
         "bridge_grad_forward_only": bridge_grad_forward,
+        "raw_dlpack_grad_chain": raw_dlpack_grad_chain,
+        "bridge_grad_chain": bridge_grad_chain,
     }
     if single_thread is not None:  # torch >= 2.0
         variants["raw_dlpack_grad_min_autograd_1thread"] = raw_dlpack_grad_min_autograd_1thread
@@ -283,6 +314,11 @@ def main(argv=None):
                 "bridge_grad_1thread_over_raw_dlpack_grad_min": med["bridge_grad_1thread"]
                 / med["raw_dlpack_grad_min"],
             } if "bridge_grad_1thread" in med else {}),
+            # A graph of CHAIN bridged calls: torch's autograd engine is paid once per backward,
+            # so the per-call cost of a model's bridged layers is this, not the single-call ratio.
+            "bridge_grad_chain_over_raw_dlpack_grad_chain": med["bridge_grad_chain"] / med["raw_dlpack_grad_chain"],
+            "bridge_grad_marginal_over_raw_marginal": (med["bridge_grad_chain"] - med["bridge_grad"])
+            / (med["raw_dlpack_grad_chain"] - med["raw_dlpack_grad_min"]),
             "bridge_over_torch_noop": med["bridge"] / med["torch_noop"],
             "raw_dlpack_over_torch_noop": med["raw_dlpack"] / med["torch_noop"],
         },
