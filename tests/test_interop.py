@@ -763,3 +763,18 @@ def test_cuda_device_mapping_and_mixed_devices():
     b = jax_to_torch(lambda x, y: x + y)
     with pytest.raises(ValueError, match=r"argument 'y' is on cuda:0 but argument 'x' is on cpu"):
         b(torch.ones(3), torch.ones(3, device="cuda:0"))
+
+
+def test_interop_benchmark_runs_and_meets_its_copy_and_cache_goals(tmp_path):
+    """benchmarks/interop.py end to end on CPU (few samples): every variant is timed, compact
+    tensors cross with 0 bytes copied both ways, and warm calls never retrace."""
+    from benchmarks import interop as bench
+
+    out = tmp_path / "interop.json"
+    result = bench.main(["--rounds", "1", "--per-round", "3", "--warmup", "2", "--out", str(out)])
+    assert out.exists()
+    assert all(t["median_us"] > 0 for t in result["timings"].values())
+    assert {"bridge_grad_chain", "raw_dlpack_grad_chain"} <= set(result["timings"])
+    for run in result["copies"].values():
+        assert run["conversions"] > 0 and run["bytes_moved"] > 0 and run["bytes_copied"] == 0
+    assert result["jit_cache"]["new_traces"] == 0 and result["jit_cache"]["hit_rate"] == 1.0
