@@ -370,7 +370,7 @@ def _tgmm_config(k: int, n: int, dtype: str, facts: DeviceFacts, params) -> dict
     elif itemsize(dtype) == 4:
         base = dict(blocksize_m=32, blocksize_n=64, blocksize_k=64, num_warps=4, num_stages=None, max_stages=3)
     else:
-        # 128 x 256 output tiles: 1.0-1.08x torch._grouped_mm on an H100 where 128 x 128 gave
+        # 128 x 256 output tiles: 0.90-1.08x torch._grouped_mm on an H100 where 128 x 128 gave
         # 0.77-0.90x (scripts/sweep_gmm_backward.py, benchmarks/results/sweep_gmm_backward-*.json).
         bn = 256 if n >= 1024 else 128
         base = dict(blocksize_m=64, blocksize_n=bn, blocksize_k=128, num_warps=8, num_stages=None,
