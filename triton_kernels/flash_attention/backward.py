@@ -18,7 +18,7 @@ import triton.language as tl
 from ..padded_attention import _dot, _dot_acc
 from .tiles import (LOG2E_C, _dropout_keep_pairs, _full_key_range, _full_query_range, _keep, _keep_t, _key_range,
                     _load_bias, _load_bias_pairs, _load_full_rows, _load_kv, _load_rows, _logits2, _query_range,
-                    _row_base, _run_bounds, _sequence, _store_rows)
+                    _row_base, _run_bounds, _segment_ids, _sequence, _store_rows)
 
 RUNTIME_INTS = ["seq_q", "seq_k", "total_q", "total_k", "win_left", "win_right"]
 
@@ -109,9 +109,7 @@ def _dkdv_step(dk, dv, k, v, k_seg, start_m, offs_n, offs_d, q_ptr, do_ptr, lse_
     s, t = _logits2(_dot(k, tl.trans(q), DOT_PRECISION), bias, logit_scale, softcap, USE_SOFTCAP, USE_BIAS)
     keep = True
     if MASKED:
-        q_seg = offs_m
-        if USE_SEGMENTS:
-            q_seg = tl.load(q_seg_ptr + b * seq_q + offs_m, mask=row_mask, other=0)
+        q_seg = _segment_ids(q_seg_ptr, b, seq_q, offs_m, len_q, USE_SEGMENTS)
         keep = _keep_t(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg, USE_WINDOW, USE_SEGMENTS)
     dp = _dot(v, tl.trans(do), DOT_PRECISION)
     p_v, ds, ds_raw = _dlogits(s, t, dp, lse2, delta, keep, seed, drop_base, i, j, seq_k, dropout_p, dropout_scale,
@@ -140,9 +138,7 @@ def _dq_step(dq, q, do, lse2, delta, q_seg, start_n, offs_m, offs_d, k_ptr, v_pt
     s, t = _logits2(_dot(q, tl.trans(k), DOT_PRECISION), bias, logit_scale, softcap, USE_SOFTCAP, USE_BIAS)
     keep = True
     if MASKED:
-        k_seg = offs_n
-        if USE_SEGMENTS:
-            k_seg = tl.load(kv_seg_ptr + b * seq_k + offs_n, mask=offs_n < len_k, other=0)
+        k_seg = _segment_ids(kv_seg_ptr, b, seq_k, offs_n, len_k, USE_SEGMENTS)
         keep = _keep(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg, USE_WINDOW, USE_SEGMENTS)
     dp = _dot(do, tl.trans(v), DOT_PRECISION)
     _, _, ds_raw = _dlogits(s, t, dp, lse2, delta, keep, seed, drop_base, offs_m[:, None], offs_n[None, :], seq_k,
@@ -179,9 +175,7 @@ def flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, 
     offs_d = tl.arange(0, BLOCK_D)
     k = _load_rows(k_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
     v = _load_rows(v_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
-    k_seg = offs_n
-    if USE_SEGMENTS:
-        k_seg = tl.load(kv_seg_ptr + b * seq_k + offs_n, mask=offs_n < len_k, other=0)
+    k_seg = _segment_ids(kv_seg_ptr, b, seq_k, offs_n, len_k, USE_SEGMENTS)
     seed = 0
     if USE_DROPOUT:
         seed = tl.load(seed_ptr)
@@ -242,9 +236,7 @@ def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu
     rows = _row_base(b, h, q_start, seq_q, total_q, HEADS_Q, IS_VARLEN)
     lse2 = tl.load(lse_ptr + rows + offs_m, mask=row_mask, other=0.0) * LOG2E_C
     delta = tl.load(delta_ptr + rows + offs_m, mask=row_mask, other=0.0)
-    q_seg = offs_m
-    if USE_SEGMENTS:
-        q_seg = tl.load(q_seg_ptr + b * seq_q + offs_m, mask=row_mask, other=0)
+    q_seg = _segment_ids(q_seg_ptr, b, seq_q, offs_m, len_q, USE_SEGMENTS)
     seed = 0
     if USE_DROPOUT:
         seed = tl.load(seed_ptr)

@@ -8,8 +8,7 @@ import triton.language as tl
 
 from ..padded_attention import _dot, _dot_acc
 from .tiles import (LN2_C, _dropout_keep, _full_key_range, _keep, _key_range, _load_bias, _load_kv,
-                    _load_rows, _logits2, _row_base, _run_bounds, _sequence,
-                    _store_rows)
+                    _load_rows, _logits2, _row_base, _run_bounds, _segment_ids, _sequence, _store_rows)
 
 # Runtime ints: listed so torch and jax-triton compile the same binary (see triton_kernels.plan).
 RUNTIME_INTS = ["seq_q", "seq_k", "total_q", "total_k", "win_left", "win_right"]
@@ -34,9 +33,7 @@ def _fwd_step(acc, m_i, l_i, q, q_seg, start_n, k_ptr, v_ptr, bias_ptr, kv_seg_p
     if MASKED or USE_SOFTCAP or USE_BIAS:
         s, _ = _logits2(qk, bias, logit_scale, softcap, USE_SOFTCAP, USE_BIAS)
         if MASKED:
-            k_seg = offs_n
-            if USE_SEGMENTS:
-                k_seg = tl.load(kv_seg_ptr + b * seq_k + offs_n, mask=offs_n < len_k, other=0)
+            k_seg = _segment_ids(kv_seg_ptr, b, seq_k, offs_n, len_k, USE_SEGMENTS)
             keep = _keep(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg, USE_WINDOW, USE_SEGMENTS)
             s = tl.where(keep, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -84,9 +81,7 @@ def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     q = _load_rows(q_ptr, q_start, offs_m, len_q, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM)
-    q_seg = offs_m
-    if USE_SEGMENTS:
-        q_seg = tl.load(q_seg_ptr + b * seq_q + offs_m, mask=offs_m < len_q, other=0)
+    q_seg = _segment_ids(q_seg_ptr, b, seq_q, offs_m, len_q, USE_SEGMENTS)
     seed = 0
     if USE_DROPOUT:
         seed = tl.load(seed_ptr)

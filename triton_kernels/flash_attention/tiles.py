@@ -122,6 +122,16 @@ def _full_query_range(start_n, len_q, len_k, win_left, win_right, lo, hi, BLOCK_
 
 
 @triton.jit
+def _segment_ids(seg_ptr, b, seq, offs, length, USE_SEGMENTS: tl.constexpr):
+    """Segment ids of positions ``offs`` of row ``b`` (``[batch, seq]``), 0 past ``length``.
+    Without segments the positions stand in: ``_keep`` then never reads them."""
+    ids = offs
+    if USE_SEGMENTS:
+        ids = tl.load(seg_ptr + b * seq + offs, mask=offs < length, other=0)
+    return ids
+
+
+@triton.jit
 def _keep(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg,
           USE_WINDOW: tl.constexpr, USE_SEGMENTS: tl.constexpr):
     """[BLOCK_M, BLOCK_N] bool: query i attends key j."""
