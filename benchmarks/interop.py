@@ -41,6 +41,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -60,15 +61,12 @@ def fn(x, y, z):
     return x * y + z
 
 
-def make_variants(device: str, shape, dtype):
+def setup(device: str, shape, dtype=torch.float32) -> SimpleNamespace:
+    """What every variant (and ``scripts/probe_grad_overhead.py``) works on: three inputs, their
+    ``requires_grad`` copies, a cotangent, the device sync, and ``fn`` jitted three ways: plain,
+    as a ``jax.vjp`` returning its pullback, and that pullback's call."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     xs = [torch.randn(shape, generator=gen, dtype=dtype).to(device) for _ in range(3)]
-    xs_g = [x.clone().requires_grad_(True) for x in xs]
-    ct = torch.randn(shape, generator=gen, dtype=dtype).to(device)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-    bridged = interop.jax_to_torch(fn)
-    jfn = jax.jit(fn)
 
     @jax.jit
     def jfwd(x, y, z):
@@ -77,6 +75,36 @@ def make_variants(device: str, shape, dtype):
     @jax.jit
     def jbwd(pullback, ct):
         return pullback(ct)
+
+    return SimpleNamespace(
+        xs=xs, xs_g=[x.clone().requires_grad_(True) for x in xs],
+        ct=torch.randn(shape, generator=gen, dtype=dtype).to(device),
+        sync=torch.cuda.synchronize if device == "cuda" else (lambda: None),
+        jfn=jax.jit(fn), jfwd=jfwd, jbwd=jbwd)
+
+
+def minimal_function(jfwd, jbwd) -> type[torch.autograd.Function]:
+    """The least a torch autograd wrapper around the jitted vjp and pullback can do."""
+
+    class MinimalFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *ts):
+            a = [_convert.tensor_to_jax(t, None) for t in ts]
+            out, ctx.pullback = jfwd(*a)
+            return _convert.array_to_torch(out, None)
+
+        @staticmethod
+        def backward(ctx, g):
+            grads = jbwd(ctx.pullback, _convert.tensor_to_jax(g, None))
+            return tuple(_convert.array_to_torch(x, None) for x in grads)
+
+    return MinimalFunction
+
+
+def make_variants(device: str, shape, dtype):
+    env = setup(device, shape, dtype)
+    xs, xs_g, ct, sync, jfn, jfwd, jbwd = env.xs, env.xs_g, env.ct, env.sync, env.jfn, env.jfwd, env.jbwd
+    bridged = interop.jax_to_torch(fn)
 
     def torch_noop():
         torch.ops.aten.alias(xs[0])
@@ -123,19 +151,7 @@ def make_variants(device: str, shape, dtype):
         [_convert.array_to_torch(g, None) for g in grads]
         sync()
 
-    class MinimalFunction(torch.autograd.Function):
-        """The least a torch autograd wrapper around the same jax calls can do."""
-
-        @staticmethod
-        def forward(ctx, *ts):
-            a = [_convert.tensor_to_jax(t, None) for t in ts]
-            out, ctx.pullback = jfwd(*a)
-            return _convert.array_to_torch(out, None)
-
-        @staticmethod
-        def backward(ctx, g):
-            grads = jbwd(ctx.pullback, _convert.tensor_to_jax(g, None))
-            return tuple(_convert.array_to_torch(x, None) for x in grads)
+    MinimalFunction = minimal_function(jfwd, jbwd)
 
     def raw_dlpack_grad_min_autograd():
         MinimalFunction.apply(*xs_g).backward(ct)

@@ -55,14 +55,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.interop import fn, minimal_function, setup  # noqa: E402
 from ejkernel_torch import interop  # noqa: E402
 from ejkernel_torch._interop import _convert as cv  # noqa: E402
 
 clock = time.perf_counter_ns
-
-
-def fn(x, y, z):
-    return x * y + z
 
 
 # -- jax fast-path miss counter ------------------------------------------------------------
@@ -170,21 +167,8 @@ def time_inside(worker: Worker, variants: dict, rounds: int, per_round: int, war
 # -- the probe ---------------------------------------------------------------------------
 
 def build(device: str, shape):
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    xs = [torch.randn(shape, generator=gen).to(device) for _ in range(3)]
-    xs_g = [x.clone().requires_grad_(True) for x in xs]
-    ct = torch.randn(shape, generator=gen).to(device)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-    jfn = jax.jit(fn)
-
-    @jax.jit
-    def jfwd(x, y, z):
-        return jax.vjp(fn, x, y, z)
-
-    @jax.jit
-    def jbwd(pullback, g):
-        return pullback(g)
+    env = setup(device, shape)
+    xs, xs_g, ct, sync, jfn, jfwd, jbwd = env.xs, env.xs_g, env.ct, env.sync, env.jfn, env.jfwd, env.jbwd
 
     to_jax, to_torch = cv.tensor_to_jax, cv.array_to_torch
     a_fixed = [to_jax(t, None) for t in xs]
@@ -223,17 +207,7 @@ def build(device: str, shape):
 
     prim.update({"raw_fwd": raw_fwd, "raw_bwd_only": raw_bwd_only, "raw_grad": raw_grad})
 
-    class Minimal(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *ts):
-            a = [to_jax(t, None) for t in ts]
-            out, ctx.pullback = jfwd(*a)
-            return to_torch(out, None)
-
-        @staticmethod
-        def backward(ctx, g):
-            grads = jbwd(ctx.pullback, to_jax(g, None))
-            return tuple(to_torch(x, None) for x in grads)
+    Minimal = minimal_function(jfwd, jbwd)
 
     return dict(xs=xs, xs_g=xs_g, ct=ct, sync=sync, jfn=jfn, jfwd=jfwd, jbwd=jbwd,
                 a_fixed=a_fixed, pb_fixed=pb_fixed, ct_j=ct_j, prim=prim, Minimal=Minimal)
