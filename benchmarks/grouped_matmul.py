@@ -2,20 +2,17 @@
 a per-expert torch.matmul loop, a dense torch.matmul of equal FLOPs and jax.lax.ragged_dot.
 Forward and forward+backward, TFLOP/s on the useful FLOPs (2 * sum(group_sizes) * k * n per matmul).
 
-    python benchmarks/grouped_matmul.py [--shapes quick|default|full] [--only 0 2 ..] [--sweep]
-                                        [--merge PATH] [--out PATH]
+    python benchmarks/grouped_matmul.py [--shapes quick|default|full] [--only 0 2 ..] [--sweep] [--out PATH]
     python benchmarks/grouped_matmul.py --smoke     # tiny shapes on CPU: checks the script runs
 
 Writes benchmarks/results/grouped_matmul-<gpu>.json and an SVG bar chart next to it. ``--sweep``
 also times every config in SWEEP_CONFIGS for our forward (torch) and records the best per shape.
-``--only`` picks shapes by index; ``--merge`` starts from the rows of an earlier results file (so a
-run split across several commands ends in one file and one plot).
+``--only`` picks shapes by index (a run split across several device commands).
 """
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -240,7 +237,6 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time SWEEP_CONFIGS for our forward")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter): checks the script")
     parser.add_argument("--only", nargs="*", type=int, default=None, help="indices into the shape list")
-    parser.add_argument("--merge", default=None, help="results JSON whose rows this run extends")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -256,9 +252,6 @@ def main() -> None:
     if args.only is not None:
         shapes = [shapes[i] for i in args.only]
     rows = []
-    if args.merge:
-        with open(args.merge) as f:
-            rows = json.load(f)["results"]
     for (g, m, k, n), routing in itertools.product(shapes, args.routing):
         row = run_shape(g, m, k, n, routing, args.dtype, args.smoke, args.sweep)
         rows.append(row)
