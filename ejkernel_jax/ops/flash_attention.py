@@ -57,7 +57,7 @@ def _flash_bwd(spec, params, residuals, cotangents):
     features = _features(q, k, v, bias, aux)
     dlse_arg = dlse.astype(jnp.float32) if use_dlse else jnp.zeros((1,), jnp.float32)
     (delta,) = launch(delta_plan, out, dout, dlse_arg, features[6], features[7])
-    dk, dv, ds, _ = launch(dkdv_plan, *features, dout, lse, delta)
+    dk, dv, ds = launch(dkdv_plan, *features, dout, lse, delta)
     (dq,) = launch(dq_plan, *features, dout, lse, delta)
     dbias = _sum_to(ds, bias.shape).astype(bias.dtype) if bias_grad else None
     return dq, dk, dv, dbias, (None,) * len(aux)

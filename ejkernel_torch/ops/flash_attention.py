@@ -140,7 +140,7 @@ def _backward_kernels(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor
     features = _features(q, k, v, bias, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, dropout_seed)
     dlse_arg = dlse if dlse is not None else _dummy(q.device, torch.float32, plain_eager(q))
     (delta,) = launch_traceable(delta_plan, out, dout, dlse_arg, features[6], features[7])
-    dk, dv, ds, _ = launch_traceable(dkdv_plan, *features, dout, lse, delta)
+    dk, dv, ds = launch_traceable(dkdv_plan, *features, dout, lse, delta)
     (dq,) = launch_traceable(dq_plan, *features, dout, lse, delta)
     return dq, dk, dv, ds
 

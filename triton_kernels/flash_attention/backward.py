@@ -78,13 +78,12 @@ def _dlogits(s, t, dp, lse2, delta, keep, seed, drop_base, i, j, seq_k, dropout_
 
 @triton.jit
 def _dkdv_step(dk, dv, k, v, k_seg, start_m, offs_n, offs_d, q_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptr, q_seg_ptr,
-               ds_ptr, dq_acc_ptr, sm_scale, b, h, q_start, rows, seq_q, seq_k, len_q, len_k, win_left, win_right,
+               ds_ptr, b, h, q_start, rows, seq_q, seq_k, len_q, len_k, win_left, win_right,
                logit_scale, softcap, dropout_p, dropout_scale, seed, drop_base,
                HEADS_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_BIAS: tl.constexpr,
                BIAS_BATCHED: tl.constexpr, BIAS_HEADS: tl.constexpr, USE_SEGMENTS: tl.constexpr,
-               USE_DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               USE_DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Add query block ``start_m`` of head ``h`` to the key block's dk, dv (and write its dS).
 
     Works on transposed tiles (keys down, queries across), so p and dS feed the dk/dv products
@@ -116,12 +115,7 @@ def _dkdv_step(dk, dv, k, v, k_seg, start_m, offs_n, offs_d, q_ptr, do_ptr, lse_
     p_v, ds, ds_raw = _dlogits(s, t, dp, lse2, delta, keep, seed, drop_base, i, j, seq_k, dropout_p, dropout_scale,
                                MASKED, True, USE_SOFTCAP, USE_DROPOUT)
     dv = _dot_acc(p_v.to(do.dtype), do, dv, DOT_PRECISION)
-    ds_half = ds_raw.to(q.dtype)
-    dk = _dot_acc(ds_half, q, dk, DOT_PRECISION)
-    if ATOMIC_DQ:  # this key block's share of dq, added (in no fixed order) to a float32 accumulator
-        dq = _dot(tl.trans(ds_half), k, DOT_PRECISION) * sm_scale
-        ptrs = dq_acc_ptr + (q_start + offs_m[:, None]) * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM + offs_d[None, :]
-        tl.atomic_add(ptrs, dq, mask=row_mask[:, None] & (offs_d < HEAD_DIM)[None, :], sem="relaxed")
+    dk = _dot_acc(ds_raw.to(q.dtype), q, dk, DOT_PRECISION)
     if WRITE_DS:  # [batch, heads_q, seq_q, seq_k], float32; every pair is visited once
         ds_base = (b * HEADS_Q + h) * seq_q * seq_k
         tl.store(ds_ptr + ds_base + i.to(tl.int64) * seq_k + j, ds, mask=(i < len_q) & (j < len_k))
@@ -157,13 +151,13 @@ def flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, 
                           do_ptr, lse_ptr, delta_ptr,
                           seq_q, seq_k, total_q, total_k, win_left, win_right,
                           logit_scale, softcap, dropout_p, dropout_scale, sm_scale,
-                          dk_ptr, dv_ptr, ds_ptr, dq_acc_ptr,
+                          dk_ptr, dv_ptr, ds_ptr,
                           HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                           IS_VARLEN: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                           USE_BIAS: tl.constexpr, BIAS_BATCHED: tl.constexpr, BIAS_HEADS: tl.constexpr,
                           USE_SEGMENTS: tl.constexpr, USE_DROPOUT: tl.constexpr,
-                          WRITE_DS: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                          WRITE_DS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # torch.compile passes Python floats to Triton as fp64; keep the math in fp32 everywhere.
     logit_scale = tl.cast(logit_scale, tl.float32)
     softcap = tl.cast(softcap, tl.float32)
@@ -199,11 +193,11 @@ def flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, 
             first, last = _run_bounds(run, lo, a, z, hi)
             for start_m in range(first, last, BLOCK_M):
                 dk, dv = _dkdv_step(dk, dv, k, v, k_seg, start_m, offs_n, offs_d, q_ptr, do_ptr, lse_ptr, delta_ptr,
-                                    bias_ptr, q_seg_ptr, ds_ptr, dq_acc_ptr, sm_scale, b, h, q_start, rows, seq_q, seq_k, len_q, len_k,
+                                    bias_ptr, q_seg_ptr, ds_ptr, b, h, q_start, rows, seq_q, seq_k, len_q, len_k,
                                     win_left, win_right, logit_scale, softcap, dropout_p, dropout_scale, seed,
                                     drop_base, HEADS_Q, HEAD_DIM, BLOCK_M, BLOCK_D, run != 1, USE_WINDOW,
                                     USE_SOFTCAP, USE_BIAS, BIAS_BATCHED, BIAS_HEADS, USE_SEGMENTS, USE_DROPOUT,
-                                    WRITE_DS, ATOMIC_DQ, DOT_PRECISION)
+                                    WRITE_DS, DOT_PRECISION)
 
     _store_rows(dk_ptr, dk * sm_scale, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
     _store_rows(dv_ptr, dv, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
@@ -262,11 +256,3 @@ def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu
                           DOT_PRECISION)
 
     _store_rows(dq_ptr, dq * sm_scale, q_start, offs_m, len_q, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM)
-
-
-@triton.jit(do_not_specialize_on_alignment=["n"])
-def flash_bwd_dq_cast_kernel(acc_ptr, n, dq_ptr, BLOCK: tl.constexpr):
-    """dq from the float32 accumulator that ``ATOMIC_DQ`` dk/dv programs add into (already scaled)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    acc = tl.load(acc_ptr + offs, mask=offs < n, other=0.0)
-    tl.store(dq_ptr + offs, acc.to(dq_ptr.dtype.element_ty), mask=offs < n)

@@ -15,21 +15,17 @@ RUNTIME_INTS = ["seq_q", "seq_k", "total_q", "total_k", "win_left", "win_right"]
 
 
 @triton.jit
-def _fwd_step(acc, m_i, l_i, q, q_seg, start_n, k_ptr, v_ptr, k_desc, v_desc, bias_ptr, kv_seg_ptr, b, h, h_kv, k_start,
+def _fwd_step(acc, m_i, l_i, q, q_seg, start_n, k_ptr, v_ptr, bias_ptr, kv_seg_ptr, b, h, h_kv, k_start,
               offs_m, offs_d, seq_q, seq_k, len_q, len_k, win_left, win_right,
               logit_scale, softcap, dropout_p, dropout_scale, seed, drop_base,
               HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_BIAS: tl.constexpr,
               BIAS_BATCHED: tl.constexpr, BIAS_HEADS: tl.constexpr, USE_SEGMENTS: tl.constexpr,
-              USE_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+              USE_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold key block ``start_n`` into the online-softmax state (acc, running max, normaliser).
     ``MASKED=False`` is for blocks every row attends entirely (``_full_key_range``)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    if USE_TMA and not MASKED:
-        k = k_desc.load([(k_start + start_n).to(tl.int32), 0])
-        v = v_desc.load([(k_start + start_n).to(tl.int32), 0])
-    else:
-        k, v = _load_kv(k_ptr, v_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV, HEAD_DIM, BLOCK_D, MASKED)
+    k, v = _load_kv(k_ptr, v_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV, HEAD_DIM, BLOCK_D, MASKED)
     bias = 0.0
     if USE_BIAS:
         bias = _load_bias(bias_ptr, b, h, offs_m, offs_n, len_q, len_k, BIAS_BATCHED, BIAS_HEADS)
@@ -67,7 +63,7 @@ def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_
                      IS_VARLEN: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                      USE_BIAS: tl.constexpr, BIAS_BATCHED: tl.constexpr, BIAS_HEADS: tl.constexpr,
                      USE_SEGMENTS: tl.constexpr, USE_DROPOUT: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, USE_TMA: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr):
     # torch.compile passes Python floats to Triton as fp64; keep the math in fp32 everywhere.
     logit_scale = tl.cast(logit_scale, tl.float32)
     softcap = tl.cast(softcap, tl.float32)
@@ -94,27 +90,18 @@ def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    k_desc = k_ptr
-    v_desc = v_ptr
-    if USE_TMA:
-        rows = (k_start + len_k).to(tl.int32)
-        k_desc = tl.make_tensor_descriptor(k_ptr + h_kv * HEAD_DIM, shape=[rows, HEAD_DIM],
-                                           strides=[HEADS_KV * HEAD_DIM, 1], block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(v_ptr + h_kv * HEAD_DIM, shape=[rows, HEAD_DIM],
-                                           strides=[HEADS_KV * HEAD_DIM, 1], block_shape=[BLOCK_N, BLOCK_D])
     lo, hi = _key_range(start_m, len_q, len_k, win_left, win_right, BLOCK_M, BLOCK_N, USE_WINDOW)
     a, z = _full_key_range(start_m, len_q, len_k, win_left, win_right, lo, hi, BLOCK_M, BLOCK_N, USE_WINDOW,
                            USE_SEGMENTS)
     # Key blocks in ascending order, in three runs: masked [lo, a), whole [a, z), masked [z, hi).
     for run in tl.static_range(3):
         first, last = _run_bounds(run, lo, a, z, hi)
-        for start_n in tl.range(first, last, BLOCK_N, warp_specialize=WARP_SPECIALIZE and run == 1):
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, q_seg, start_n, k_ptr, v_ptr, k_desc, v_desc, bias_ptr, kv_seg_ptr, b, h,
+        for start_n in range(first, last, BLOCK_N):
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, q_seg, start_n, k_ptr, v_ptr, bias_ptr, kv_seg_ptr, b, h,
                                       h_kv, k_start, offs_m, offs_d, seq_q, seq_k, len_q, len_k, win_left, win_right,
                                       logit_scale, softcap, dropout_p, dropout_scale, seed, drop_base,
                                       HEADS_KV, HEAD_DIM, BLOCK_N, BLOCK_D, run != 1, USE_WINDOW, USE_SOFTCAP,
-                                      USE_BIAS, BIAS_BATCHED, BIAS_HEADS, USE_SEGMENTS, USE_DROPOUT, DOT_PRECISION,
-                                      USE_TMA)
+                                      USE_BIAS, BIAS_BATCHED, BIAS_HEADS, USE_SEGMENTS, USE_DROPOUT, DOT_PRECISION)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]

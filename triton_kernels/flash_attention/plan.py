@@ -7,12 +7,11 @@ kernel signature serves all calls.
 from __future__ import annotations
 
 import functools
-import math
 
 from ..padded_attention import _bwd_tiles, _dot_precision, _fwd_tiles, override_tiles
 from ..params import BwdParams, FwdParams
 from ..plan import DeviceFacts, LaunchPlan, Output, cdiv, fp32, next_power_of_2
-from .backward import flash_bwd_delta_kernel, flash_bwd_dkdv_kernel, flash_bwd_dq_cast_kernel, flash_bwd_dq_kernel
+from .backward import flash_bwd_delta_kernel, flash_bwd_dkdv_kernel, flash_bwd_dq_kernel
 from .dropout import dropout_mask_kernel
 from .forward import flash_fwd_kernel
 from .spec import FlashSpec
@@ -98,8 +97,7 @@ def forward_plan(spec: FlashSpec, facts: DeviceFacts, params: FwdParams | None =
         outputs=(Output("o_ptr", spec.q_shape, spec.dtype, zeroed),
                  Output("lse_ptr", spec.lse_shape, "float32", zeroed)),
         constexprs=_features(spec) + (("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_D", bd),
-                                      ("DOT_PRECISION", _dot_precision(spec.dtype, facts)),
-                                      ("WARP_SPECIALIZE", False), ("USE_TMA", False)),
+                                      ("DOT_PRECISION", _dot_precision(spec.dtype, facts))),
         num_warps=warps, num_stages=stages,
     )
 
@@ -121,7 +119,7 @@ def _delta_plan(spec: FlashSpec, facts: DeviceFacts, use_dlse: bool) -> LaunchPl
 
 @functools.lru_cache(maxsize=512)
 def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False, use_dlse: bool = False,
-                   params: BwdParams | None = None, atomic_dq: bool = False) -> tuple[LaunchPlan, LaunchPlan, LaunchPlan]:
+                   params: BwdParams | None = None) -> tuple[LaunchPlan, LaunchPlan, LaunchPlan]:
     """(delta, dk/dv, dq) plans.
 
     * delta: (out, dout, dlse, cu_q, cu_k) -> delta (lse layout); dlse is a dummy unless ``use_dlse``.
@@ -146,17 +144,13 @@ def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False, 
     if write_ds and spec.bias is None:
         raise ValueError("write_ds needs a bias")
     ds = Output("ds_ptr", spec.dbias_full_shape if write_ds else (1,), "float32", zeroed=write_ds)
-    dq_acc = Output("dq_acc_ptr", spec.q_shape if atomic_dq else (1,), "float32", zeroed=atomic_dq)
     dkdv = LaunchPlan(
         kernel=flash_bwd_dkdv_kernel, grid=(cdiv(spec.seq_k, bn), spec.heads_kv, spec.batch),
         inputs=inputs, input_dtypes=dtypes, scalars=scalars,
         outputs=(Output("dk_ptr", spec.kv_shape, spec.dtype, zeroed),
-                 Output("dv_ptr", spec.kv_shape, spec.dtype, zeroed), ds, dq_acc),
-        constexprs=consts + (("WRITE_DS", write_ds), ("ATOMIC_DQ", atomic_dq)) + precision,
-        num_warps=warps, num_stages=stages,
+                 Output("dv_ptr", spec.kv_shape, spec.dtype, zeroed), ds),
+        constexprs=consts + (("WRITE_DS", write_ds),) + precision, num_warps=warps, num_stages=stages,
     )
-    if atomic_dq:
-        return _delta_plan(spec, facts, use_dlse), dkdv, _dq_cast_plan(spec, facts)
     # dq transposes the tile: its program holds bn queries and steps over bm keys. So one
     # (bm, bn) gives both kernels a long resident side and a short streamed one.
     dq = LaunchPlan(
@@ -167,16 +161,6 @@ def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False, 
         num_warps=warps, num_stages=stages,
     )
     return _delta_plan(spec, facts, use_dlse), dkdv, dq
-
-
-def _dq_cast_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
-    n = math.prod(spec.q_shape)
-    block = 1024
-    return LaunchPlan(
-        kernel=flash_bwd_dq_cast_kernel, grid=(cdiv(n, block),), inputs=("acc_ptr",), input_dtypes=("float32",),
-        scalars=(("n", n),), outputs=(Output("dq_ptr", spec.q_shape, spec.dtype),),
-        constexprs=(("BLOCK", block),), num_warps=4, num_stages=1,
-    )
 
 
 @functools.lru_cache(maxsize=128)
