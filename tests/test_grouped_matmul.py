@@ -475,6 +475,49 @@ def test_torch_library_ops_pass_opcheck(torch_fw, rng):
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def _gmm_step_with_second_order(torch, ejk, lhs, rhs, sizes, cot):
+    """Forward, both gradients, and a gradient of a gradient, through gmm and tgmm."""
+    a, b = lhs.clone().requires_grad_(True), rhs.clone().requires_grad_(True)
+    out = ejk.grouped_matmul(a, b, sizes)
+    ga, gb = torch.autograd.grad(out, (a, b), cot, create_graph=True)
+    (ggb,) = torch.autograd.grad((ga ** 2).sum(), b)
+    t = ejk.transposed_grouped_matmul(a.t().detach().requires_grad_(True), cot, sizes)
+    return [out, ga, gb, ggb, t]
+
+
+def test_torch_eager_fast_path_matches_registered_ops(torch_fw, rng, monkeypatch):
+    # Plain eager calls run the op bodies without the dispatcher: no registered op is called,
+    # forward, backward or double backward. Under a torch-function mode the registered ops run.
+    # Both give the same bits.
+    import importlib
+
+    import torch
+
+    import ejkernel_torch as ejk
+
+    mod = importlib.import_module("ejkernel_torch.ops.grouped_matmul")
+    m, k, n, groups = 33, 12, 10, 3
+    sizes = torch.from_numpy(ragged_sizes(rng, m, groups))
+    lhs, rhs, cot = torch.randn(m, k), torch.randn(groups, k, n), torch.randn(m, n)
+    calls = []
+    for name in ("_gmm", "_tgmm"):
+        op = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _op=op, _name=name: calls.append(_name) or _op(*a))
+
+    fast = _gmm_step_with_second_order(torch, ejk, lhs, rhs, sizes, cot)
+    assert calls == []
+
+    class _Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with _Mode():
+        dispatched = _gmm_step_with_second_order(torch, ejk, lhs, rhs, sizes, cot)
+    assert "_gmm" in calls and "_tgmm" in calls
+    for got, want in zip(fast, dispatched, strict=True):
+        assert torch.equal(got, want)
+
+
 # ---------------------------------------------------------------------------------------------
 # Pallas TPU kernel (interpret mode) vs the Triton kernels (interpreter), same inputs
 
