@@ -64,6 +64,8 @@ def main() -> None:
     import torch
     import triton
 
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
     rows = [row for d in args.head_dims for c in args.causal for row in _probe(d, c == "true")]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "command": "python scripts/probe_flash_kernels.py " + " ".join(sys.argv[1:]), "rows": rows}

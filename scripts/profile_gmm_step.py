@@ -103,6 +103,8 @@ def main() -> None:
 
     import torch
 
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
     rows = [_profile_shape(*s) for s in args.shapes]
     if args.out:
         with open(args.out, "w") as f:
