@@ -475,14 +475,21 @@ def test_torch_library_ops_pass_opcheck(torch_fw, rng):
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def _gmm_step_with_second_order(torch, ejk, lhs, rhs, sizes, cot):
-    """Forward, both gradients, and a gradient of a gradient, through gmm and tgmm."""
+def _gmm_step_with_second_order(lhs, rhs, sizes, cot):
+    """Forward, both gradients, and a gradient of a gradient of gmm; tgmm's forward and both
+    gradients."""
+    import torch
+
+    import ejkernel_torch as ejk
+
     a, b = lhs.clone().requires_grad_(True), rhs.clone().requires_grad_(True)
     out = ejk.grouped_matmul(a, b, sizes)
     ga, gb = torch.autograd.grad(out, (a, b), cot, create_graph=True)
     (ggb,) = torch.autograd.grad((ga ** 2).sum(), b)
-    t = ejk.transposed_grouped_matmul(a.t().detach().requires_grad_(True), cot, sizes)
-    return [out, ga, gb, ggb, t]
+    x, y = lhs.t().clone().requires_grad_(True), cot.clone().requires_grad_(True)
+    t = ejk.transposed_grouped_matmul(x, y, sizes)
+    gx, gy = torch.autograd.grad((t ** 2).sum(), (x, y))
+    return [out, ga, gb, ggb, t, gx, gy]
 
 
 def test_torch_eager_fast_path_matches_registered_ops(torch_fw, rng, monkeypatch):
@@ -493,8 +500,6 @@ def test_torch_eager_fast_path_matches_registered_ops(torch_fw, rng, monkeypatch
 
     import torch
 
-    import ejkernel_torch as ejk
-
     mod = importlib.import_module("ejkernel_torch.ops.grouped_matmul")
     m, k, n, groups = 33, 12, 10, 3
     sizes = torch.from_numpy(ragged_sizes(rng, m, groups))
@@ -504,7 +509,7 @@ def test_torch_eager_fast_path_matches_registered_ops(torch_fw, rng, monkeypatch
         op = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _op=op, _name=name: calls.append(_name) or _op(*a))
 
-    fast = _gmm_step_with_second_order(torch, ejk, lhs, rhs, sizes, cot)
+    fast = _gmm_step_with_second_order(lhs, rhs, sizes, cot)
     assert calls == []
 
     class _Mode(torch.overrides.TorchFunctionMode):
@@ -512,7 +517,7 @@ def test_torch_eager_fast_path_matches_registered_ops(torch_fw, rng, monkeypatch
             return func(*args, **(kwargs or {}))
 
     with _Mode():
-        dispatched = _gmm_step_with_second_order(torch, ejk, lhs, rhs, sizes, cot)
+        dispatched = _gmm_step_with_second_order(lhs, rhs, sizes, cot)
     assert "_gmm" in calls and "_tgmm" in calls
     for got, want in zip(fast, dispatched, strict=True):
         assert torch.equal(got, want)

@@ -123,9 +123,10 @@ _tgmm.register_autograd(_tgmm_backward, setup_context=_tgmm_setup)
 #
 # In plain eager mode (``plain_eager``) the registered ops' dispatcher layers (custom-op,
 # autograd and triton_op wrappers) only add host time before the same body runs: up to about a
-# millisecond per training step of one grouped matmul on an H100 host (scripts/profile_gmm_step.py),
-# which leaves the GPU idle when nothing else is queued. There the bodies run directly, through these autograd functions (the ops' own
-# setup and backward) when a gradient is recorded. Anything else calls the registered ops.
+# millisecond per training step of one grouped matmul on an H100 host
+# (scripts/profile_gmm_step.py), which leaves the GPU idle when nothing else is queued. There the
+# bodies run directly, through these autograd functions (the ops' own setup and backward) when a
+# gradient is recorded. Anything else calls the registered ops.
 
 
 def _autograd_function(name: str, body, setup, backward) -> type:
