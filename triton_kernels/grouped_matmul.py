@@ -39,9 +39,9 @@ import triton
 import triton.language as tl
 
 from . import checks
-from .padded_attention import _dot_acc, _dot_precision
+from .padded_attention import _dot, _dot_precision
 from .params import FwdParams, check_params, itemsize, select_num_stages
-from .plan import DeviceFacts, LaunchPlan, Output, cdiv, check_float_dtype, next_power_of_2
+from .plan import DeviceFacts, LaunchPlan, Output, cdiv, check_float_dtype
 
 # --------------------------------------------------------------------------------------------
 # shared device helpers
@@ -66,29 +66,6 @@ def _first_selected(group_sizes_ptr, group_offset_ptr, m,
 
 
 @triton.jit
-def _group_table(group_sizes_ptr, group_offset_ptr, m, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
-                 GROUPS_P2: tl.constexpr):
-    """First row and row count of each selected group as [GROUPS_P2] vectors (count 0 past
-    NUM_SELECTED), and the selection's first and end row."""
-    g0, first_row = _first_selected(group_sizes_ptr, group_offset_ptr, m, NUM_GROUPS, NUM_SELECTED)
-    offs_g = tl.arange(0, GROUPS_P2)
-    sizes = tl.where(offs_g < NUM_SELECTED, _group_size(group_sizes_ptr, g0 + offs_g, NUM_GROUPS), 0)
-    # Clamping the running sum at m once is clamping every step (sizes are >= 0); int64 so that
-    # unchecked huge sizes cannot wrap around.
-    ends = first_row + tl.cumsum(sizes.to(tl.int64), axis=0)
-    starts = tl.minimum(ends - sizes, m)
-    ends = tl.minimum(ends, m)
-    last_row = tl.max(tl.where(offs_g < NUM_SELECTED, ends, first_row), axis=0).to(tl.int32)
-    return offs_g, starts.to(tl.int32), (ends - starts).to(tl.int32), first_row, last_row
-
-
-@triton.jit
-def _pick(offs_g, values, index):
-    """values[index] of a register vector (0 when index is out of range)."""
-    return tl.sum(tl.where(offs_g == index, values, 0), axis=0)
-
-
-@triton.jit
 def _swizzle(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
     # Runs of GROUP_M row tiles sweep the n-tiles together, so rhs tiles are reused from L2.
     width = GROUP_M * tiles_n
@@ -102,60 +79,65 @@ def _swizzle(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _gmm_operands(lhs_ptr, rhs_ptr, first_row, m_mask, rhs_index, offs_n, n_mask, k0,
-                  K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    """The [BLOCK_M, BLOCK_K] lhs tile and [BLOCK_K, BLOCK_N] rhs tile of step ``k0``."""
+def _gmm_tile(lhs_ptr, rhs_ptr, out_ptr, start, rows, rhs_index, pm, pn,
+              K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, IS_ZERO: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] output tile of the segment whose ``rows`` rows start at ``start``."""
+    first_row = (start + pm * BLOCK_M).to(tl.int64)  # int64: a big group times K passes 2**31
     offs_m = tl.arange(0, BLOCK_M)
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    a_ptrs = lhs_ptr + (first_row + offs_m[:, None]) * K + offs_k[None, :]
-    rhs_base = rhs_ptr + rhs_index.to(tl.int64) * (K * N)
-    if TRANSPOSE_RHS:  # rhs[g] is [N, K]: read a [BLOCK_N, BLOCK_K] tile, transpose in registers
-        b_ptrs = rhs_base + offs_n[:, None] * K + offs_k[None, :]
-    else:
-        b_ptrs = rhs_base + offs_k[:, None] * N + offs_n[None, :]
-    if K % BLOCK_K == 0 and K > 0:  # decided at compile time: no k mask on even shapes
-        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
-        if TRANSPOSE_RHS:
-            b = tl.trans(tl.load(b_ptrs, mask=n_mask[:, None], other=0.0))
+    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < rows - pm * BLOCK_M
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if not IS_ZERO:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = lhs_ptr + first_row * K + offs_m[:, None] * K + offs_k[None, :]
+        rhs_base = rhs_ptr + tl.cast(rhs_index, tl.int64) * (K * N)
+        if TRANSPOSE_RHS:  # rhs[g] is [N, K]: read a [BLOCK_N, BLOCK_K] tile, transpose in registers
+            b_ptrs = rhs_base + offs_n[:, None] * K + offs_k[None, :]
         else:
-            b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
-    else:
-        k_mask = offs_k < K
-        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if TRANSPOSE_RHS:
-            b = tl.trans(tl.load(b_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0))
-        else:
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-    return a, b
+            b_ptrs = rhs_base + offs_k[:, None] * N + offs_n[None, :]
+        for k0 in range(0, K, BLOCK_K):
+            if K % BLOCK_K == 0:  # decided at compile time: no k mask on even shapes
+                a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+                if TRANSPOSE_RHS:
+                    b = tl.trans(tl.load(b_ptrs, mask=n_mask[:, None], other=0.0))
+                else:
+                    b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+            else:
+                k_mask = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                if TRANSPOSE_RHS:
+                    b = tl.trans(tl.load(b_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0))
+                else:
+                    b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc += _dot(a, b, DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            if TRANSPOSE_RHS:
+                b_ptrs += BLOCK_K
+            else:
+                b_ptrs += BLOCK_K * N
+    out_ptrs = out_ptr + first_row * N + offs_m[:, None] * N + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _gmm_locate(tile, offs_g, starts, counts, tile_ends, tiles_n,
-                NUM_SELECTED: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
-    """(group, its first row, its rows, row tile, column tile) of global tile ``tile``: the group
-    is the number of groups whose tiles all come before it (empty groups have none)."""
-    g = tl.sum(tl.where((tile_ends <= tile) & (offs_g < NUM_SELECTED), 1, 0), axis=0)
-    rows = _pick(offs_g, counts, g)
-    tiles_m = tl.maximum(tl.cdiv(rows, BLOCK_M), 1)  # >= 1 past the last tile too: no division by 0
-    pm, pn = _swizzle(tile - (_pick(offs_g, tile_ends, g) - tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
-    return g, _pick(offs_g, starts, g), rows, pm, pn
+def _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, start, end, rhs_index,
+                 K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, IS_ZERO: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Do this program's tiles among the ``[done, done + count)`` of rows ``[start, end)``.
 
-
-@triton.jit
-def _zero_rows(out_ptr, tile, done, start, end, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Write zeros to this program's tiles among the ``[done, done + count)`` of rows
-    ``[start, end)``; ``tile`` is the next global tile it owns. Returns it and the new ``done``."""
+    ``tile`` is the next global tile index this program owns; returns it and the new ``done``.
+    """
+    tiles_m = tl.cdiv(end - start, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    count = tl.cdiv(end - start, BLOCK_M) * tiles_n
-    offs_m = tl.arange(0, BLOCK_M)
+    count = tiles_m * tiles_n
     while tile < done + count:
-        local = tile - done
-        first_row = (start + (local // tiles_n) * BLOCK_M).to(tl.int64)
-        offs_n = (local % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (first_row + offs_m < end)[:, None] & (offs_n < N)[None, :]
-        tl.store(out_ptr + (first_row + offs_m[:, None]) * N + offs_n[None, :],
-                 tl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty), mask=mask)
+        pm, pn = _swizzle(tile - done, tiles_m, tiles_n, GROUP_M)
+        _gmm_tile(lhs_ptr, rhs_ptr, out_ptr, start, end - start, rhs_index, pm, pn, K, N,
+                  TRANSPOSE_RHS, IS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         tile += tl.num_programs(0)
     return tile, done + count
 
@@ -164,121 +146,91 @@ def _zero_rows(out_ptr, tile, done, start, end, N: tl.constexpr, BLOCK_M: tl.con
 def gmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
                out_ptr,
                K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
-               GROUPS_P2: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
-    """Global tile order: the selected groups' tiles (each group's own row tiles, swizzled), then
-    the zero rows before them, then the zero rows after them. A program owns every
-    num_programs-th tile; the k-steps of all its group tiles run as ONE flat loop, so the
-    software pipeline keeps loading across tile boundaries instead of draining at each."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    k_steps = tl.maximum(tl.cdiv(K, BLOCK_K), 1)  # K = 0: one masked step stores the zeros
-    offs_g, starts, counts, first_row, last_row = _group_table(
-        group_sizes_ptr, group_offset_ptr, m, NUM_GROUPS, NUM_SELECTED, GROUPS_P2)
-    tile_ends = tl.cumsum(tl.cdiv(counts, BLOCK_M) * tiles_n, axis=0)
-    group_tiles = tl.max(tile_ends, axis=0)
-    mine = tl.maximum(group_tiles - pid + programs - 1, 0) // programs
-
-    # The loop's shape follows Triton's persistent-matmul pattern, which its software pipeliner
-    # handles: the next tile is located at the top of its first step, the tile is stored at the
-    # bottom of its last one.
-    offs_m = tl.arange(0, BLOCK_M)
-    tile = pid - programs
-    step = k_steps - 1
+               TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # Global tile order: the selected groups' tiles, then the zero rows before them, then the
+    # zero rows after them. Every program walks the groups (scalar loads only) and does the
+    # tiles congruent to its id.
+    g0, first_row = _first_selected(group_sizes_ptr, group_offset_ptr, m, NUM_GROUPS, NUM_SELECTED)
+    tile = tl.program_id(0)
+    done = tl.zeros([], tl.int32)
+    row = first_row
+    for i in range(0, NUM_SELECTED):
+        end = tl.minimum(row + _group_size(group_sizes_ptr, g0 + i, NUM_GROUPS), m)
+        tile, done = _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, row, end, i, K, N, TRANSPOSE_RHS,
+                                  False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+        row = end
     zero = tl.zeros([], tl.int32)
-    g, start, rows, pm, pn = zero, zero, zero, zero, zero
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for _ in range(0, mine * k_steps):
-        step = tl.where(step == k_steps - 1, 0, step + 1)
-        if step == 0:
-            tile += programs
-            g, start, rows, pm, pn = _gmm_locate(tile, offs_g, starts, counts, tile_ends, tiles_n, NUM_SELECTED,
-                                                 BLOCK_M, GROUP_M)
-        first = (start + pm * BLOCK_M).to(tl.int64)  # int64: a big group times K passes 2**31
-        m_mask = offs_m < rows - pm * BLOCK_M
-        offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        a, b = _gmm_operands(lhs_ptr, rhs_ptr, first, m_mask, g, offs_n, n_mask, step * BLOCK_K, K, N,
-                             TRANSPOSE_RHS, BLOCK_M, BLOCK_K)
-        acc = _dot_acc(a, b, acc, DOT_PRECISION)
-        if step == k_steps - 1:
-            tl.store(out_ptr + (first + offs_m[:, None]) * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=m_mask[:, None] & n_mask[None, :])
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    tile = pid + mine * programs  # the program's first tile past the groups' ones
-    tile, done = _zero_rows(out_ptr, tile, group_tiles, 0, first_row, N, BLOCK_M, BLOCK_N)
-    _zero_rows(out_ptr, tile, done, last_row, m, N, BLOCK_M, BLOCK_N)
+    tile, done = _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, zero, first_row, zero, K, N, TRANSPOSE_RHS,
+                              True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+    _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, row, m, zero, K, N, TRANSPOSE_RHS,
+                 True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
 
 
 # --------------------------------------------------------------------------------------------
 # tgmm
 
 
+@triton.jit
+def _tgmm_tile(lhs_ptr, rhs_ptr, out_ptr, m, start, rows, index, pk, pn,
+               K: tl.constexpr, N: tl.constexpr, LHS_MK: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """out[index][k-tile pk, n-tile pn] = lhs[k-tile, rows of the group] @ rhs[rows, n-tile]."""
+    offs_k = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_M)
+    k_mask = offs_k < K
+    n_mask = offs_n < N
+    if LHS_MK:  # [m, K]: read [BLOCK_M, BLOCK_K] tiles, transpose in registers
+        a_ptrs = lhs_ptr + start.to(tl.int64) * K + offs_r[:, None] * K + offs_k[None, :]
+    else:  # [K, m]: row stride m, so the k-tile's base offset is int64
+        a_ptrs = lhs_ptr + (pk * BLOCK_K).to(tl.int64) * m + start + \
+            tl.arange(0, BLOCK_K)[:, None] * m + offs_r[None, :]
+    b_ptrs = rhs_ptr + start.to(tl.int64) * N + offs_r[:, None] * N + offs_n[None, :]
+    acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
+    for r0 in range(0, rows, BLOCK_M):
+        # Rows of other groups are masked on both operands, so their values (even inf/NaN)
+        # never reach this group's sum.
+        r_mask = offs_r < rows - r0
+        if LHS_MK:
+            a = tl.trans(tl.load(a_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0))
+        else:
+            a = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += _dot(a, b, DOT_PRECISION)
+        if LHS_MK:
+            a_ptrs += BLOCK_M * K
+        else:
+            a_ptrs += BLOCK_M
+        b_ptrs += BLOCK_M * N
+    out_ptrs = out_ptr + tl.cast(index, tl.int64) * (K * N) + offs_k[:, None] * N + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
+
+
 @triton.jit(do_not_specialize_on_alignment=["m"])
 def tgmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
                 out_ptr,
                 K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
-                GROUPS_P2: tl.constexpr, LHS_MK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """out[i][k-tile, n-tile] = lhs[k-tile, rows of group g0 + i] @ rhs[rows, n-tile].
-
-    Output tiles are ordered group-major; a program owns every num_programs-th one. Its row
-    steps over all its tiles run as ONE flat loop: a tile of a small group has only a few steps,
-    and a loop per tile would drain and refill the software pipeline at each of them. An empty
-    group's tile takes one fully masked step, so it stores its zeros like any other.
-    """
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
+                LHS_MK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    # Tiles are ordered group-major, so a program's tiles visit groups in increasing order and
+    # the group's row range follows from a running cumsum (one pass over the groups in total).
+    g0, start = _first_selected(group_sizes_ptr, group_offset_ptr, m, NUM_GROUPS, NUM_SELECTED)
     tiles_k = tl.cdiv(K, BLOCK_K)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_group = tiles_k * tiles_n
-    offs_g, starts, counts, _, _ = _group_table(group_sizes_ptr, group_offset_ptr, m, NUM_GROUPS, NUM_SELECTED,
-                                                GROUPS_P2)
-    steps = tl.maximum(tl.cdiv(counts, BLOCK_M), 1)
-    # Tiles of group g are [g * per_group, (g + 1) * per_group); count the ones congruent to pid.
-    below = tl.maximum(offs_g * per_group - pid + programs - 1, 0) // programs
-    upto = tl.maximum((offs_g + 1) * per_group - pid + programs - 1, 0) // programs
-    total = tl.sum(tl.where(offs_g < NUM_SELECTED, (upto - below) * steps, 0), axis=0)
-
-    offs_r = tl.arange(0, BLOCK_M)
-    tile = pid - programs
-    zero = tl.zeros([], tl.int32)
-    step, last = zero - 1, zero - 1
-    index, start, rows, pk, pn = zero, zero, zero, zero, zero
-    acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
-    for _ in range(0, total):  # as gmm_kernel's loop: locate at the first step, store at the last
-        step = tl.where(step == last, 0, step + 1)
-        if step == 0:
-            tile += programs
-            index = tile // per_group
-            start = _pick(offs_g, starts, index)
-            rows = _pick(offs_g, counts, index)
-            last = tl.maximum(tl.cdiv(rows, BLOCK_M), 1) - 1
-            pk = (tile - index * per_group) // tiles_n
-            pn = (tile - index * per_group) % tiles_n
-        offs_k = pk * BLOCK_K + tl.arange(0, BLOCK_K)
-        offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        k_mask = offs_k < K
-        n_mask = offs_n < N
-        # Rows of other groups are masked on both operands, so their values (even inf/NaN)
-        # never reach this group's sum.
-        r_mask = offs_r < rows - step * BLOCK_M
-        first = (start + step * BLOCK_M).to(tl.int64)
-        if LHS_MK:  # [m, K]: read a [BLOCK_M, BLOCK_K] tile, transpose in registers
-            a = tl.trans(tl.load(lhs_ptr + (first + offs_r[:, None]) * K + offs_k[None, :],
-                                 mask=r_mask[:, None] & k_mask[None, :], other=0.0))
-        else:  # [K, m]
-            a = tl.load(lhs_ptr + offs_k[:, None].to(tl.int64) * m + first + offs_r[None, :],
-                        mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-        b = tl.load(rhs_ptr + (first + offs_r[:, None]) * N + offs_n[None, :],
-                    mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = _dot_acc(a, b, acc, DOT_PRECISION)
-        if step == last:
-            out_ptrs = out_ptr + index.to(tl.int64) * (K * N) + offs_k[:, None] * N + offs_n[None, :]
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
-            acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
+    current = tl.zeros([], tl.int32)
+    end = tl.minimum(start + _group_size(group_sizes_ptr, g0, NUM_GROUPS), m)
+    for tile in range(tl.program_id(0), NUM_SELECTED * per_group, tl.num_programs(0)):
+        index = tile // per_group
+        while current < index:
+            current += 1
+            start = end
+            end = tl.minimum(start + _group_size(group_sizes_ptr, g0 + current, NUM_GROUPS), m)
+        local = tile - index * per_group
+        _tgmm_tile(lhs_ptr, rhs_ptr, out_ptr, m, start, end - start, index, local // tiles_n, local % tiles_n,
+                   K, N, LHS_MK, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,24 +334,19 @@ def _merge(defaults: dict, params: FwdParams | None, facts: DeviceFacts, what: s
     return cfg
 
 
-def _finish(cfg: dict, a_tile: int, b_tile: int, out_tile: int, dtype: str, out_dtype: str, params,
-            facts: DeviceFacts, what: str) -> dict:
-    """Fill in num_stages (most that fit, unless given) and check shared memory. The output tile
-    is stored inside the flat loop, while the pipeline's buffers are live: the layout change of
-    its store needs room of its own (up to the whole tile: measured by the AOT test)."""
+def _finish(cfg: dict, a_tile: int, b_tile: int, dtype: str, params, facts: DeviceFacts, what: str) -> dict:
+    """Fill in num_stages (most that fit, unless given) and check shared memory."""
     per_stage = (a_tile + b_tile) * itemsize(dtype)
-    epilogue = out_tile * itemsize(out_dtype)
     if cfg.get("num_stages") is None:
-        cfg["num_stages"] = select_num_stages(per_stage, facts, max_stages=cfg.pop("max_stages"), fixed_smem=epilogue)
+        cfg["num_stages"] = select_num_stages(per_stage, facts, max_stages=cfg.pop("max_stages"))
     cfg.pop("max_stages", None)
-    cfg["smem"] = per_stage * cfg["num_stages"] + epilogue
+    cfg["smem"] = per_stage * cfg["num_stages"]
     if not facts.is_cpu:
         check_params(FwdParams.coerce(params), facts, cfg["smem"], what)
     return cfg
 
 
-def _gmm_config(m: int, k: int, n: int, num_selected: int, dtype: str, out_dtype: str, facts: DeviceFacts,
-                params) -> dict:
+def _gmm_config(m: int, k: int, n: int, num_selected: int, dtype: str, facts: DeviceFacts, params) -> dict:
     if facts.is_cpu:  # the interpreter pays per tile, not per element: few, large tiles
         base = dict(blocksize_m=64, blocksize_n=64, blocksize_k=64, num_warps=4, num_stages=1)
     elif itemsize(dtype) == 4:  # fp32 products are FMA-bound; moderate tiles
@@ -413,10 +360,10 @@ def _gmm_config(m: int, k: int, n: int, num_selected: int, dtype: str, out_dtype
                     num_stages=None, max_stages=4 if bn == 128 else 3)
     cfg = _merge({**base, "max_stages": base.get("max_stages", 1)}, params, facts, "grouped_matmul")
     bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
-    return _finish(cfg, bm * bk, bk * bn, bm * bn, dtype, out_dtype, params, facts, "grouped_matmul")
+    return _finish(cfg, bm * bk, bk * bn, dtype, params, facts, "grouped_matmul")
 
 
-def _tgmm_config(k: int, n: int, dtype: str, out_dtype: str, facts: DeviceFacts, params) -> dict:
+def _tgmm_config(k: int, n: int, dtype: str, facts: DeviceFacts, params) -> dict:
     # blocksize_k x blocksize_n is the output tile; blocksize_m the chunk of rows summed per step.
     if facts.is_cpu:
         base = dict(blocksize_m=64, blocksize_n=64, blocksize_k=64, num_warps=4, num_stages=1)
@@ -430,7 +377,7 @@ def _tgmm_config(k: int, n: int, dtype: str, out_dtype: str, facts: DeviceFacts,
                     max_stages=3 if bn == 256 else 4)
     cfg = _merge({**base, "max_stages": base.get("max_stages", 1)}, params, facts, "transposed_grouped_matmul")
     bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
-    return _finish(cfg, bk * bm, bm * bn, bk * bn, dtype, out_dtype, params, facts, "transposed_grouped_matmul")
+    return _finish(cfg, bk * bm, bm * bn, dtype, params, facts, "transposed_grouped_matmul")
 
 
 def programs_per_sm(cfg: dict, facts: DeviceFacts) -> int:
@@ -457,7 +404,7 @@ def gmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, transpo
     ``transpose_rhs``). Inputs: lhs, rhs, group_sizes (int32 [num_groups]), group_offset (int32 [1])."""
     check_float_dtype("lhs", dtype)
     check_out_dtype(out_dtype)
-    cfg = _gmm_config(m, k, n, num_selected, dtype, out_dtype, facts, params)
+    cfg = _gmm_config(m, k, n, num_selected, dtype, facts, params)
     bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
     # Upper bound on the tiles: each group adds at most one partial row tile, and so does each
     # of the two zero segments.
@@ -469,7 +416,7 @@ def gmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, transpo
         scalars=(("m", m),),
         outputs=(Output("out_ptr", (m, n), out_dtype),),
         constexprs=(("K", k), ("N", n), ("NUM_GROUPS", num_groups), ("NUM_SELECTED", num_selected),
-                    ("GROUPS_P2", next_power_of_2(num_selected)), ("TRANSPOSE_RHS", bool(transpose_rhs)), ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk),
+                    ("TRANSPOSE_RHS", bool(transpose_rhs)), ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk),
                     ("GROUP_M", 8), ("DOT_PRECISION", _dot_precision(dtype, facts))),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=True,
     )
@@ -484,7 +431,7 @@ def tgmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, lhs_mk
     """
     check_float_dtype("lhs", dtype)
     check_out_dtype(out_dtype)
-    cfg = _tgmm_config(k, n, dtype, out_dtype, facts, params)
+    cfg = _tgmm_config(k, n, dtype, facts, params)
     bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
     tiles = num_selected * cdiv(k, bk) * cdiv(n, bn)
     return LaunchPlan(
@@ -494,7 +441,7 @@ def tgmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, lhs_mk
         scalars=(("m", m),),
         outputs=(Output("out_ptr", (num_selected, k, n), out_dtype),),
         constexprs=(("K", k), ("N", n), ("NUM_GROUPS", num_groups), ("NUM_SELECTED", num_selected),
-                    ("GROUPS_P2", next_power_of_2(num_selected)), ("LHS_MK", bool(lhs_mk)), ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk),
+                    ("LHS_MK", bool(lhs_mk)), ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk),
                     ("DOT_PRECISION", _dot_precision(dtype, facts))),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=True,
     )
