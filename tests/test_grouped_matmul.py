@@ -405,6 +405,14 @@ def test_check_values_false_skips_only_the_value_checks(fw, rng):
     assert np.isfinite(fw.to_numpy(out)).all()
     out = fw.ops.transposed_grouped_matmul(lhs_t, rhs_t, bad, check_values=False)
     assert np.isfinite(fw.to_numpy(out)).all()
+    # Sizes whose int32 running sum wraps negative: no read before row 0 (it crashed the
+    # interpreter); the rows past the first group come out as zeros.
+    huge = fw.asarray(np.array([m - 3, 2**31 - 1, 5, 2**31 - 1], np.int32))
+    out = fw.to_numpy(fw.ops.grouped_matmul(lhs, rhs, huge, group_offset=1, check_values=False))
+    assert np.isfinite(out).all() and not out[:m - 3].any()
+    out = fw.to_numpy(fw.ops.transposed_grouped_matmul(lhs_t, rhs_t, huge, num_actual_groups=held,
+                                                       group_offset=2, check_values=False))
+    assert not out.any()
     with pytest.raises(ValueError, match="group_offset=9"):  # an int offset costs nothing to check
         fw.ops.grouped_matmul(lhs, rhs, fw.asarray(sizes), group_offset=9, check_values=False)
     with pytest.raises(TypeError, match="group_sizes must be an int32"):

@@ -54,6 +54,14 @@ def _group_size(group_sizes_ptr, g, NUM_GROUPS: tl.constexpr):
 
 
 @triton.jit
+def _group_end(start, group_sizes_ptr, g, m, NUM_GROUPS: tl.constexpr):
+    """End row of group ``g`` starting at row ``start <= m``: cut at ``m``. The size is cut before
+    the addition, so that an unchecked size near 2**31 cannot wrap the int32 sum negative (a
+    negative row would be read out of bounds)."""
+    return start + tl.minimum(_group_size(group_sizes_ptr, g, NUM_GROUPS), m - start)
+
+
+@triton.jit
 def _first_selected(group_sizes_ptr, group_offset_ptr, m,
                     NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr):
     """(g0, first row of group g0): the clamped offset and the sum of the sizes before it."""
@@ -61,7 +69,7 @@ def _first_selected(group_sizes_ptr, group_offset_ptr, m,
     g0 = tl.minimum(tl.maximum(g0, 0), NUM_GROUPS - NUM_SELECTED)
     row = tl.zeros([], tl.int32)
     for g in range(0, g0):
-        row = tl.minimum(row + _group_size(group_sizes_ptr, g, NUM_GROUPS), m)
+        row = _group_end(row, group_sizes_ptr, g, m, NUM_GROUPS)
     return g0, row
 
 
@@ -156,7 +164,7 @@ def gmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
     done = tl.zeros([], tl.int32)
     row = first_row
     for i in range(0, NUM_SELECTED):
-        end = tl.minimum(row + _group_size(group_sizes_ptr, g0 + i, NUM_GROUPS), m)
+        end = _group_end(row, group_sizes_ptr, g0 + i, m, NUM_GROUPS)
         tile, done = _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, row, end, i, K, N, TRANSPOSE_RHS,
                                   False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
         row = end
@@ -221,13 +229,13 @@ def tgmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_group = tiles_k * tiles_n
     current = tl.zeros([], tl.int32)
-    end = tl.minimum(start + _group_size(group_sizes_ptr, g0, NUM_GROUPS), m)
+    end = _group_end(start, group_sizes_ptr, g0, m, NUM_GROUPS)
     for tile in range(tl.program_id(0), NUM_SELECTED * per_group, tl.num_programs(0)):
         index = tile // per_group
         while current < index:
             current += 1
             start = end
-            end = tl.minimum(start + _group_size(group_sizes_ptr, g0 + current, NUM_GROUPS), m)
+            end = _group_end(start, group_sizes_ptr, g0 + current, m, NUM_GROUPS)
         local = tile - index * per_group
         _tgmm_tile(lhs_ptr, rhs_ptr, out_ptr, m, start, end - start, index, local // tiles_n, local % tiles_n,
                    K, N, LHS_MK, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
