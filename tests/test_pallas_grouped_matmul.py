@@ -261,6 +261,9 @@ def test_gmm_invalid_sizes_under_jit_stay_in_bounds(rng):
     assert np.all(np.isfinite(f64(out)))
     # Equivalent to the clamped sizes [30, 0, 20, 0, 0, 0].
     assert_close(out, ref_gmm(f64(lhs), f64(rhs), [30, 0, 20, 0, 0, 0]), "float32")
+    # Sizes whose int32 running sum would wrap negative: [2**31 - 1, ...] clamps to [m, 0, ...].
+    out = fn(jnp.asarray([2**31 - 1, 2**31 - 1, 5, 2**31 - 1, 0, 2], jnp.int32))
+    assert_close(out, ref_gmm(f64(lhs), f64(rhs), [m, 0, 0, 0, 0, 0]), "float32")
 
 
 def test_gmm_tiling_callable_and_buffer_count(rng):

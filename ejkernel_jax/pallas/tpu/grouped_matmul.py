@@ -234,7 +234,10 @@ def _resolve_interpret(interpret) -> Any:
 
 def _sanitize_sizes(group_sizes: jax.Array, m: int) -> jax.Array:
     """Identity on valid sizes; otherwise clamps them so every row index stays in [0, m]."""
-    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0), dtype=jnp.int32), m)
+    # A running sum saturating at m, never wrapping int32 (sizes near 2**31 would go negative):
+    # each step adds at most the rows left. Associative, as the scan needs, for sizes >= 0.
+    ends = lax.associative_scan(lambda a, b: a + jnp.minimum(b, m - a),
+                                jnp.clip(group_sizes, 0, m).astype(jnp.int32))
     return jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
 
 
