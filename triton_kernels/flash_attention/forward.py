@@ -94,14 +94,17 @@ def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_
     a, z = _full_key_range(start_m, len_q, len_k, win_left, win_right, lo, hi, BLOCK_M, BLOCK_N, USE_WINDOW,
                            USE_SEGMENTS)
     # Key blocks in ascending order, in three runs: masked [lo, a), whole [a, z), masked [z, hi).
+    # An empty run is skipped as a whole: its software pipeline would still fill and drain.
     for run in tl.static_range(3):
         first, last = _run_bounds(run, lo, a, z, hi)
-        for start_n in range(first, last, BLOCK_N):
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, q_seg, start_n, k_ptr, v_ptr, bias_ptr, kv_seg_ptr, b, h,
-                                      h_kv, k_start, offs_m, offs_d, seq_q, seq_k, len_q, len_k, win_left, win_right,
-                                      logit_scale, softcap, dropout_p, dropout_scale, seed, drop_base,
-                                      HEADS_KV, HEAD_DIM, BLOCK_N, BLOCK_D, run != 1, USE_WINDOW, USE_SOFTCAP,
-                                      USE_BIAS, BIAS_BATCHED, BIAS_HEADS, USE_SEGMENTS, USE_DROPOUT, DOT_PRECISION)
+        if first < last:
+            for start_n in range(first, last, BLOCK_N):
+                acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, q_seg, start_n, k_ptr, v_ptr, bias_ptr, kv_seg_ptr, b, h,
+                                          h_kv, k_start, offs_m, offs_d, seq_q, seq_k, len_q, len_k, win_left,
+                                          win_right, logit_scale, softcap, dropout_p, dropout_scale, seed, drop_base,
+                                          HEADS_KV, HEAD_DIM, BLOCK_N, BLOCK_D, run != 1, USE_WINDOW, USE_SOFTCAP,
+                                          USE_BIAS, BIAS_BATCHED, BIAS_HEADS, USE_SEGMENTS, USE_DROPOUT,
+                                          DOT_PRECISION)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
