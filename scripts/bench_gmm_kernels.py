@@ -45,9 +45,9 @@ def _bench_shape(label: str, g: int, m: int, k: int, n: int, gmm_alts: list, tgm
     facts = device_facts(torch.device("cuda"))
     sizes = torch.from_numpy(group_sizes(m, g, "balanced", np.random.default_rng(0))).cuda()
     offset = torch.zeros(1, dtype=torch.int32, device="cuda")
-    lhs = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    rhs = torch.randn(g, k, n, device="cuda", dtype=torch.bfloat16)
-    cot = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator("cuda").manual_seed(m * 131 + g)  # the same inputs in every tree, for the digests
+    lhs, rhs, cot = (torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=gen)
+                     for s in ((m, k), (g, k, n), (m, n)))
     dt = "bfloat16"
     kernels = {
         "fwd": (lambda p: gm.gmm_plan(m, k, n, g, g, False, dt, dt, facts, p), (lhs, rhs, sizes, offset), gmm_alts),
