@@ -66,7 +66,9 @@ class MultiHeadAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x, segment_ids=None, *, deterministic: bool = True):
-        kv_heads = self.num_kv_heads or self.num_heads
+        kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+        if kv_heads < 1:
+            raise ValueError(f"num_kv_heads must be >= 1 (or None for num_heads), got {self.num_kv_heads}")
         head_dim = self.head_dim or self.embed_dim // self.num_heads
         if self.num_heads % kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({kv_heads})")

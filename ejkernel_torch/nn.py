@@ -24,7 +24,9 @@ class MultiHeadAttention(nn.Module):
                  attention_fn=flash_attention, device=None, dtype=None):
         super().__init__()
         self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads or num_heads
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if self.num_kv_heads < 1:
+            raise ValueError(f"num_kv_heads must be >= 1 (or None for num_heads), got {num_kv_heads}")
         self.head_dim = head_dim or embed_dim // num_heads
         if num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")

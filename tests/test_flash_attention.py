@@ -121,6 +121,32 @@ def test_padding_rows_are_zero_with_zero_gradients(fw, rng):
         assert np.isfinite(g).all() and not g[1].any()
 
 
+def test_rows_emptied_by_a_neg_inf_bias_have_zero_gradients(fw, rng):
+    # seq 32 = a whole CPU key tile: the backward takes its unmasked path, where the lse of an
+    # emptied row (-inf) once gave exp2(-inf - (-inf)) = NaN in every gradient.
+    arrays, values, _, _ = _make(fw, rng, 1, 32, 32, 2, 1, 16, "float32", bias=(1, 1))
+    bias = values[3].copy()
+    bias[..., 3, :] = -np.inf  # query 3 attends nothing
+    arrays[3] = fw.asarray(bias, "float32")
+    op, reference = _op(fw, {}, {}), _ref({}, {})
+    out, lse = (fw.to_numpy(t) for t in op(*arrays, return_lse=True))
+    assert not out[0, 3].any() and np.isneginf(lse[0, :, 3]).all() and np.isfinite(lse[0, :, :3]).all()
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    grads = fw.vjp(op, arrays, fw.asarray(dout, "float32"))
+    expected = ref.vjp(reference, [*values[:3], bias], dout, n_diff=4)
+    for name, got, want in zip(["dq", "dk", "dv", "dbias"], grads, expected):
+        assert np.isfinite(got).all(), name
+        assert rel_error(got, want) < GRAD_TOLERANCE["float32"], name
+    assert not grads[0][0, 3].any()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_negative_softmax_scale(fw, rng, dtype):
+    # A scale < 0 turns the row max into the row min: the forward's plain-tile shortcut (scale
+    # the max, not the tile) must not be taken. seq 32 is one whole CPU tile.
+    _check(fw, rng, (1, 32, 32, 1, 1, 32), dtype, dict(softmax_scale=-0.5))
+
+
 def test_lse_gradient(fw, rng):
     arrays, values, _, _ = _make(fw, rng, 2, 19, 25, 2, 1, 32, "float32")
     c_out, c_lse = rng.standard_normal((2, 19, 2, 32)), rng.standard_normal((2, 2, 19))
@@ -309,6 +335,12 @@ def _bad_cases():
         (dict(q_segment_ids=np.zeros((2, 5), f32), kv_segment_ids=np.zeros((2, 5), f32)), TypeError,
          "q_segment_ids must be an integer"),
         (dict(causal=1), TypeError, "causal must be a bool"),
+        (dict(softmax_scale=True), TypeError, "softmax_scale must be a Python float"),
+        (dict(sliding_window=(True, 2)), TypeError, r"sliding_window \(left\) must be an int"),
+        (dict(softmax_scale=float("inf")), ValueError, "softmax_scale must be finite"),
+        (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
+        (dict(softmax_scale=3e38), ValueError, r"softmax_scale=3e\+38 .* beyond float32.s range"),
+        (dict(logits_soft_cap=1e39), ValueError, "logits_soft_cap must be a finite number > 0"),
     ]
 
 
@@ -320,6 +352,29 @@ def test_bad_input(fw, kwargs, error, match):
     options = {n: fw.asarray(a) if isinstance(a, np.ndarray) else a for n, a in kwargs.items() if n not in "qkv"}
     with pytest.raises(error, match=match):
         fw.ops.flash_attention(*(fw.asarray(args[n]) for n in "qkv"), **options)
+
+
+def test_checks_do_not_depend_on_earlier_calls(fw):
+    # 1 == True == 1.0 hash alike: a cached good call must not let a bad type through afterwards.
+    x = fw.asarray(np.zeros((1, 8, 2, 16), np.float32))
+    for bad, good in ((dict(causal=1), dict(causal=True)), (dict(softmax_scale=True), dict(softmax_scale=1.0)),
+                      (dict(sliding_window=(True, 2)), dict(sliding_window=(1, 2)))):
+        fw.ops.flash_attention(x, x, x, **good)
+        with pytest.raises(TypeError):
+            fw.ops.flash_attention(x, x, x, **bad)
+    packed, cu = fw.asarray(np.zeros((8, 2, 16), np.float32)), fw.asarray(np.array([0, 8], np.int32))
+    fw.ops.flash_attention_varlen(packed, packed, packed, cu, cu, 8, 8)
+    with pytest.raises(TypeError, match="max_seqlen_q must be a non-negative Python int"):
+        fw.ops.flash_attention_varlen(packed, packed, packed, cu, cu, 8.0, 8)
+
+
+def test_uint32_dropout_seed_is_read_as_its_bits(fw):
+    # jax.random.bits gives uint32 seeds; they select the same mask as the int32 of the same bits.
+    x = fw.asarray(np.random.default_rng(0).standard_normal((1, 16, 1, 16)), "float32")
+    seed = np.uint32(3_000_000_000)
+    a = fw.ops.flash_attention(x, x, x, dropout_p=0.5, dropout_seed=fw.asarray(np.array([seed])))
+    b = fw.ops.flash_attention(x, x, x, dropout_p=0.5, dropout_seed=int(seed))
+    np.testing.assert_array_equal(fw.to_numpy(a), fw.to_numpy(b))
 
 
 def _bad_varlen_cases():

@@ -92,3 +92,17 @@ def test_gpt_examples_run(name):
 @pytest.mark.parametrize("name", ["torch_gpt.py", "flax_gpt.py"])
 def test_gpt_examples_train_50_steps_like_plain_attention(name):
     _run_example(name, steps=50)
+
+
+def test_zero_kv_heads_is_an_error():
+    import jax
+    import jax.numpy as jnp
+
+    import ejkernel_jax.nn
+    import ejkernel_torch.nn
+
+    with pytest.raises(ValueError, match="num_kv_heads must be >= 1"):
+        ejkernel_torch.nn.MultiHeadAttention(32, 4, num_kv_heads=0)
+    module = ejkernel_jax.nn.MultiHeadAttention(embed_dim=32, num_heads=4, num_kv_heads=0)
+    with pytest.raises(ValueError, match="num_kv_heads must be >= 1"):
+        module.init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 32)))

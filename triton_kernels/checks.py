@@ -5,6 +5,7 @@ the two fronts reject the same inputs with the same messages.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from .plan import FLOAT_DTYPES
@@ -101,4 +102,6 @@ def softmax_scale(value, d: int) -> float:
         return d ** -0.5
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"softmax_scale must be a Python float or None, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"softmax_scale must be finite, got {value}")
     return float(value)

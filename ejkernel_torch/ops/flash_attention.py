@@ -235,7 +235,8 @@ def _seed_tensor(dropout_seed, device) -> Tensor:
         fa.seed_array(tuple(dropout_seed.shape), name_of(dropout_seed))
         if dropout_seed.device != device:
             raise ValueError(f"dropout_seed is on {dropout_seed.device} but q is on {device}")
-        return dropout_seed.reshape(1).to(torch.int32)
+        seed = dropout_seed.reshape(1)
+        return seed.view(torch.int32) if seed.dtype == torch.uint32 else seed.to(torch.int32)  # uint32: same bits
     return torch.full((1,), fa.seed_value(dropout_seed), dtype=torch.int32, device=device)
 
 
@@ -317,7 +318,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, so
     * ``bias``: additive, ``[batch|1, heads_q|1, seq_q, seq_k]``; gets a gradient if it requires one
       (float32 scratch of [batch, heads_q, seq_q, seq_k] in the backward).
     * ``q_segment_ids``/``kv_segment_ids`` ``[batch, seq]``: tokens attend only within equal ids;
-      ids <= 0 are padding.
+      ids <= 0 are padding. The kernels compare ids as int32: int64 ids must lie in
+      [-2**31, 2**31) (not checked: that would read the values, a host sync).
     * ``dropout_p``/``dropout_seed``: dropout on the probabilities, drawn in-kernel from
       (seed, element offset) (see ``flash_attention_dropout_mask``); the seed defaults to a draw
       from torch's generator.

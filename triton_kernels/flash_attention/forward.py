@@ -21,7 +21,7 @@ def _fwd_step(acc, m_i, l_i, q, q_seg, start_n, k_ptr, v_ptr, bias_ptr, kv_seg_p
               HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_BIAS: tl.constexpr,
               BIAS_BATCHED: tl.constexpr, BIAS_HEADS: tl.constexpr, USE_SEGMENTS: tl.constexpr,
-              USE_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              USE_DROPOUT: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold key block ``start_n`` into the online-softmax state (acc, running max, normaliser).
     ``MASKED=False`` is for blocks every row attends entirely (``_full_key_range``)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -30,7 +30,7 @@ def _fwd_step(acc, m_i, l_i, q, q_seg, start_n, k_ptr, v_ptr, bias_ptr, kv_seg_p
     if USE_BIAS:
         bias = _load_bias(bias_ptr, b, h, offs_m, offs_n, len_q, len_k, BIAS_BATCHED, BIAS_HEADS)
     qk = _dot(q, tl.trans(k), DOT_PRECISION)
-    if MASKED or USE_SOFTCAP or USE_BIAS:
+    if MASKED or USE_SOFTCAP or USE_BIAS or NEGATIVE_SCALE:
         s, _ = _logits2(qk, bias, logit_scale, softcap, USE_SOFTCAP, USE_BIAS)
         if MASKED:
             k_seg = _segment_ids(kv_seg_ptr, b, seq_k, offs_n, len_k, USE_SEGMENTS)
@@ -40,8 +40,8 @@ def _fwd_step(acc, m_i, l_i, q, q_seg, start_n, k_ptr, v_ptr, bias_ptr, kv_seg_p
         m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing attended yet: keep exp2 finite
         p = tl.exp2(s - m_ref[:, None])
     else:
-        # Plain whole tile: scale the row max instead of the tile (the same value, the scale being
-        # positive), so that scaling and subtracting fuse into one FMA per logit.
+        # Plain whole tile: scale the row max instead of the tile (the same value for a scale >= 0;
+        # NEGATIVE_SCALE takes the path above), so that scaling and subtracting fuse into one FMA.
         m_new = tl.maximum(m_i, tl.max(qk, axis=1) * logit_scale)
         m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
         p = tl.exp2(qk * logit_scale - m_ref[:, None])
@@ -62,7 +62,7 @@ def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      IS_VARLEN: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                      USE_BIAS: tl.constexpr, BIAS_BATCHED: tl.constexpr, BIAS_HEADS: tl.constexpr,
-                     USE_SEGMENTS: tl.constexpr, USE_DROPOUT: tl.constexpr,
+                     USE_SEGMENTS: tl.constexpr, USE_DROPOUT: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
                      DOT_PRECISION: tl.constexpr):
     # torch.compile passes Python floats to Triton as fp64; keep the math in fp32 everywhere.
     logit_scale = tl.cast(logit_scale, tl.float32)
@@ -104,7 +104,7 @@ def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_
                                           win_right, logit_scale, softcap, dropout_p, dropout_scale, seed, drop_base,
                                           HEADS_KV, HEAD_DIM, BLOCK_N, BLOCK_D, run != 1, USE_WINDOW, USE_SOFTCAP,
                                           USE_BIAS, BIAS_BATCHED, BIAS_HEADS, USE_SEGMENTS, USE_DROPOUT,
-                                          DOT_PRECISION)
+                                          NEGATIVE_SCALE, DOT_PRECISION)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]

@@ -14,7 +14,7 @@ from ..plan import DeviceFacts, LaunchPlan, Output, cdiv, fp32, next_power_of_2
 from .backward import flash_bwd_delta_kernel, flash_bwd_dkdv_kernel, flash_bwd_dq_kernel
 from .dropout import dropout_mask_kernel
 from .forward import flash_fwd_kernel
-from .spec import FlashSpec
+from .spec import FLOAT32_MAX, FlashSpec
 from .tiles import LOG2E
 
 # (kernel parameter, what the fronts pass) in kernel order.
@@ -39,6 +39,9 @@ def _scalars(spec: FlashSpec) -> tuple[tuple[str, int | float], ...]:
         logit_scale = spec.softmax_scale
     else:
         logit_scale = spec.softmax_scale * LOG2E
+    if not abs(logit_scale) <= FLOAT32_MAX:
+        raise ValueError(f"softmax_scale={spec.softmax_scale} (logits_soft_cap={spec.softcap}) gives a logit scale "
+                         "beyond float32's range")
     return (
         ("seq_q", spec.seq_q), ("seq_k", spec.seq_k), ("total_q", spec.total_q), ("total_k", spec.total_k),
         ("win_left", left), ("win_right", right),
@@ -96,7 +99,8 @@ def forward_plan(spec: FlashSpec, facts: DeviceFacts, params: FwdParams | None =
         inputs=FEATURE_INPUTS, input_dtypes=feature_dtypes(spec), scalars=_scalars(spec),
         outputs=(Output("o_ptr", spec.q_shape, spec.dtype, zeroed),
                  Output("lse_ptr", spec.lse_shape, "float32", zeroed)),
-        constexprs=_features(spec) + (("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_D", bd),
+        constexprs=_features(spec) + (("NEGATIVE_SCALE", spec.softmax_scale < 0),
+                                      ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_D", bd),
                                       ("DOT_PRECISION", _dot_precision(spec.dtype, facts))),
         num_warps=warps, num_stages=stages,
     )

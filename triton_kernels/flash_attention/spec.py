@@ -15,6 +15,7 @@ from typing import Sequence
 from .. import checks
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256  # padded to a power of two >= 16 inside the kernels
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -89,18 +90,27 @@ def _window(causal, sliding_window) -> tuple[int | None, int | None] | None:
     else:
         left = right = sliding_window
     for side, w in (("left", left), ("right", right)):
-        if w is None:
-            continue
-        if isinstance(w, bool) or not isinstance(w, int):
-            raise TypeError(f"sliding_window ({side}) must be an int or None, got {w!r}")
-        if w < 0:
+        _window_side(side, w)
+        if w is not None and w < 0:
             raise ValueError(f"sliding_window must be >= 0, got {side}={w}")
     return (left, 0 if causal else right)
 
 
+def _window_side(side: str, w) -> None:
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int)):
+        raise TypeError(f"sliding_window ({side}) must be an int or None, got {w!r}")
+
+
 def window_arg(sliding_window):
-    """``sliding_window`` as the (hashable) value the cached spec functions take: lists become tuples."""
-    return tuple(sliding_window) if isinstance(sliding_window, list) else sliding_window
+    """``sliding_window`` as the (hashable) value the cached spec functions take: lists become
+    tuples. The sides' types are checked here, outside the cache: the cache is typed only at the
+    top level, and (True, 2) == (1, 2)."""
+    if isinstance(sliding_window, (tuple, list)):
+        if len(sliding_window) == 2:
+            for side, w in zip(("left", "right"), sliding_window):
+                _window_side(side, w)
+        return tuple(sliding_window)
+    return sliding_window
 
 
 def _clamped_window(window, seq_q: int, seq_k: int) -> tuple[int, int] | None:
@@ -116,8 +126,8 @@ def _positive_float(name: str, value) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a Python float or None, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    if not (math.isfinite(value) and 0 < value <= FLOAT32_MAX):
+        raise ValueError(f"{name} must be a finite number > 0 (and float32-representable), got {value}")
     return float(value)
 
 
@@ -138,7 +148,8 @@ def seed_value(seed) -> int:
 
 
 def seed_array(shape: Sequence[int], dtype: str) -> None:
-    checks.int_input("dropout_seed", dtype)
+    if dtype != "uint32":  # what jax.random.bits gives; the kernels read its bits as int32
+        checks.int_input("dropout_seed", dtype)
     if tuple(shape) not in ((), (1,)):
         raise ValueError(f"dropout_seed must be a scalar or have shape (1,), got {tuple(shape)}")
 
@@ -164,7 +175,8 @@ def _qkv_dtypes(dtypes: Sequence[str]) -> str:
 # specs
 
 
-@functools.lru_cache(maxsize=1024)
+# typed: 1 == True == 1.0 hash alike, and an untyped hit would skip the checks of a bad type.
+@functools.lru_cache(maxsize=1024, typed=True)
 def dense_spec(q_shape: tuple, k_shape: tuple, v_shape: tuple, dtypes: tuple, *, causal=False,
                softmax_scale=None, sliding_window=None, logits_soft_cap=None,
                bias_shape: tuple | None = None, bias_dtype: str | None = None,
@@ -217,7 +229,7 @@ def _segments(q_shape, q_dtype, kv_shape, kv_dtype, batch, seq_q, seq_k) -> bool
     return True
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1024, typed=True)
 def varlen_spec(q_shape: tuple, k_shape: tuple, v_shape: tuple, dtypes: tuple,
                 cu_q_shape: tuple, cu_q_dtype: str, cu_k_shape: tuple, cu_k_dtype: str,
                 max_seqlen_q, max_seqlen_k, *, causal=False, softmax_scale=None,
