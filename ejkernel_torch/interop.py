@@ -27,7 +27,7 @@ __all__ = ["to_jax", "to_torch", "jax_to_torch", "BridgedFunction"]
 
 
 def _check_copy(copy) -> None:
-    if copy not in (None, True, False):
+    if not (copy is None or copy is True or copy is False):  # not `in`: 1 == True, 0 == False
         raise TypeError(f"copy must be None, True or False, got {copy!r}")
 
 

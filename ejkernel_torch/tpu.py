@@ -358,9 +358,8 @@ _tgmm_bridge = jax_to_torch(_tgmm_jax, static_argnames=_GMM_STATIC + ("num_actua
 def _group_args(fn: str, lhs, rhs, group_sizes, group_offset, m_axis: int, num_selected):
     """Checks shared by gmm and tgmm; returns (group_sizes, offset tensor | None, static offset, device).
 
-    An int ``group_offset`` is static (jax checks its range while tracing); a tensor one is
-    traced, so its range is checked here, like ``group_sizes``' values (which jax can only check
-    outside of jit).
+    An int ``group_offset`` is static; a tensor one is traced. Both ranges are checked here,
+    before anything is traced (the tensor's with ``group_sizes``' values, in one host sync).
     """
     lhs, rhs = _float(fn, "lhs", lhs), _float(fn, "rhs", rhs)
     group_sizes = _int32(fn, "group_sizes", group_sizes)
@@ -377,6 +376,9 @@ def _group_args(fn: str, lhs, rhs, group_sizes, group_offset, m_axis: int, num_s
     device = _device(fn, lhs=lhs, rhs=rhs, group_sizes=group_sizes, group_offset=offset_tensor)
     if group_sizes.ndim != 1:
         raise ValueError(f"{fn}: argument 'group_sizes' must be 1-D, got shape {tuple(group_sizes.shape)}")
+    n_sel = num_selected if num_selected is not None else group_sizes.shape[0]
+    if static_offset is not None:
+        _check_offset_range(fn, static_offset, group_sizes.shape[0], n_sel)
     if _checking_values() and group_sizes.numel():
         m = lhs.shape[m_axis] if lhs.ndim == 2 else None
         checks = [group_sizes.min().to(torch.int64), group_sizes.sum(dtype=torch.int64)]
@@ -388,13 +390,16 @@ def _group_args(fn: str, lhs, rhs, group_sizes, group_offset, m_axis: int, num_s
         if m is not None and got[1] > m:
             raise ValueError(f"{fn}: sum(group_sizes) = {got[1]} exceeds the {m} rows of the operand")
         if offset_tensor is not None:
-            n_sel = num_selected if num_selected is not None else group_sizes.shape[0]
-            if isinstance(n_sel, numbers.Integral) and not 0 <= got[2] <= group_sizes.shape[0] - n_sel:
-                raise ValueError(
-                    f"{fn}: group_offset={got[2]} selects groups [{got[2]}, {got[2] + n_sel}) but "
-                    f"group_sizes has {group_sizes.shape[0]}"
-                )
+            _check_offset_range(fn, got[2], group_sizes.shape[0], n_sel)
     return lhs, rhs, group_sizes, offset_tensor, static_offset, device
+
+
+def _check_offset_range(fn: str, g0: int, num_groups: int, num_selected) -> None:
+    # A num_selected that is not an int is left for jax to reject while tracing.
+    if isinstance(num_selected, numbers.Integral) and not 0 <= g0 <= num_groups - num_selected:
+        raise ValueError(
+            f"{fn}: group_offset={g0} selects groups [{g0}, {g0 + num_selected}) but group_sizes has {num_groups}"
+        )
 
 
 @_graph_break

@@ -9,7 +9,8 @@ from triton_kernels.grouped_matmul import gmm_plan, tgmm_plan
 
 # (tokens m, k, n, experts g): bf16 MoE layers of the sizes the benchmark runs, plus odd ones.
 SHAPES = [(65536, 4096, 2048, 8), (16384, 4096, 2048, 64), (8192, 4096, 2048, 128),
-          (32768, 7168, 1408, 16), (8192, 2048, 4096, 128), (1000, 4096, 2048, 8)]
+          (32768, 7168, 1408, 16), (8192, 2048, 4096, 128), (1000, 4096, 2048, 8),
+          (32768, 2048, 1408, 64)]  # n = 1408: 256-wide tiles and a 128-wide last one
 
 
 def _training_plans(m, k, n, g, dtype, transpose_rhs=False, params=None):

@@ -28,6 +28,7 @@ def _cases(rng):
         (4096, 512, 384, _skewed(rng, 4096, 16), 16, 0, False),
         (3000, 384, 1408 // 4, ragged_sizes(rng, 3000, 64), 64, 0, True),
         (2048, 256, 512, ragged_sizes(rng, 2048, 12), 4, 5, False),  # one expert-parallel shard
+        (2048, 320, 1408, np.full(4, 512, np.int32), 4, 0, False),  # 256-wide tiles, a 128-wide last one
     ]
 
 

@@ -77,7 +77,7 @@ def test_gmm_group_offset(fw, rng, group_offset):
     m, k, n, groups, held = 90, 24, 20, 7, 3
     sizes = ragged_sizes(rng, m, groups, spare=5)
     (lhs, rhs), (lhs_np, rhs_np) = _arrays(fw, rng, "float32", (m, k), (held, k, n))
-    for offset in (group_offset, fw.asarray(np.int32(group_offset))):
+    for offset in (group_offset, np.int64(group_offset), fw.asarray(np.int32(group_offset))):  # numpy ints too
         out = fw.to_numpy(fw.ops.grouped_matmul(lhs, rhs, fw.asarray(sizes), group_offset=offset, fwd_params=SMALL))
         expected = ref.forward(ref.grouped_matmul, lhs_np, rhs_np, sizes, group_offset=group_offset)
         assert _err(out, expected, "float32")

@@ -276,6 +276,17 @@ def test_conjugate_view_is_resolved():
     z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
     a = to_jax(z.conj())
     np.testing.assert_array_equal(np.asarray(a), np.array([1 - 2j, 3 + 4j], np.complex64))
+    np.testing.assert_array_equal(np.asarray(to_jax(torch.tensor([1.0, -2.0])._neg_view())), [-1.0, 2.0])
+
+
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_lazy_views_refuse_copy_false(view):
+    # Materialising a lazy conjugate / negation is a copy, which copy=False forbids.
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    lazy = z.conj() if view == "conj" else z._neg_view()
+    with pytest.raises(ValueError, match=r"to_jax: argument 'tensor'.*lazy conjugate or negated view.*copy=False"):
+        to_jax(lazy, copy=False)
+    assert to_jax(lazy.resolve_conj().resolve_neg(), copy=False) is not None  # materialised: shares memory
 
 
 def test_to_torch_waits_for_async_jax_work():
@@ -303,6 +314,11 @@ def test_bad_input_errors_name_the_argument():
         to_jax(torch.eye(3).to_sparse())
     with pytest.raises(TypeError, match="copy must be None, True or False"):
         to_jax(torch.zeros(3), copy="yes")
+    for not_a_bool in (1, 0):  # equal to True / False, but not what the argument takes
+        with pytest.raises(TypeError, match="copy must be None, True or False"):
+            to_jax(torch.zeros(3), copy=not_a_bool)
+        with pytest.raises(TypeError, match="copy must be None, True or False"):
+            to_torch(jnp.zeros(3), copy=not_a_bool)
     with pytest.raises(TypeError, match="to_torch: argument 'array'.*expected a jax.Array"):
         to_torch(np.zeros(3))
     with pytest.raises(TypeError, match="to_torch: argument 'array'.*expected a jax.Array, got list"):
@@ -456,6 +472,19 @@ def test_one_trace_per_shape_dtype_and_static_args():
     torch.testing.assert_close(b(x, y, mode="add", power=3), (x + y) ** 3)
     assert b.cache_info()["traces"] == 5
     assert b.cache_info()["calls"] == 17
+
+
+def test_static_args_equal_in_value_but_not_type_trace_apart():
+    # As in jax.jit: 1 == True and 2 == 2.0 share a hash, but a function may branch on the type.
+    def fn(x, n):
+        return x + n + (100 if isinstance(n, bool) else 0) + (0.5 if isinstance(n, float) else 0)
+
+    b = jax_to_torch(fn, static_argnames="n")
+    x = torch.zeros(2)
+    for n in (1, True, 2, 2.0):
+        torch.testing.assert_close(b(x, n=n), torch.from_numpy(np.asarray(jax.jit(fn, static_argnames="n")(
+            jnp.zeros(2), n=n))))
+    assert b.cache_info()["traces"] == 4
 
 
 def test_grad_path_traces_once_and_backward_is_cached():

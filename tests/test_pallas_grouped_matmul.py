@@ -441,6 +441,8 @@ def _gmm_bad_cases():
         (dict(tiling=lambda m, k, n: None), ValueError, "tiling"),
         (dict(input_buffer_count=3), ValueError, "input_buffer_count"),
         (dict(preferred_element_type=jnp.int32), TypeError, "preferred_element_type"),
+        (dict(preferred_element_type=None), TypeError, "preferred_element_type must be one of"),
+        (dict(preferred_element_type=np.float64), TypeError, "preferred_element_type must be one of"),
     ], dict(lhs=lhs, rhs=rhs, group_sizes=gs)
 
 
@@ -450,6 +452,15 @@ def test_gmm_bad_inputs(case):
     override, exc, match = cases[case]
     with pytest.raises(exc, match=match):
         gm.grouped_matmul(**{**base, **override})
+
+
+def test_int_group_offset_is_checked_under_jit():
+    # A Python int stays static under jit, so its range is known while tracing.
+    lhs, rhs, gs = jnp.zeros((8, 16), jnp.float32), jnp.zeros((2, 16, 4), jnp.float32), jnp.array([3, 2, 3], jnp.int32)
+    with pytest.raises(ValueError, match=r"group_offset=2 selects groups \[2, 4\)"):
+        jax.jit(lambda a: gm.grouped_matmul(a, rhs, gs, group_offset=2))(lhs)
+    with pytest.raises(ValueError, match=r"group_offset=-1 selects groups"):
+        jax.jit(lambda a: gm.transposed_grouped_matmul(a.T, a, gs, group_offset=-1, num_actual_groups=2))(lhs)
 
 
 def test_tgmm_bad_inputs():

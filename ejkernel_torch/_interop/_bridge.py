@@ -480,8 +480,13 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
     else:
         use_x64 = b.x64 and not cv.x64_enabled()
 
-    # tpos is in the key: whether a leaf is a tensor or a number changes what is traced.
-    key = (treedef, statics, use_x64, tuple(tpos))
+    # tpos is in the key: whether a leaf is a tensor or a number changes what is traced. Static
+    # values carry their type, as in jax.jit: 1 == True and 2 == 2.0, but they may trace apart.
+    if statics:
+        statics_key = tuple((name, pos, type(value), value) for name, pos, value in statics)
+    else:
+        statics_key = statics
+    key = (treedef, statics_key, use_x64, tuple(tpos))
     entry = b._cache.get(key)
     if entry is None:
         entry = b._entry(key)

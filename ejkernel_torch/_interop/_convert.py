@@ -334,10 +334,16 @@ def tensor_to_jax(tensor: torch.Tensor, copy: bool | None, fp8_route: str | None
     dtype = tensor.dtype
     if dtype not in TORCH_TO_JAX_DTYPE or tensor.layout != torch.strided:
         check_tensor(tensor)
-    if tensor.is_conj():
-        tensor = tensor.resolve_conj()
-    if tensor.is_neg():
-        tensor = tensor.resolve_neg()
+    if tensor.is_conj() or tensor.is_neg():
+        # A lazy conjugate / negation view: DLPack carries no such flag, so the values must be
+        # materialised first, which is a copy.
+        if copy is False:
+            raise ConversionError(
+                ValueError,
+                "the tensor is a lazy conjugate or negated view; materialising it makes a copy, so copy=False "
+                "cannot be honoured (call .resolve_conj() / .resolve_neg() first, or pass copy=None)",
+            )
+        tensor = tensor.resolve_conj().resolve_neg()
     if tensor.is_xla:  # PyTorch/XLA: synced, then through torch_xla's DLPack
         from . import _xla
 

@@ -15,8 +15,10 @@ out-of-bounds access, meaningless result).
 """
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable, plain_eager
@@ -186,7 +188,8 @@ def _group_args(group_sizes, group_offset, m: int, num_groups: int, num_selected
         gm.check_group_offset_shape(tuple(group_offset.shape), name_of(group_offset))
         offset = group_offset.reshape(1).to(device=device, dtype=torch.int32)
         offset_value = None
-    elif isinstance(group_offset, int) and not isinstance(group_offset, bool):
+    elif isinstance(group_offset, numbers.Integral) and not isinstance(group_offset, (bool, np.bool_)):
+        group_offset = int(group_offset)  # numpy integers too, as in the jax front
         gm.check_group_offset_value(group_offset, num_groups, num_selected)
         # torch.full fills on the device; torch.tensor([...], device="cuda") would sync the stream.
         offset = torch.full((1,), group_offset, dtype=torch.int32, device=device)

@@ -165,25 +165,29 @@ def _check_group_sizes(group_sizes, m: int) -> None:
             raise ValueError(f"sum(group_sizes) = {total} exceeds the {m} rows of the operand")
 
 
+def _check_offset_range(g0: int, num_groups: int, num_selected: int) -> None:
+    if not 0 <= g0 <= num_groups - num_selected:
+        raise ValueError(
+            f"group_offset={g0} selects groups [{g0}, {g0 + num_selected}) but group_sizes has {num_groups}"
+        )
+
+
 def _check_group_offset(group_offset, num_groups: int, num_selected: int) -> jax.Array:
     if group_offset is None:
         return jnp.zeros((), jnp.int32)
     if isinstance(group_offset, (bool, np.bool_)):
         raise TypeError("group_offset must be an int or an integer scalar array")
     if isinstance(group_offset, (int, np.integer)):
-        group_offset = jnp.int32(group_offset)
+        # Checked before it becomes an array: under jit, jnp.int32(g0) would be a tracer.
+        _check_offset_range(int(group_offset), num_groups, num_selected)
+        return jnp.int32(group_offset)
     if not hasattr(group_offset, "dtype") or not jnp.issubdtype(group_offset.dtype, jnp.integer):
         raise TypeError(f"group_offset must be an integer scalar, got {group_offset!r}")
     if group_offset.shape not in ((), (1,)):
         raise ValueError(f"group_offset must be a scalar, got shape {tuple(group_offset.shape)}")
     group_offset = jnp.reshape(group_offset, ()).astype(jnp.int32)
     if _is_concrete(group_offset):
-        g0 = int(group_offset)
-        if not 0 <= g0 <= num_groups - num_selected:
-            raise ValueError(
-                f"group_offset={g0} selects groups [{g0}, {g0 + num_selected}) but group_sizes "
-                f"has {num_groups}"
-            )
+        _check_offset_range(int(group_offset), num_groups, num_selected)
     return group_offset
 
 
@@ -216,13 +220,20 @@ def _resolve_tiling(tiling, m: int, k: int, n: int) -> Tiling:
     return min(tm, m), min(tk, k), min(tn, n)
 
 
+_OUT_DTYPES = ("float16", "bfloat16", "float32")
+
+
 def _check_dtype_arg(dtype) -> jnp.dtype:
+    if dtype is None:  # jnp.dtype(None) would silently be float64
+        raise TypeError(f"preferred_element_type must be one of {', '.join(_OUT_DTYPES)}, got None")
     try:
         dtype = jnp.dtype(dtype)
     except TypeError as e:
         raise TypeError(f"preferred_element_type must be a dtype, got {dtype!r}") from e
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"preferred_element_type must be a float dtype, got {dtype}")
+    if dtype.name not in _OUT_DTYPES:  # the kernels store float16/bfloat16/float32 only
+        raise TypeError(f"preferred_element_type must be one of {', '.join(_OUT_DTYPES)}, got {dtype}")
     return dtype
 
 
