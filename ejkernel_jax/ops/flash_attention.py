@@ -134,8 +134,9 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     ``[batch, seq_q, heads_q, head_dim]``, k/v ``[batch, seq_k, heads_kv, head_dim]``; causal is
     bottom-right aligned; ``sliding_window`` int or (left, right); ``logits_soft_cap``; additive
     ``bias`` ``[batch|1, heads_q|1, seq_q, seq_k]`` (differentiable); segment ids ``[batch, seq]``
-    (ids <= 0 are padding; compared as int32, so int64 ids must fit int32); dropout from ``dropout_seed`` (required when ``dropout_p`` > 0: an int
-    or an integer array, traced values welcome); ``return_lse`` adds the float32 log-sum-exp
+    (ids <= 0 are padding; compared as int32, so int64 ids must fit int32); dropout from
+    ``dropout_seed`` (required when ``dropout_p`` > 0: an int or an integer array, uint32 read as
+    its bits, traced values welcome); ``return_lse`` adds the float32 log-sum-exp
     ``[batch, heads_q, seq_q]``. Rows that attend nothing give 0, lse -inf and zero gradients.
     ``fwd_params``/``bwd_params`` override the kernels' tiles, warps and stages; without them the
     plans use the config cache's entry for these shapes and device, else their heuristic.

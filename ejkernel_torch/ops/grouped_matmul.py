@@ -15,7 +15,6 @@ out-of-bounds access, meaningless result).
 """
 from __future__ import annotations
 
-import numbers
 from typing import Optional
 
 import numpy as np
@@ -188,7 +187,7 @@ def _group_args(group_sizes, group_offset, m: int, num_groups: int, num_selected
         gm.check_group_offset_shape(tuple(group_offset.shape), name_of(group_offset))
         offset = group_offset.reshape(1).to(device=device, dtype=torch.int32)
         offset_value = None
-    elif isinstance(group_offset, numbers.Integral) and not isinstance(group_offset, (bool, np.bool_)):
+    elif isinstance(group_offset, (int, np.integer)) and not isinstance(group_offset, bool):
         group_offset = int(group_offset)  # numpy integers too, as in the jax front
         gm.check_group_offset_value(group_offset, num_groups, num_selected)
         # torch.full fills on the device; torch.tensor([...], device="cuda") would sync the stream.
