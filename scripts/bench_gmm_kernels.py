@@ -1,5 +1,5 @@
 """Kernel by kernel: the three grouped-matmul kernels of one bf16 training step, each plan
-launched directly (no op dispatch), against torch._grouped_mm's forward.
+launched directly (no op dispatch), against torch._grouped_mm doing the same products.
 
     python scripts/bench_gmm_kernels.py [--shapes 64,32768,2048,1408 ...] [--label NAME]
         [--gmm-params JSON] [--tgmm-params JSON] [--out PATH]
@@ -72,10 +72,14 @@ def _bench_shape(label: str, g: int, m: int, k: int, n: int, gmm_alts: list, tgm
             print(json.dumps(row), flush=True)
     offs = torch.cumsum(sizes, 0, dtype=torch.int32)
     rhs_cm = rhs.transpose(1, 2).contiguous().transpose(1, 2)  # the layout _grouped_mm wants
-    ms = bench_torch(lambda: torch._grouped_mm(lhs, rhs_cm, offs=offs))
-    rows.append({"label": "torch._grouped_mm", "shape": [g, m, k, n], "kernel": "fwd", "ms": ms,
-                 "tflops": 2 * m * k * n / ms / 1e9})
-    print(json.dumps(rows[-1]), flush=True)
+    baselines = {"fwd": lambda: torch._grouped_mm(lhs, rhs_cm, offs=offs),
+                 "dlhs": lambda: torch._grouped_mm(cot, rhs.transpose(1, 2), offs=offs),
+                 "drhs": lambda: torch._grouped_mm(lhs.t(), cot, offs=offs)}
+    for name, fn in baselines.items():
+        ms = bench_torch(fn)
+        rows.append({"label": "torch._grouped_mm", "shape": [g, m, k, n], "kernel": name, "ms": ms,
+                     "tflops": 2 * m * k * n / ms / 1e9})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
