@@ -9,6 +9,7 @@ Tests use only this interface, so each test runs unchanged for torch and for jax
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -105,6 +106,15 @@ class Framework:
 
         _, pullback = jax.vjp(fn, *primals)
         return [self.to_numpy(g) for g in pullback(cotangent)]
+
+
+def x64(fw: Framework):
+    """A context in which ``fw`` keeps 64-bit arrays: jax's x64 mode (torch always keeps them)."""
+    if fw.name == "jax":
+        import jax
+
+        return jax.enable_x64(True)
+    return contextlib.nullcontext()
 
 
 @functools.cache

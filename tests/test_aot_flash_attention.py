@@ -12,13 +12,14 @@ from triton_kernels.aot import compile_key, compile_plan
 DTYPES = ("float32", "float16", "bfloat16")
 
 
-def _dense(dtype, head_dim, features, seq=1000):
+def _dense(dtype, head_dim, features, seq=1000, segment_dtype="int32"):
     q, kv = (2, seq, 8, head_dim), (2, seq, 2, head_dim)
     if not features:
         return fa.dense_spec(q, kv, kv, (dtype,) * 3)
     return fa.dense_spec(q, kv, kv, (dtype,) * 3, causal=True, sliding_window=128, logits_soft_cap=30.0,
                          bias_shape=(1, 8, seq, seq), bias_dtype=dtype, q_segment_shape=(2, seq),
-                         q_segment_dtype="int32", kv_segment_shape=(2, seq), kv_segment_dtype="int32", dropout_p=0.1)
+                         q_segment_dtype=segment_dtype, kv_segment_shape=(2, seq), kv_segment_dtype=segment_dtype,
+                         dropout_p=0.1)
 
 
 def _varlen(dtype, head_dim):
@@ -37,6 +38,7 @@ def _default_specs():
         for head_dim in (64, 128, 256):
             yield _dense(dtype, head_dim, True), dict(write_ds=True, use_dlse=True)
     yield _dense("bfloat16", 128, False), {}
+    yield _dense("bfloat16", 128, True, segment_dtype="int64"), dict(write_ds=True, use_dlse=True)
     yield _dense("float16", 64, True, seq=1), dict(write_ds=True, use_dlse=True)  # runtime ints equal to 1
     yield _varlen("bfloat16", 80), {}
     yield fa.dropout_mask_plan(2, 8, 1000, 1000, 0.1, HOPPER), None
@@ -69,7 +71,8 @@ def _id(plan):
     feats = "-".join(k.removeprefix("USE_").lower() for k, v in c.items() if k.startswith("USE_") and v)
     varlen = "varlen-" if c.get("IS_VARLEN") else ""
     ones = "-ones" if c.get("seq_q") == 1 else ""
-    return f"{plan.name}-{plan.input_dtypes[0]}-d{c.get('HEAD_DIM')}-{varlen}{feats}{ones}"
+    ids64 = "-ids64" if "int64" in plan.input_dtypes else ""
+    return f"{plan.name}-{plan.input_dtypes[0]}-d{c.get('HEAD_DIM')}-{varlen}{feats}{ones}{ids64}"
 
 
 def _check(plan):

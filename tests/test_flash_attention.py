@@ -121,6 +121,25 @@ def test_padding_rows_are_zero_with_zero_gradients(fw, rng):
         assert np.isfinite(g).all() and not g[1].any()
 
 
+def test_int64_segment_ids_are_compared_exactly(fw, rng):
+    # Truncated to int32, 1 and 1 + 2**32 would be one segment, 2**31 padding and 3 - 2**32 a
+    # real segment. jax has int64 arrays only with x64 enabled.
+    ids = np.array([1, 1 + 2**32, 2**31, 3 - 2**32, 5], np.int64)
+    seg = np.stack([rng.choice(ids, 21), rng.choice(ids, 21)])
+    with frameworks.x64(fw):
+        arrays, values, _, _ = _make(fw, rng, 2, 21, 21, 2, 1, 16, "float32")
+        extra = dict(q_segment_ids=fw.asarray(seg), kv_segment_ids=fw.asarray(seg))
+        assert str(extra["q_segment_ids"].dtype).endswith("int64")
+        op = _op(fw, {}, extra)
+        out = fw.to_numpy(op(*arrays))
+        dout = rng.standard_normal(out.shape)
+        grads = fw.vjp(op, arrays, fw.asarray(dout, "float32"))
+    reference = _ref({}, dict(q_segment_ids=ref._t(seg), kv_segment_ids=ref._t(seg)))
+    assert rel_error(out, reference(*(ref._t(a) for a in values)).numpy()) < TOLERANCE["float32"]
+    for name, got, want in zip(["dq", "dk", "dv"], grads, ref.vjp(reference, values, dout, n_diff=3)):
+        assert rel_error(got, want) < GRAD_TOLERANCE["float32"], name
+
+
 def test_rows_emptied_by_a_neg_inf_bias_have_zero_gradients(fw, rng):
     # seq 32 = a whole CPU key tile: the backward takes its unmasked path, where the lse of an
     # emptied row (-inf) once gave exp2(-inf - (-inf)) = NaN in every gradient.

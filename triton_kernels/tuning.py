@@ -221,7 +221,7 @@ def _flash_key(spec) -> dict:
     """The spec without the values that do not change which tiles are fast (scales, dropout
     probability); varlen token totals by power of two (they change with every packed batch)."""
     key = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
-    del key["softmax_scale"], key["dropout_p"]
+    del key["softmax_scale"], key["dropout_p"], key["segment_dtype"]
     key["softcap"] = spec.softcap is not None
     key["dropout"] = spec.dropout_p > 0.0
     if spec.varlen:

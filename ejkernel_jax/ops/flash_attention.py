@@ -78,8 +78,8 @@ def _optional(name, x):
     return None if x is None else array_arg(name, x)
 
 
-def _int32(x):
-    return None if x is None else x.astype(jnp.int32)
+def _segment_ids(spec, x):
+    return None if x is None else x.astype(spec.segment_dtype)
 
 
 def _seed(dropout_seed, dropout_p: float):
@@ -134,7 +134,7 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     ``[batch, seq_q, heads_q, head_dim]``, k/v ``[batch, seq_k, heads_kv, head_dim]``; causal is
     bottom-right aligned; ``sliding_window`` int or (left, right); ``logits_soft_cap``; additive
     ``bias`` ``[batch|1, heads_q|1, seq_q, seq_k]`` (differentiable); segment ids ``[batch, seq]``
-    (ids <= 0 are padding; compared as int32, so int64 ids must fit int32); dropout from
+    (ids <= 0 are padding; int64 ids, which need jax_enable_x64, are compared as int64); dropout from
     ``dropout_seed`` (required when ``dropout_p`` > 0: an int or an integer array, uint32 read as
     its bits, traced values welcome); ``return_lse`` adds the float32 log-sum-exp
     ``[batch, heads_q, seq_q]``. Rows that attend nothing give 0, lse -inf and zero gradients.
@@ -155,7 +155,7 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         bias_shape=bias_shape, bias_dtype=bias_dtype, q_segment_shape=qs_shape, q_segment_dtype=qs_dtype,
         kv_segment_shape=ks_shape, kv_segment_dtype=ks_dtype, dropout_p=dropout_p)
     params = _params(spec, fwd_params, bwd_params)
-    aux = (_int32(q_seg), _int32(kv_seg), None, None, _seed(dropout_seed, spec.dropout_p))
+    aux = (_segment_ids(spec, q_seg), _segment_ids(spec, kv_seg), None, None, _seed(dropout_seed, spec.dropout_p))
     _autotune(spec, params, q, k, v, bias, aux, autotune)
     out, lse = _flash(spec, params, q, k, v, bias, aux)
     return (out, lse) if return_lse else out

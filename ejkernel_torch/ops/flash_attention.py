@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ejkernel_torch.launch import device_facts, dtype_name, launch, launch_traceable, plain_eager
+from ejkernel_torch.launch import device_facts, dtype_name, launch, launch_traceable, plain_eager, torch_dtype
 from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import name_of, same_device, tensor_arg
 from triton_kernels import flash_attention as fa
@@ -40,13 +40,13 @@ def _op_scalars(spec: fa.FlashSpec) -> tuple:
 
 
 @functools.lru_cache(maxsize=1024)
-def _spec(q_shape, k_shape, dtype, bias_shape, bias_dtype, segments, n_cu, max_q, max_k, scale, left, right,
+def _spec(q_shape, k_shape, dtype, bias_shape, bias_dtype, segment_dtype, n_cu, max_q, max_k, scale, left, right,
           softcap, dropout_p) -> fa.FlashSpec:
     """The FlashSpec an op call was made from (the public functions already checked it)."""
     fields = dict(heads_q=q_shape[-2], heads_kv=k_shape[-2], head_dim=q_shape[-1], dtype=dtype, softmax_scale=scale,
                   window=None if left == _NO_WINDOW else (left, right), softcap=softcap or None,
                   bias=None if bias_shape is None else tuple(bias_shape[:2]), bias_dtype=bias_dtype,
-                  segments=segments, dropout_p=dropout_p)
+                  segments=segment_dtype is not None, segment_dtype=segment_dtype or "int32", dropout_p=dropout_p)
     if n_cu:  # varlen: cu_seqlens has n_seq + 1 entries
         return fa.FlashSpec(batch=n_cu - 1, seq_q=max_q, seq_k=max_k, varlen=True, total_q=q_shape[0],
                             total_k=k_shape[0], **fields)
@@ -61,7 +61,7 @@ def _static(shape) -> tuple[int, ...]:
 def _spec_of(q, k, bias, q_seg, cu_q, max_q, max_k, scale, left, right, softcap, dropout_p) -> fa.FlashSpec:
     bias_shape = None if bias is None else _static(bias.shape)
     return _spec(_static(q.shape), _static(k.shape), dtype_name(q.dtype), bias_shape,
-                 None if bias is None else dtype_name(bias.dtype), q_seg is not None,
+                 None if bias is None else dtype_name(bias.dtype), None if q_seg is None else dtype_name(q_seg.dtype),
                  0 if cu_q is None else int(cu_q.shape[0]), max_q, max_k, scale, left, right, softcap, dropout_p)
 
 
@@ -318,8 +318,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, so
     * ``bias``: additive, ``[batch|1, heads_q|1, seq_q, seq_k]``; gets a gradient if it requires one
       (float32 scratch of [batch, heads_q, seq_q, seq_k] in the backward).
     * ``q_segment_ids``/``kv_segment_ids`` ``[batch, seq]``: tokens attend only within equal ids;
-      ids <= 0 are padding. The kernels compare ids as int32: int64 ids must lie in
-      [-2**31, 2**31) (not checked: that would read the values, a host sync).
+      ids <= 0 are padding. Any integer dtype; int64 ids are compared as int64, the rest as int32.
     * ``dropout_p``/``dropout_seed``: dropout on the probabilities, drawn in-kernel from
       (seed, element offset) (see ``flash_attention_dropout_mask``); the seed defaults to a draw
       from torch's generator.
@@ -347,8 +346,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, so
     params = _params(spec, fwd_params, bwd_params, device)
     seed = _seed(dropout_seed, spec.dropout_p, device)
     arrays = (q.contiguous(), k.contiguous(), v.contiguous(), None if bias is None else bias.contiguous(),
-              None if q_seg is None else q_seg.to(torch.int32).contiguous(),
-              None if kv_seg is None else kv_seg.to(torch.int32).contiguous(), None, None, seed)
+              *(None if s is None else s.to(torch_dtype(spec.segment_dtype)).contiguous() for s in (q_seg, kv_seg)),
+              None, None, seed)
     _autotune(spec, arrays, params, autotune, device)
     out, lse = _call_forward(spec, arrays, params)
     return (out, lse) if return_lse else out

@@ -23,7 +23,7 @@ MAX_GRID_YZ = 65_535  # CUDA's limit on grid axes 1 and 2 (heads, batch)
 
 
 def feature_dtypes(spec: FlashSpec) -> tuple[str, ...]:
-    return (spec.dtype,) * 3 + (spec.bias_dtype or spec.dtype,) + ("int32",) * 5
+    return (spec.dtype,) * 3 + (spec.bias_dtype or spec.dtype,) + (spec.segment_dtype,) * 2 + ("int32",) * 3
 
 
 def _check_grid(spec: FlashSpec) -> None:

@@ -36,6 +36,7 @@ class FlashSpec:
     bias: tuple[int, int] | None = None  # (batch, heads) of the bias, each 1 or full
     bias_dtype: str | None = None
     segments: bool = False
+    segment_dtype: str = "int32"  # what the kernels read ids as: int64 if either is int64
     dropout_p: float = 0.0
     varlen: bool = False
     total_q: int = 0
@@ -205,20 +206,23 @@ def dense_spec(q_shape: tuple, k_shape: tuple, v_shape: tuple, dtypes: tuple, *,
             raise ValueError(f"bias must broadcast as [{batch}|1, {heads_q}|1, {seq_q}, {seq_k}], "
                              f"got {tuple(bias_shape)}")
         bias = (bb, bh)
-    segments = _segments(q_segment_shape, q_segment_dtype, kv_segment_shape, kv_segment_dtype,
-                         batch, seq_q, seq_k)
+    segment_dtype = _segments(q_segment_shape, q_segment_dtype, kv_segment_shape, kv_segment_dtype,
+                              batch, seq_q, seq_k)
     return FlashSpec(
         batch=batch, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
         dtype=dtype, softmax_scale=checks.softmax_scale(softmax_scale, head_dim),
         window=_clamped_window(_window(causal, sliding_window), seq_q, seq_k),
         softcap=_positive_float("logits_soft_cap", logits_soft_cap), bias=bias, bias_dtype=bias_dtype if bias else None,
-        segments=segments, dropout_p=dropout(dropout_p),
+        segments=segment_dtype is not None, segment_dtype=segment_dtype or "int32", dropout_p=dropout(dropout_p),
     )
 
 
-def _segments(q_shape, q_dtype, kv_shape, kv_dtype, batch, seq_q, seq_k) -> bool:
+def _segments(q_shape, q_dtype, kv_shape, kv_dtype, batch, seq_q, seq_k) -> str | None:
+    """The dtype both segment-id arrays reach the kernels in (None without segments): int64 when
+    either is int64, so that ids are compared exactly; else int32, which holds every other
+    accepted integer dtype's values."""
     if q_shape is None and kv_shape is None:
-        return False
+        return None
     if q_shape is None or kv_shape is None:
         raise ValueError("pass both q_segment_ids and kv_segment_ids (or neither)")
     for name, shape, dtype, seq in (("q_segment_ids", q_shape, q_dtype, seq_q),
@@ -226,7 +230,7 @@ def _segments(q_shape, q_dtype, kv_shape, kv_dtype, batch, seq_q, seq_k) -> bool
         checks.int_input(name, dtype)
         if tuple(shape) != (batch, seq):
             raise ValueError(f"{name} must have shape ({batch}, {seq}) [batch, seq], got {tuple(shape)}")
-    return True
+    return "int64" if "int64" in (q_dtype, kv_dtype) else "int32"
 
 
 @functools.lru_cache(maxsize=1024, typed=True)
