@@ -95,5 +95,21 @@ def test_bad_input(fw, kwargs, error, match):
 
 def test_bad_scale(fw):
     x = fw.asarray(np.zeros((1, 4, 8), np.float32))
+    n_pad = fw.asarray(np.zeros(1, np.int32))
     with pytest.raises(TypeError, match="softmax_scale"):
-        fw.ops.padded_attention(x, x, x, fw.asarray(np.zeros(1, np.int32)), softmax_scale="big")
+        fw.ops.padded_attention(x, x, x, n_pad, softmax_scale="big")
+    # scale * log2(e) must stay a float32: 1e300 gave NaN, 10**400 an OverflowError.
+    for scale in (1e300, 10**400, 2.4e38, float("-inf")):
+        with pytest.raises(ValueError, match="softmax_scale must be finite"):
+            fw.ops.padded_attention(x, x, x, n_pad, softmax_scale=scale)
+
+
+def test_n_pad_captured_by_jit(jax_fw, rng):
+    # A concrete n_pad closed over by a jitted function is checked, not traced (it crashed).
+    import jax
+
+    q = jax_fw.asarray(rng.standard_normal((2, 9, 8)), "float32")
+    n_pad = jax_fw.asarray(np.array([0, 3], np.int32))
+    eager = jax_fw.ops.padded_attention(q, q, q, n_pad)
+    jitted = jax.jit(lambda q: jax_fw.ops.padded_attention(q, q, q, n_pad))(q)
+    np.testing.assert_array_equal(np.asarray(jitted), np.asarray(eager))

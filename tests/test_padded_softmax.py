@@ -96,6 +96,36 @@ def test_bad_input(fw, kwargs, error, match):
         fw.ops.padded_softmax(fw.asarray(args["scores"]), fw.asarray(args["n_pad"]))
 
 
+def test_a_nan_in_the_window_makes_its_row_nan(fw):
+    # A NaN the row attends poisons the row (as torch.softmax); one it does not attend (above the
+    # diagonal, or in the padding) changes nothing.
+    scores = np.zeros((1, 5, 5), np.float32)
+    scores[0, 3, 1] = np.nan  # attended by row 3
+    scores[0, 1, 4] = np.nan  # above the diagonal
+    scores[0, 4, 0] = np.nan  # padding (n_pad = 1)
+    y = fw.to_numpy(fw.ops.padded_softmax(fw.asarray(scores), fw.asarray(np.array([1], np.int32))))
+    assert np.isnan(y[0, 3]).all()
+    clean = np.nan_to_num(scores, nan=0.0)
+    want = ref.forward(ref.padded_softmax, clean, np.array([1], np.int32))
+    rows = [0, 1, 2, 4]
+    np.testing.assert_allclose(y[0, rows], want[0, rows], rtol=1e-6)
+
+
+def test_empty_sequence_gradients(fw):
+    scores = fw.asarray(np.zeros((2, 0, 0), np.float32))
+    n_pad = fw.asarray(np.zeros(2, np.int32))
+    (ds,) = fw.vjp(lambda s: fw.ops.padded_softmax(s, n_pad), [scores], fw.asarray(np.zeros((2, 0, 0), np.float32)))
+    assert ds.shape == (2, 0, 0)
+
+
+def test_int64_n_pad_beyond_int32_is_an_error(fw):
+    # jax without x64 would wrap 2**32 + 1 to 1 before the value check (a silent wrong answer).
+    bad = np.array([2**32 + 1, 0], np.int64)
+    scores = fw.asarray(np.zeros((2, 5, 5), np.float32))
+    with pytest.raises(ValueError, match="n_pad"):
+        fw.ops.padded_softmax(scores, bad if fw.name == "jax" else fw.asarray(bad))
+
+
 def test_bad_values(fw):
     scores = fw.asarray(np.zeros((2, 5, 5), np.float32))
     n_pad = fw.asarray(np.zeros(2, np.int32))

@@ -55,6 +55,17 @@ def test_rows_of_only_minus_inf_give_zeros(fw):
     np.testing.assert_allclose(y[1], ref.forward(ref.softmax, x)[1], rtol=1e-6)
 
 
+@pytest.mark.parametrize("n_cols", [5, 40_000])  # one pass and two passes over the row
+def test_a_nan_makes_its_row_nan(fw, rng, n_cols):
+    # As torch.softmax and the float64 reference: a NaN poisons its row's sum, so the whole row.
+    x = rng.standard_normal((3, n_cols)).astype(np.float32)
+    x[1, n_cols // 2] = np.nan
+    y = fw.to_numpy(fw.ops.softmax(fw.asarray(x)))
+    assert np.isnan(y[1]).all()
+    keep = [0, 2]
+    assert rel_error(y[keep], ref.forward(ref.softmax, x[keep])) < TOLERANCE["float32"]
+
+
 def test_torch_and_jax_agree(torch_fw, jax_fw, rng):
     x = rng.standard_normal((33, 517)).astype(np.float32)
     yt = torch_fw.to_numpy(torch_fw.ops.softmax(torch_fw.asarray(x)))

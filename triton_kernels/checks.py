@@ -11,6 +11,8 @@ from typing import Sequence
 from .plan import FLOAT_DTYPES
 
 INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8")
+FLOAT32_MAX = 3.4028234663852886e38
+_LOG2E = 1.4426950408889634  # kernels fold it into the scale for exp2
 
 
 def float_input(name: str, dtype: str) -> None:
@@ -102,6 +104,12 @@ def softmax_scale(value, d: int) -> float:
         return d ** -0.5
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"softmax_scale must be a Python float or None, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"softmax_scale must be finite, got {value}")
-    return float(value)
+    try:
+        scale = float(value)
+    except OverflowError:  # a Python int beyond float64
+        scale = math.inf
+    # The kernels multiply by scale * log2(e) in float32: beyond its range that is inf, and NaN out.
+    if not abs(scale) * _LOG2E <= FLOAT32_MAX:
+        raise ValueError(f"softmax_scale must be finite with |softmax_scale| <= {FLOAT32_MAX / _LOG2E:.4g} "
+                         f"(float32), got {value}")
+    return scale

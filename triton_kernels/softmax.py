@@ -44,7 +44,9 @@ def _softmax_fwd_rows(x_ptr, y_ptr, rows, row_ok, lo, hi, n_cols,
         m = tl.where(m == -float("inf"), 0.0, m)  # empty row: exp(-inf - 0) = 0, no NaN
         e = tl.exp(x - m[:, None])
         s = tl.sum(e, axis=1)
-        inv = 1.0 / tl.where(s > 0, s, 1.0)  # one division per row, not per element
+        # One division per row, not per element. Only an empty row's 0 is replaced: a NaN sum
+        # (a NaN in the row) must stay NaN, as in torch.softmax.
+        inv = 1.0 / tl.where(s == 0.0, 1.0, s)
         y = e * inv[:, None]
         tl.store(y_ptr + base + c, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (c < n_cols))
     else:
@@ -61,7 +63,7 @@ def _softmax_fwd_rows(x_ptr, y_ptr, rows, row_ok, lo, hi, n_cols,
         m = tl.max(m_lane, axis=1)
         m = tl.where(m == -float("inf"), 0.0, m)
         s = tl.sum(l_lane * tl.exp(m_lane - m[:, None]), axis=1)
-        inv = 1.0 / tl.where(s > 0, s, 1.0)
+        inv = 1.0 / tl.where(s == 0.0, 1.0, s)
         # Pass 2: normalize and write every column (zeros outside the window).
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols[None, :]

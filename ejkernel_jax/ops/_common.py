@@ -11,7 +11,22 @@ from triton_kernels import checks
 def array_arg(name: str, x) -> jax.Array:
     if not isinstance(x, (jax.Array, np.ndarray)):
         raise TypeError(f"{name} must be a jax.Array, got {type(x).__name__}")
+    if isinstance(x, np.ndarray):
+        _check_narrowing(name, x)
     return jnp.asarray(x)
+
+
+def _check_narrowing(name: str, x: np.ndarray) -> None:
+    """Without x64, jax turns 64-bit numpy integers into 32-bit ones by wrapping them: an int64
+    length of 2**32 + 1 would silently become 1. Values that do not fit are an error instead."""
+    target = jax.dtypes.canonicalize_dtype(x.dtype)
+    if x.dtype.kind not in "iu" or target == x.dtype or not x.size:
+        return
+    info = np.iinfo(target)
+    lo, hi = int(x.min()), int(x.max())
+    if lo < info.min or hi > info.max:
+        raise ValueError(f"{name} holds {x.dtype} values in [{lo}, {hi}], outside {target}'s range, which jax "
+                         "(jax_enable_x64 off) would wrap; pass values that fit or enable x64")
 
 
 def name_of(x) -> str:
@@ -31,5 +46,7 @@ def n_pad_arg(n_pad, batch: int, seq_len: int) -> jax.Array:
     n_pad = array_arg("n_pad", n_pad)
     checks.n_pad(tuple(n_pad.shape), name_of(n_pad), batch)
     if batch and is_concrete(n_pad):
-        checks.n_pad_values(int(n_pad.min()), int(n_pad.max()), seq_len)
+        # numpy, not n_pad.min(): inside a jit trace even a concrete array's min is a tracer.
+        values = np.asarray(n_pad)
+        checks.n_pad_values(int(values.min()), int(values.max()), seq_len)
     return n_pad.astype(jnp.int32)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp  # noqa: F401
+import jax.numpy as jnp
 
 from ejkernel_jax.launch import device_facts, launch
 from ejkernel_jax.ops._common import array_arg, n_pad_arg, name_of
@@ -53,6 +53,8 @@ def _padded_softmax_fwd(scores, n_pad):
 def _padded_softmax_bwd(y, dy):
     # y is 0 outside each row's window, so the plain softmax rule gives 0 there too.
     seq_len = y.shape[-1]
+    if seq_len == 0:  # no rows to reshape as [-1, 0]
+        return jnp.zeros_like(y), None
     return _rows_backward(y.reshape(-1, seq_len), dy.reshape(-1, seq_len)).reshape(y.shape), None
 
 

@@ -45,6 +45,8 @@ class _PaddedSoftmax(torch.autograd.Function):
         # Same rule as plain softmax: y is 0 outside each row's window, so the gradient is too.
         (y,) = ctx.saved_tensors
         seq_len = y.shape[-1]
+        if seq_len == 0:  # no rows to view as [-1, 0]
+            return torch.zeros_like(y), None
         return _softmax_rows_backward(y.view(-1, seq_len), dy.reshape(-1, seq_len)).view_as(y), None
 
 

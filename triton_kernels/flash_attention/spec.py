@@ -15,7 +15,7 @@ from typing import Sequence
 from .. import checks
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256  # padded to a power of two >= 16 inside the kernels
-FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MAX = checks.FLOAT32_MAX
 
 
 @dataclass(frozen=True)
