@@ -67,6 +67,29 @@ def test_padded_softmax_v_gradient(fw, rng, dtype):
         assert rel_error(got, want) < GRAD_TOLERANCE[dtype]
 
 
+def test_padded_softmax_v_scores_near_float32_max(fw, rng):
+    # Scores beyond 3.4e38 / log2(e) overflowed when turned into base-2 logits: NaN rows.
+    scores = rng.standard_normal((1, 6, 6)).astype(np.float32)
+    scores[0, 2, 1] = 3e38  # row 2 is all key 1
+    scores[0, 3, :4] = [-3e38, -2.9e38, -3.3e38, -2.5e38]  # row 3 is all key 3
+    scores[0, 5, :] = 2.5e38  # row 5 is uniform
+    v = rng.standard_normal((1, 6, 8)).astype(np.float32)
+    n_pad = np.zeros(1, np.int32)
+    args = [fw.asarray(scores), fw.asarray(v)]
+    out = fw.to_numpy(fw.ops.padded_softmax_v(*args, fw.asarray(n_pad)))
+    assert rel_error(out, ref.forward(ref.padded_softmax_v, scores, v, n_pad)) < TOLERANCE["float32"]
+    # The backward gets one float32 lse = max + log(sum) per row, which cannot hold log(6) beside
+    # 2.5e38 (nor beside any max past ~2**24 * log(sum)): the uniform row is checked forward only,
+    # as in every lse-based attention backward.
+    scores[0, 5, :] = 0.0
+    args[0] = fw.asarray(scores)
+    dout = rng.standard_normal(out.shape)
+    grads = fw.vjp(lambda s, v: fw.ops.padded_softmax_v(s, v, fw.asarray(n_pad)), args, fw.asarray(dout, "float32"))
+    expected = ref.vjp(ref.padded_softmax_v, [scores, v, n_pad], dout, n_diff=2)
+    for got, want in zip(grads, expected):
+        assert rel_error(got, want) < GRAD_TOLERANCE["float32"]
+
+
 def test_torch_and_jax_agree(torch_fw, jax_fw, rng):
     scores = rng.standard_normal((3, 45, 45)).astype(np.float32)
     v = rng.standard_normal((3, 45, 32)).astype(np.float32)

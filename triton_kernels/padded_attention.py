@@ -60,13 +60,24 @@ def _causal_padded_keep(offs_m, offs_n, pad, seq_len):
 
 
 @triton.jit
-def _online_softmax_update(acc, m_i, l_i, s, keep, v, DOT_PRECISION: tl.constexpr):
-    """Fold one tile of base-2 logits ``s`` (and its values ``v``) into the running state."""
+def _exp2_units(x, UNIT: tl.constexpr):
+    """2 ** (x * UNIT) for a logit difference x <= 0, in logit units of UNIT bits each. Scaling
+    the difference, not each logit, keeps logits beyond 3.4e38 / UNIT from overflowing."""
+    if UNIT == 1.0:
+        return tl.exp2(x)
+    else:
+        return tl.exp2(x * UNIT)
+
+
+@triton.jit
+def _online_softmax_update(acc, m_i, l_i, s, keep, v, DOT_PRECISION: tl.constexpr, UNIT: tl.constexpr):
+    """Fold one tile of logits ``s`` (``UNIT`` bits each: 1 for base-2 logits, log2(e) for
+    natural ones) and its values ``v`` into the running state."""
     s = tl.where(keep, s, -float("inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # all-masked so far: keep exp2 finite
-    p = tl.exp2(s - m_ref[:, None])
-    alpha = tl.exp2(m_i - m_ref)
+    p = _exp2_units(s - m_ref[:, None], UNIT)
+    alpha = _exp2_units(m_i - m_ref, UNIT)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
     return acc, m_new, l_i
@@ -106,11 +117,14 @@ def _load_rows(ptr, b, offs, seq_len):
 
 
 @triton.jit
-def _finish_rows(acc, m_i, l_i, o_ptr, lse_ptr, b, base, offs_m, offs_d, seq_len, head_dim):
+def _finish_rows(acc, m_i, l_i, o_ptr, lse_ptr, b, base, offs_m, offs_d, seq_len, head_dim, UNIT: tl.constexpr):
+    """Store the output rows and their log-sum-exp, in the logits' units (see _online_softmax_update)."""
     empty = l_i == 0.0
     _store_tile(o_ptr, base, offs_m, offs_d, seq_len, head_dim, acc / tl.where(empty, 1.0, l_i)[:, None])
-    lse2 = tl.where(empty, -float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-    tl.store(lse_ptr + b * seq_len + offs_m, lse2, mask=offs_m < seq_len)
+    log_l = tl.log2(tl.where(empty, 1.0, l_i))
+    if UNIT != 1.0:
+        log_l = log_l / UNIT
+    tl.store(lse_ptr + b * seq_len + offs_m, tl.where(empty, -float("inf"), m_i + log_l), mask=offs_m < seq_len)
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,8 +155,8 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, n_pad_ptr, seq_len, head_dim, qk_s
         v = _load_tile(v_ptr, base, offs_n, offs_d, seq_len, head_dim)
         s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale
         keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
-        acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, s, keep, v, DOT_PRECISION)
-    _finish_rows(acc, m_i, l_i, o_ptr, lse_ptr, b, base, offs_m, offs_d, seq_len, head_dim)
+        acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, s, keep, v, DOT_PRECISION, 1.0)
+    _finish_rows(acc, m_i, l_i, o_ptr, lse_ptr, b, base, offs_m, offs_d, seq_len, head_dim, 1.0)
 
 
 @triton.jit(do_not_specialize_on_alignment=["seq_len", "head_dim"])
@@ -164,8 +178,8 @@ def scores_v_fwd_kernel(s_ptr, v_ptr, n_pad_ptr, seq_len, head_dim, o_ptr, lse_p
         keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
         s = _load_scores(s_ptr, b, offs_m, offs_n, keep, seq_len)
         v = _load_tile(v_ptr, base, offs_n, offs_d, seq_len, head_dim)
-        acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, s * 1.4426950408889634, keep, v, DOT_PRECISION)
-    _finish_rows(acc, m_i, l_i, o_ptr, lse_ptr, b, base, offs_m, offs_d, seq_len, head_dim)
+        acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, s, keep, v, DOT_PRECISION, 1.4426950408889634)
+    _finish_rows(acc, m_i, l_i, o_ptr, lse_ptr, b, base, offs_m, offs_d, seq_len, head_dim, 1.4426950408889634)
 
 
 @triton.jit
@@ -193,14 +207,15 @@ def attention_bwd_delta_kernel(o_ptr, do_ptr, n_rows, head_dim, delta_ptr,
 @triton.jit
 def _recompute_p(q, k, lse2, keep, qk_scale, DOT_PRECISION: tl.constexpr):
     s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale
-    return _probs(s, lse2, keep)
+    return _probs(s, lse2, keep, 1.0)
 
 
 @triton.jit
-def _probs(s2, lse2, keep):
-    """Probabilities from base-2 logits and the row's base-2 log-sum-exp; 0 where masked."""
-    lse_ref = tl.where(lse2 == -float("inf"), float("inf"), lse2)  # empty rows: p = 0
-    return tl.where(keep, tl.exp2(s2 - lse_ref[:, None]), 0.0)
+def _probs(s, lse, keep, UNIT: tl.constexpr):
+    """Probabilities from logits and the row's log-sum-exp (both ``UNIT`` bits per unit, see
+    _online_softmax_update); 0 where masked."""
+    lse_ref = tl.where(lse == -float("inf"), float("inf"), lse)  # empty rows: p = 0
+    return tl.where(keep, _exp2_units(s - lse_ref[:, None], UNIT), 0.0)
 
 
 @triton.jit(do_not_specialize_on_alignment=["seq_len", "head_dim"])
@@ -278,12 +293,12 @@ def scores_v_bwd_ds_kernel(s_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, n_pad_ptr, 
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     do = _load_tile(do_ptr, base, offs_m, offs_d, seq_len, head_dim)
-    lse2 = _load_rows(lse_ptr, b, offs_m, seq_len)
+    lse = _load_rows(lse_ptr, b, offs_m, seq_len)  # natural log (the scores' units)
     delta = _load_rows(delta_ptr, b, offs_m, seq_len)
     for start_n in range(0, seq_len, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
-        p = _probs(_load_scores(s_ptr, b, offs_m, offs_n, keep, seq_len) * 1.4426950408889634, lse2, keep)
+        p = _probs(_load_scores(s_ptr, b, offs_m, offs_n, keep, seq_len), lse, keep, 1.4426950408889634)
         v = _load_tile(v_ptr, base, offs_n, offs_d, seq_len, head_dim)
         ds = p * (_dot(do, tl.trans(v), DOT_PRECISION) - delta[:, None])
         ptrs = ds_ptr + b * seq_len * seq_len + offs_m[:, None] * seq_len + offs_n[None, :]
@@ -305,8 +320,8 @@ def scores_v_bwd_dv_kernel(s_ptr, do_ptr, lse_ptr, n_pad_ptr, seq_len, head_dim,
         offs_m = start_m + tl.arange(0, BLOCK_M)
         do = _load_tile(do_ptr, base, offs_m, offs_d, seq_len, head_dim)
         keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
-        s2 = _load_scores(s_ptr, b, offs_m, offs_n, keep, seq_len) * 1.4426950408889634
-        p = _probs(s2, _load_rows(lse_ptr, b, offs_m, seq_len), keep)
+        s = _load_scores(s_ptr, b, offs_m, offs_n, keep, seq_len)
+        p = _probs(s, _load_rows(lse_ptr, b, offs_m, seq_len), keep, 1.4426950408889634)
         dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_PRECISION)
     _store_tile(dv_ptr, base, offs_n, offs_d, seq_len, head_dim, dv)
 

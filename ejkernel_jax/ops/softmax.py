@@ -71,17 +71,17 @@ def _padded_softmax_v(scores, v, n_pad):
 
 
 def _padded_softmax_v_fwd(scores, v, n_pad):
-    out, lse2 = _scores_v_forward(scores, v, n_pad)
-    return out, (scores, v, n_pad, out, lse2)
+    out, lse = _scores_v_forward(scores, v, n_pad)
+    return out, (scores, v, n_pad, out, lse)
 
 
 def _padded_softmax_v_bwd(residuals, dout):
-    scores, v, n_pad, out, lse2 = residuals
+    scores, v, n_pad, out, lse = residuals
     delta_plan, ds_plan, dv_plan = scores_v_bwd_plans(tuple(v.shape), name_of(v), device_facts())
     dout = dout.astype(v.dtype)
     (delta,) = launch(delta_plan, out, dout)
-    (dscores,) = launch(ds_plan, scores, v, dout, lse2, delta, n_pad)
-    (dv,) = launch(dv_plan, scores, dout, lse2, n_pad)
+    (dscores,) = launch(ds_plan, scores, v, dout, lse, delta, n_pad)
+    (dv,) = launch(dv_plan, scores, dout, lse, n_pad)
     return dscores, dv, None
 
 

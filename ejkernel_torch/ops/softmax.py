@@ -54,18 +54,18 @@ class _PaddedSoftmaxV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, v, n_pad):
         plan = scores_v_fwd_plan(tuple(v.shape), dtype_name(v.dtype), device_facts(v.device))
-        out, lse2 = launch(plan, scores, v, n_pad)
-        ctx.save_for_backward(scores, v, n_pad, out, lse2)
+        out, lse = launch(plan, scores, v, n_pad)
+        ctx.save_for_backward(scores, v, n_pad, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        scores, v, n_pad, out, lse2 = ctx.saved_tensors
+        scores, v, n_pad, out, lse = ctx.saved_tensors
         delta_plan, ds_plan, dv_plan = scores_v_bwd_plans(tuple(v.shape), dtype_name(v.dtype), device_facts(v.device))
         dout = dout.to(v.dtype).contiguous()
         (delta,) = launch(delta_plan, out, dout)
-        (dscores,) = launch(ds_plan, scores, v, dout, lse2, delta, n_pad)
-        (dv,) = launch(dv_plan, scores, dout, lse2, n_pad)
+        (dscores,) = launch(ds_plan, scores, v, dout, lse, delta, n_pad)
+        (dv,) = launch(dv_plan, scores, dout, lse, n_pad)
         return dscores, dv, None
 
 
