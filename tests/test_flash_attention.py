@@ -358,7 +358,9 @@ def _bad_cases():
         (dict(sliding_window=(True, 2)), TypeError, r"sliding_window \(left\) must be an int"),
         (dict(softmax_scale=float("inf")), ValueError, "softmax_scale must be finite"),
         (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
-        (dict(softmax_scale=3e38), ValueError, r"softmax_scale=3e\+38 .* beyond float32.s range"),
+        (dict(softmax_scale=3e38), ValueError, r"\|softmax_scale\| <= 2.359e\+38 \(float32\), got 3e\+38"),
+        (dict(softmax_scale=1e38, logits_soft_cap=1e-3), ValueError,
+         r"softmax_scale=1e\+38 \(logits_soft_cap=0.001\) gives a logit scale beyond float32.s range"),
         (dict(logits_soft_cap=1e39), ValueError, "logits_soft_cap must be a finite number > 0"),
     ]
 
