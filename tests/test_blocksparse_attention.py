@@ -502,6 +502,13 @@ def test_block_size_defaults():
     assert BlockSizes().resolve(100, 100, tpu=True).block_kv == 100  # whole sequence
 
 
+@pytest.mark.parametrize("value", [True, 2.5, "8", 8.0])
+def test_block_sizes_must_be_ints(value):
+    with pytest.raises(TypeError, match="block_sizes.block_kv must be an int"):
+        BlockSizes(8, value)
+    assert BlockSizes(np.int64(8)) == BlockSizes(8)  # numpy ints are ints
+
+
 def test_invalid_arguments(rng):
     q, k, v, _, _ = make_inputs(rng, 1, 32, 32, 4, 2, 16)
     call = lambda **kw: blocksparse_attention(**{"q": q, "k": k, "v": v, **kw})
@@ -535,3 +542,24 @@ def test_invalid_arguments(rng):
         call(sliding_window=-1)
     with pytest.raises(ValueError, match="logits_soft_cap"):
         call(logits_soft_cap=0.0)
+
+
+def test_argument_types_are_checked(rng):
+    q, k, v, _, _ = make_inputs(rng, 1, 32, 32, 4, 2, 16)
+    call = lambda **kw: blocksparse_attention(**{"q": q, "k": k, "v": v, **kw})
+    with pytest.raises(TypeError, match="sliding_window must be an int or a"):
+        call(sliding_window="ab")  # once unpacked into sides "a" and "b"
+    with pytest.raises(TypeError, match="sliding_window must be an int"):
+        call(sliding_window=2.5)
+    with pytest.raises(TypeError, match="sliding_window must be an int"):
+        call(sliding_window=(4, 1.5))
+    with pytest.raises(ValueError, match="sliding_window"):
+        call(sliding_window=(1, 2, 3))
+    with pytest.raises(TypeError, match="chunk_size must be an int"):
+        call(chunk_size=2.5)  # once chunks of 2
+    with pytest.raises(TypeError, match="chunk_size must be an int"):
+        call(chunk_size="4")
+    with pytest.raises(TypeError, match="q_segment_ids must be a jax or numpy"):
+        call(q_segment_ids=[[0] * 32])  # once an AttributeError
+    with pytest.raises(TypeError, match="kv_segment_ids must be a jax or numpy"):
+        call(q_segment_ids=jnp.zeros((1, 32), jnp.int32), kv_segment_ids=[[0] * 32])

@@ -339,3 +339,22 @@ def test_invalid_inputs_raise():
         I.process_dynamic_mask_dkv(jnp.ones((2, 64, 64), bool), (24, 16))
     with pytest.raises(ValueError, match="head_shards"):
         I.process_dynamic_mask(jnp.ones((2, 64, 64), bool), (16, 16), head_shards=4)
+
+
+@pytest.mark.parametrize("bad", [2.0, 2.5, "2", True])
+def test_integer_arguments_are_not_truncated(bad):
+    """Shard counts and block shapes are ints: no int() truncation, no unrelated errors."""
+    static = M.MultiHeadMask([M.CausalMask((64, 64))] * 4)
+    dynamic = jnp.ones((4, 64, 64), bool)
+    for name, kwargs in [
+        ("head_shards", dict(block_shape=(16, 16), head_shards=bad)),
+        ("q_seq_shards", dict(block_shape=(16, 16), q_seq_shards=bad)),
+        (r"block_shape\[0\]", dict(block_shape=(bad, 16))),
+        (r"block_shape\[1\]", dict(block_shape=(16, bad))),
+    ]:
+        for process in (I.process_mask, I.process_mask_dkv):
+            with pytest.raises(TypeError, match=f"{name} must be an int"):
+                process(static, **kwargs)
+        for process in (I.process_dynamic_mask, I.process_dynamic_mask_dkv):
+            with pytest.raises(TypeError, match=f"{name} must be an int"):
+                process(dynamic, **kwargs)

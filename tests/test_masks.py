@@ -197,6 +197,38 @@ def test_invalid_masks_raise():
         M.CausalMask(shape)[1, 2, 3]
 
 
+@pytest.mark.parametrize("bad", [2.5, "4", True, 4.0])
+def test_integer_arguments_are_not_truncated(bad):
+    """int() would build chunks of 2 from 2.5, parse "4" and take True as 1: TypeError."""
+    shape = (8, 8)
+    cases = {
+        "chunk_size": [lambda: M.ChunkedCausalMask(shape, bad), lambda: M.make_chunk_attention_mask(shape, bad)],
+        "window_size": [lambda: M.LocalMask(shape, (bad, 0)), lambda: M.make_local_attention_mask(shape, (1, bad))],
+        "offset": [
+            lambda: M.CausalMask(shape, bad),
+            lambda: M.LocalMask(shape, (1, 1), bad),
+            lambda: M.ChunkedCausalMask(shape, 4, offset=bad),
+            lambda: M.make_causal_mask(shape, bad),
+            lambda: M.make_local_attention_mask(shape, (1, 1), offset=bad),
+            lambda: M.make_chunk_attention_mask(shape, 4, offset=bad),
+        ],
+        "shard_count": [lambda: M.FullMask(shape, bad), lambda: M.CausalMask(shape, shard_count=bad)],
+        "shape": [lambda: M.CausalMask((8, bad))],
+    }
+    for name, calls in cases.items():
+        for call in calls:
+            with pytest.raises(TypeError, match=f"{name}.* must be an int"):
+                call()
+    with pytest.raises(IndexError):
+        M.CausalMask(shape)[2.5, :]  # a float index, not row 2
+
+
+def test_numpy_integers_are_ints():
+    mask = M.ChunkedCausalMask((8, 8), np.int64(4), np.int32(2), offset=np.int16(0))
+    assert mask == M.ChunkedCausalMask((np.int64(8), 8), 4)
+    np.testing.assert_array_equal(M.make_causal_mask((8, 8), np.int64(1)), M.make_causal_mask((8, 8), 1))
+
+
 def test_computable_masks_never_materialize():
     """Slicing a huge computable mask costs the window only, and processing one into a
     MaskInfo works a row of blocks at a time (peak memory far below the full mask)."""

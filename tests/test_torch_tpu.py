@@ -314,6 +314,8 @@ BAD = {
                ValueError, r"'tm' must be a positive int"),
     "dynamic mask not bool": (lambda: tpu.process_dynamic_mask(torch.ones(1, 8, 8), (8, 8)), TypeError,
                               r"'mask' must be a bool tensor"),
+    "bool block size": (lambda: tpu.blocksparse_attention(_q, _q, _q, block_sizes={"block_q": True}), TypeError,
+                        r"block_sizes.block_q must be an int, got True"),
 }
 
 
@@ -332,6 +334,13 @@ JAX_CHECKED = {  # shape/dtype rules that jax checks while tracing: still before
                              r"k shape .* does not match q shape"),
     "block size not dividing": (lambda: tpu.blocksparse_attention(_q, _q, _q, block_sizes={"block_q": 3}),
                                 ValueError, r"block_sizes.block_q=3 must divide"),
+    "string sliding_window": (lambda: tpu.blocksparse_attention(_q, _q, _q, sliding_window="ab"), TypeError,
+                              r"sliding_window must be an int or a \(left, right\) pair"),
+    "float chunk_size": (lambda: tpu.blocksparse_attention(_q, _q, _q, chunk_size=2.5), TypeError,
+                         r"chunk_size must be an int"),
+    "float head_shards": (lambda: tpu.process_dynamic_mask(torch.ones(2, 8, 8, dtype=torch.bool), (8, 8),
+                                                           head_shards=2.0),
+                          TypeError, r"head_shards must be an int"),
     "lhs/rhs dtypes differ": (lambda: tpu.grouped_matmul(_lhs, _rhs.bfloat16(), _gs), TypeError,
                               r"lhs and rhs must have the same dtype"),
     "rhs k mismatch": (lambda: tpu.grouped_matmul(_lhs, _rhs[:, :3], _gs), ValueError, r"does not match lhs"),

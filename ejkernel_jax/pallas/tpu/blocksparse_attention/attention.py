@@ -35,6 +35,14 @@ class BlockSizes:
     block_q_dkv: int | None = None
     block_kv_dkv: int | None = None
 
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None:
+                # Stored as a Python int, so BlockSizes(np.int64(8)) equals and hashes like BlockSizes(8).
+                value = mask_lib.check_int(f"block_sizes.{field.name}", value)
+                object.__setattr__(self, field.name, value)
+
     def resolve(self, q_len: int, kv_len: int, *, tpu: bool) -> BlockSizes:
         pick = lambda value, default: default if value is None else value
         bq = pick(self.block_q, _default_block(q_len))
@@ -58,7 +66,7 @@ class BlockSizes:
         ]
         for name, length, multiple in rules:
             b = getattr(out, name)
-            if not isinstance(b, (int, np.integer)) or b <= 0:
+            if b <= 0:
                 raise ValueError(f"block_sizes.{name} must be a positive int, got {b!r}")
             if length % b:
                 raise ValueError(f"block_sizes.{name}={b} must divide the sequence length {length}")
@@ -73,23 +81,34 @@ def _default_block(length: int) -> int:
     return next((b for b in _BLOCK_LADDER if length % b == 0), length)
 
 
+def _window_sides(sliding_window) -> tuple[int | None, int | None]:
+    """``w`` -> ``(w, w)``; a ``(left, right)`` pair of ints or None is checked as it is."""
+    if isinstance(sliding_window, (tuple, list)):
+        if len(sliding_window) != 2:
+            raise ValueError(f"sliding_window must be an int or a (left, right) pair, got {sliding_window!r}")
+        sides = tuple(None if w is None else mask_lib.check_int("sliding_window", w) for w in sliding_window)
+    else:
+        # Anything else must be one int (a string would unpack into a "pair").
+        try:
+            w = mask_lib.check_int("sliding_window", sliding_window)
+        except TypeError:
+            raise TypeError(
+                f"sliding_window must be an int or a (left, right) pair, "
+                f"got {type(sliding_window).__name__} {sliding_window!r}"
+            ) from None
+        sides = (w, w)
+    if any(w is not None and w < 0 for w in sides):
+        raise ValueError(f"sliding_window must be >= 0, got {sliding_window!r}")
+    return sides
+
+
 def _convenience_mask(q_len, kv_len, causal, sliding_window, chunk_size) -> mask_lib.Mask:
     """The mask for causal / sliding_window / chunk_size, bottom-right aligned."""
     shape = (q_len, kv_len)
     offset = kv_len - q_len  # the last query sits on the last key
     parts = []
     if sliding_window is not None:
-        if isinstance(sliding_window, (int, np.integer)):
-            left, right = int(sliding_window), int(sliding_window)
-        else:
-            try:
-                left, right = sliding_window
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"sliding_window must be an int or a (left, right) pair, got {sliding_window!r}"
-                ) from None
-        if (left is not None and left < 0) or (right is not None and right < 0):
-            raise ValueError(f"sliding_window must be >= 0, got {sliding_window!r}")
+        left, right = _window_sides(sliding_window)
         parts.append(mask_lib.LocalMask(shape, (left, 0 if causal else right), offset))
     elif causal and chunk_size is None:
         parts.append(mask_lib.CausalMask(shape, offset))
@@ -162,6 +181,8 @@ def _segment_ids(q_segment_ids, kv_segment_ids, batch, q_len, kv_len):
         ("q_segment_ids", q_segment_ids, q_len),
         ("kv_segment_ids", kv_segment_ids, kv_len),
     ):
+        if not isinstance(ids, (jax.Array, np.ndarray)):
+            raise TypeError(f"{name} must be a jax or numpy integer array, got {type(ids).__name__}")
         if tuple(ids.shape) != (batch, length):
             raise ValueError(
                 f"{name} must have shape (batch, seq)=({batch}, {length}), got {tuple(ids.shape)}"

@@ -86,10 +86,9 @@ class _Grid(NamedTuple):
 def _check_grid(shape: tuple[int, ...], block_shape: Any, head_shards: int, q_seq_shards: int) -> _Grid:
     if len(shape) != 3:
         raise ValueError(f"mask must be 3-D [heads, q_len, kv_len], got shape {tuple(shape)}")
-    try:
-        bq, bkv = (int(b) for b in block_shape)
-    except (TypeError, ValueError):
-        raise ValueError(f"block_shape must be a (block_q, block_kv) pair, got {block_shape!r}") from None
+    bq, bkv = _check_block_shape(block_shape)
+    head_shards = mask_lib.check_int("head_shards", head_shards)
+    q_seq_shards = mask_lib.check_int("q_seq_shards", q_seq_shards)
     if bq <= 0 or bkv <= 0:
         raise ValueError(f"block_shape entries must be positive, got {block_shape}")
     heads, q_len, kv_len = shape
@@ -105,6 +104,14 @@ def _check_grid(shape: tuple[int, ...], block_shape: Any, head_shards: int, q_se
             f"q_seq_shards={q_seq_shards} must divide the number of q blocks {q_blocks} (q_len / block_q)"
         )
     return _Grid(heads, q_blocks, kv_len // bkv, q_blocks // q_seq_shards, heads // head_shards)
+
+
+def _check_block_shape(block_shape: Any) -> tuple[int, int]:
+    try:
+        bq, bkv = block_shape
+    except (TypeError, ValueError):
+        raise ValueError(f"block_shape must be a (block_q, block_kv) pair, got {block_shape!r}") from None
+    return mask_lib.check_int("block_shape[0]", bq), mask_lib.check_int("block_shape[1]", bkv)
 
 
 def _as_multi_head(mask: Any) -> mask_lib.MultiHeadMask:
@@ -312,17 +319,13 @@ def process_mask(
         lengths, shard counts not dividing heads / q blocks.
     """
     mask = _as_multi_head(mask)
-    try:
-        block_shape = tuple(int(b) for b in block_shape)
-    except (TypeError, ValueError):
-        raise ValueError(f"block_shape must be a (block_q, block_kv) pair, got {block_shape!r}") from None
     return _process_mask_cached(
         mask,
-        block_shape,
+        _check_block_shape(block_shape),
         bool(is_dkv),
         bool(downcast_smem_data),
-        int(head_shards),
-        int(q_seq_shards),
+        mask_lib.check_int("head_shards", head_shards),
+        mask_lib.check_int("q_seq_shards", q_seq_shards),
         bool(shrink_grid),
     )
 
@@ -360,8 +363,11 @@ def process_dynamic_mask(
         raise ValueError(f"mask must be 3-D [heads, q_len, kv_len], got shape {shape}")
     if jnp.dtype(mask.dtype) != jnp.bool_:
         raise ValueError(f"mask must be boolean, got dtype {mask.dtype}")
+    # Python ints: the shard loops below range over them.
+    head_shards = mask_lib.check_int("head_shards", head_shards)
+    q_seq_shards = mask_lib.check_int("q_seq_shards", q_seq_shards)
     g = _check_grid(shape, block_shape, head_shards, q_seq_shards)
-    bq, bkv = (int(b) for b in block_shape)
+    bq, bkv = _check_block_shape(block_shape)
     H, nq, nkv = g.heads, g.q_blocks, g.kv_blocks
 
     tiles = jnp.asarray(mask).reshape(H, nq, bq, nkv, bkv).swapaxes(2, 3)  # [H, nq, nkv, bq, bkv]

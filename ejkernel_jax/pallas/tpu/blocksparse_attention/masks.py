@@ -21,6 +21,7 @@ shifts the query position, i.e. query ``i`` is treated as sitting at key positio
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -53,6 +54,7 @@ def _grid(shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
 
 def make_causal_mask(shape: tuple[int, int], offset: int = 0) -> np.ndarray:
     """Dense causal mask: query ``i`` sees keys ``j <= i + offset``."""
+    offset = check_int("offset", offset)
     q, kv = _grid(shape)
     return q + offset >= kv
 
@@ -68,6 +70,7 @@ def make_local_attention_mask(
     ``None`` on a side means no limit on that side.
     """
     left, right = _check_window(window_size)
+    offset = check_int("offset", offset)
     q, kv = _grid(shape)
     out = np.ones((q.shape[0], kv.shape[1]), dtype=np.bool_)
     if left is not None:
@@ -80,6 +83,7 @@ def make_local_attention_mask(
 def make_chunk_attention_mask(shape: tuple[int, int], chunk_size: int, *, offset: int = 0) -> np.ndarray:
     """Dense chunked-causal mask: causal inside chunks of ``chunk_size`` tokens, nothing across."""
     chunk_size = _check_chunk(chunk_size)
+    offset = check_int("offset", offset)
     q, kv = _grid(shape)
     pos = q + offset
     return (pos // chunk_size == kv // chunk_size) & (pos >= kv)
@@ -95,13 +99,26 @@ def make_random_mask(shape: tuple[int, int], sparsity: float, seed: int) -> np.n
 
 
 # --------------------------------------------------------------------------------------
-# Index handling: masks accept ints and unit-step slices, like a 2-D numpy array
+# Argument checks and index handling: masks accept ints and unit-step slices, like a
+# 2-D numpy array
 # --------------------------------------------------------------------------------------
+def check_int(name: str, value: Any) -> int:
+    """``value`` as a Python int; TypeError naming ``name`` for anything that is not an
+    integer (``int()`` would silently truncate 2.5 or parse "4"; bools are flags)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
 def _check_shape(shape: Any) -> tuple[int, int]:
     try:
-        shape = tuple(int(s) for s in shape)
+        entries = tuple(shape)
     except TypeError:
         raise ValueError(f"shape must be a (q_len, kv_len) tuple, got {shape!r}") from None
+    shape = tuple(check_int("shape entries", s) for s in entries)
     if len(shape) != 2 or min(shape) <= 0:
         raise ValueError(f"shape must be a (q_len, kv_len) tuple of positive ints, got {shape}")
     return shape
@@ -112,16 +129,17 @@ def _check_window(window_size: Any) -> tuple[int | None, int | None]:
         left, right = window_size
     except (TypeError, ValueError):
         raise ValueError(f"window_size must be a (left, right) pair, got {window_size!r}") from None
-    for side in (left, right):
-        if side is not None and int(side) < 0:
-            raise ValueError(f"window_size entries must be >= 0 or None, got {window_size}")
-    return (None if left is None else int(left), None if right is None else int(right))
+    sides = tuple(None if s is None else check_int("window_size entries", s) for s in (left, right))
+    if any(s is not None and s < 0 for s in sides):
+        raise ValueError(f"window_size entries must be >= 0 or None, got {window_size}")
+    return sides
 
 
 def _check_chunk(chunk_size: Any) -> int:
-    if int(chunk_size) <= 0:
+    chunk_size = check_int("chunk_size", chunk_size)
+    if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    return int(chunk_size)
+    return chunk_size
 
 
 def _axis_range(index: Any, size: int) -> tuple[int, int, bool]:
@@ -132,7 +150,7 @@ def _axis_range(index: Any, size: int) -> tuple[int, int, bool]:
             raise IndexError(f"masks only support unit-step slices, got step {index.step}")
         return start, max(start, stop), False
     try:
-        i = int(index)  # accepts numpy integers too
+        i = operator.index(index)  # numpy integers too; never truncates a float
     except TypeError:
         raise IndexError(f"masks are indexed by ints and slices, got {index!r}") from None
     if not -size <= i < size:
@@ -285,7 +303,7 @@ class _Computable(Mask):
 
     def __init__(self, shape: tuple[int, int], mask_function: Callable, shard_count: int = 1):
         self._shape = _check_shape(shape)
-        shard_count = int(shard_count)
+        shard_count = check_int("shard_count", shard_count)
         if shard_count <= 0 or self._shape[0] % shard_count:
             # Each q shard evaluates the function on its own slice of q_sequence.
             raise ValueError(f"shard_count={shard_count} must be positive and divide q_len={self._shape[0]}")
@@ -331,7 +349,7 @@ class CausalMask(_Computable):
     """
 
     def __init__(self, shape: tuple[int, int], offset: int = 0, shard_count: int = 1):
-        self.offset = int(offset)
+        self.offset = check_int("offset", offset)
         super().__init__(shape, _Causal(self.offset), shard_count)
 
 
@@ -350,7 +368,7 @@ class LocalMask(_Computable):
         shard_count: int = 1,
     ):
         self.window_size = _check_window(window_size)
-        self.offset = int(offset)
+        self.offset = check_int("offset", offset)
         super().__init__(shape, _Local(*self.window_size, self.offset), shard_count)
 
 
@@ -360,7 +378,7 @@ class ChunkedCausalMask(_Computable):
 
     def __init__(self, shape: tuple[int, int], chunk_size: int, shard_count: int = 1, *, offset: int = 0):
         self.chunk_size = _check_chunk(chunk_size)
-        self.offset = int(offset)
+        self.offset = check_int("offset", offset)
         super().__init__(shape, _ChunkedCausal(self.chunk_size, self.offset), shard_count)
 
 
