@@ -544,6 +544,24 @@ def test_invalid_arguments(rng):
         call(logits_soft_cap=0.0)
 
 
+@pytest.mark.parametrize(
+    "shapes, match",
+    [
+        (((1, 8, 1, 0), (1, 8, 1, 0), (1, 8, 1, 0)), r"q must have head_dim >= 1"),  # was ZeroDivisionError
+        (((1, 8, 2, 4), (1, 8, 0, 4), (1, 8, 0, 4)), r"k must have heads >= 1"),  # was ZeroDivisionError
+        (((1, 8, 0, 4), (1, 8, 1, 4), (1, 8, 1, 4)), r"q must have heads >= 1"),
+        (((0, 8, 2, 4), (0, 8, 2, 4), (0, 8, 2, 4)), r"q must have batch >= 1"),
+        (((1, 0, 2, 4), (1, 8, 2, 4), (1, 8, 2, 4)), r"q must have seq >= 1"),
+        (((1, 8, 2, 4), (1, 0, 2, 4), (1, 0, 2, 4)), r"k must have seq >= 1"),
+        (((1, 8, 2, 4), (1, 8, 2, 4), (1, 8, 2, 0)), r"v must have head_dim >= 1"),
+    ],
+)
+def test_empty_dimensions_raise(shapes, match):
+    q, k, v = (jnp.ones(s) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        blocksparse_attention(q, k, v)
+
+
 def test_argument_types_are_checked(rng):
     q, k, v, _, _ = make_inputs(rng, 1, 32, 32, 4, 2, 16)
     call = lambda **kw: blocksparse_attention(**{"q": q, "k": k, "v": v, **kw})
@@ -563,3 +581,5 @@ def test_argument_types_are_checked(rng):
         call(q_segment_ids=[[0] * 32])  # once an AttributeError
     with pytest.raises(TypeError, match="kv_segment_ids must be a jax or numpy"):
         call(q_segment_ids=jnp.zeros((1, 32), jnp.int32), kv_segment_ids=[[0] * 32])
+    with pytest.raises(TypeError, match="k must be a jax or numpy array"):
+        call(k=k.tolist())

@@ -192,6 +192,33 @@ def _segment_ids(q_segment_ids, kv_segment_ids, batch, q_len, kv_len):
     return jnp.asarray(q_segment_ids, jnp.int32), jnp.asarray(kv_segment_ids, jnp.int32)
 
 
+def _check_shapes(q, k, v) -> tuple[int, int, int, int, int]:
+    """``(batch, q_len, heads, head_dim, kv_len)`` of valid q, k, v."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, (jax.Array, np.ndarray)):
+            raise TypeError(f"{name} must be a jax or numpy array, got {type(x).__name__}")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"q, k, v must be 4-D [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, {v.shape}"
+        )
+    # Every size must be >= 1: a zero would otherwise divide by zero (scale, head
+    # groups) or build empty grids deep inside the kernels.
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        for axis, size in zip(("batch", "seq", "heads", "head_dim"), x.shape):
+            if size < 1:
+                raise ValueError(f"{name} must have {axis} >= 1, got shape {x.shape}")
+    B, Sq, H, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(
+            f"k shape {k.shape} does not match q shape {q.shape} (batch and head_dim must agree)"
+        )
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v shape {v.shape} must match k shape {k.shape} except in head_dim")
+    if H % k.shape[2]:
+        raise ValueError(f"q heads ({H}) must be a multiple of kv heads ({k.shape[2]})")
+    return B, Sq, H, D, k.shape[1]
+
+
 def blocksparse_attention(
     q: jax.Array,
     k: jax.Array,
@@ -239,20 +266,7 @@ def blocksparse_attention(
       ``out [batch, q_len, heads, v_head_dim]`` in ``q.dtype`` (and ``lse``).  Rows
       with no allowed key give 0 output, lse ``-inf`` and zero gradients.
     """
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(
-            f"q, k, v must be 4-D [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, {v.shape}"
-        )
-    B, Sq, H, D = q.shape
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(
-            f"k shape {k.shape} does not match q shape {q.shape} (batch and head_dim must agree)"
-        )
-    if v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"v shape {v.shape} must match k shape {k.shape} except in head_dim")
-    Skv, Hkv = k.shape[1], k.shape[2]
-    if H % Hkv:
-        raise ValueError(f"q heads ({H}) must be a multiple of kv heads ({Hkv})")
+    B, Sq, H, D, Skv = _check_shapes(q, k, v)
     if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if logits_soft_cap is not None and not logits_soft_cap > 0:
