@@ -484,6 +484,14 @@ def test_tpu_matmuls_state_precision(dtype):
         assert ("#tpu.contract_precision<fp32>" in line) == (dtype == jnp.float32), line
 
 
+def test_odd_lengths_lower_for_tpu_with_default_blocks():
+    """No block_sizes: the defaults must obey Mosaic's rules for lengths that 512..8 divide
+    only through blocks below 128 (96, 200, 320), or not at all (100)."""
+    lower_for_tpu(1, 96, 96, 2, 1, D=64, causal=True)
+    lower_for_tpu(1, 320, 200, 2, 2, D=64, seg=True, sliding_window=64)
+    lower_for_tpu(1, 100, 384, 2, 1, D=64, causal=True)
+
+
 def test_tpu_block_rules_are_checked():
     with pytest.raises(ValueError, match="block_kv"):
         lower_for_tpu(1, 2048, 2048, 2, 2, causal=True, block_sizes=BlockSizes(128, 64))
@@ -500,6 +508,61 @@ def test_block_size_defaults():
     bs = BlockSizes(block_q=128, block_kv_dkv=16).resolve(256, 48, tpu=False)
     assert (bs.block_q, bs.block_kv, bs.block_q_dkv, bs.block_kv_dkv) == (128, 16, 128, 16)
     assert BlockSizes().resolve(100, 100, tpu=True).block_kv == 100  # whole sequence
+
+
+_TPU_RULES = {  # field -> (which length, multiple it needs on TPU unless it is the whole length)
+    "block_q": ("q", 8),
+    "block_kv": ("kv", 128),
+    "block_q_dq": ("q", 128),
+    "block_kv_dq": ("kv", 128),
+    "block_q_dkv": ("q", 128),
+    "block_kv_dkv": ("kv", 8),
+}
+_LENGTHS = (8, 96, 100, 128, 200, 256, 320, 384, 640, 1000, 1024, 1152, 4096)
+
+
+@pytest.mark.parametrize("given", [{}, {"block_q": 32}, {"block_q": 8, "block_kv_dkv": 8}])
+def test_tpu_default_block_sizes_obey_the_tpu_rule(given):
+    """Every default resolve() picks on TPU is valid for its pass, for every length pair;
+    a backward size inherits a forward one only where that is valid for it."""
+    for q_len in _LENGTHS:
+        for kv_len in _LENGTHS:
+            length_of = lambda name: {"q": q_len, "kv": kv_len}[_TPU_RULES[name][0]]
+            if any(length_of(name) % b for name, b in given.items()):
+                continue
+            bs = BlockSizes(**given).resolve(q_len, kv_len, tpu=True)
+            for name, (_, multiple) in _TPU_RULES.items():
+                length, b = length_of(name), getattr(bs, name)
+                assert length % b == 0 and (b == length or b % multiple == 0), (q_len, kv_len, name, b)
+            for name, b in given.items():
+                assert getattr(bs, name) == b  # what the user gave is kept
+
+
+def test_tpu_default_block_sizes_prefer_lane_wide_blocks():
+    bs = BlockSizes().resolve(96, 320, tpu=True)  # was (32, 64, ...): invalid on TPU
+    assert (bs.block_q, bs.block_kv, bs.block_q_dq, bs.block_kv_dq, bs.block_q_dkv, bs.block_kv_dkv) == (
+        96, 320, 96, 320, 96, 320
+    )
+    bs = BlockSizes().resolve(1000, 640, tpu=True)
+    assert (bs.block_q, bs.block_kv, bs.block_q_dq, bs.block_kv_dkv) == (1000, 128, 1000, 128)
+    bs = BlockSizes(block_q=64).resolve(1024, 96, tpu=True)  # 64 is valid for block_q only
+    assert (bs.block_q, bs.block_q_dq, bs.block_q_dkv) == (64, 512, 512)
+    # Off TPU the defaults are unchanged: the largest of 512..8 dividing the length.
+    bs = BlockSizes().resolve(96, 320, tpu=False)
+    assert (bs.block_q, bs.block_kv, bs.block_q_dq, bs.block_kv_dkv) == (32, 64, 32, 64)
+
+
+def test_tpu_default_block_sizes_reject_unsupported_lengths():
+    """A length that no multiple of 128 divides is one block only up to 1024; past that
+    the error says which lengths have defaults and that block_sizes can be passed."""
+    with pytest.raises(ValueError, match=r"block_sizes.block_kv for sequence length 1096 .*multiples of 128"):
+        BlockSizes().resolve(1024, 1096, tpu=True)
+    with pytest.raises(ValueError, match=r"block_sizes.block_q for sequence length 1100 .*pass block_sizes"):
+        BlockSizes().resolve(1100, 1024, tpu=True)
+    explicit = BlockSizes(1096, 1096, 1096, 1096, 1096, 1096)  # the whole sequence, chosen by the user
+    assert explicit.resolve(1096, 1096, tpu=True) == explicit
+    with pytest.raises(ValueError, match="block_sizes.block_q must be a positive int"):
+        BlockSizes(block_q=0).resolve(256, 256, tpu=True)  # not inherited by the backward sizes
 
 
 @pytest.mark.parametrize("value", [True, 2.5, "8", 8.0])
@@ -583,3 +646,5 @@ def test_argument_types_are_checked(rng):
         call(q_segment_ids=jnp.zeros((1, 32), jnp.int32), kv_segment_ids=[[0] * 32])
     with pytest.raises(TypeError, match="k must be a jax or numpy array"):
         call(k=k.tolist())
+    with pytest.raises(TypeError, match="block_sizes must be a BlockSizes"):
+        call(block_sizes=(16, 16))  # once an AttributeError

@@ -16,6 +16,20 @@ from . import masks as mask_lib
 __all__ = ["BlockSizes", "blocksparse_attention"]
 
 _BLOCK_LADDER = (512, 256, 128, 64, 32, 16, 8)
+# Mosaic tiling on TPU: a block equals its whole sequence or is a multiple of this.  A
+# block is a lane (last) dimension of some tile where 128 is needed, else a sublane one.
+_TPU_MULTIPLE = {
+    "block_q": 8,
+    "block_kv": 128,
+    "block_q_dq": 128,
+    "block_kv_dq": 128,
+    "block_q_dkv": 128,
+    "block_kv_dkv": 8,
+}
+# Longest sequence a TPU default covers with one whole block when no multiple of 128
+# divides it (twice the largest ladder block): such a tile grows with the square of the
+# length, so past this the user chooses.
+_TPU_MAX_WHOLE_BLOCK = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +39,12 @@ class BlockSizes:
     the dQ and dK/dV sizes fall back to the forward ones.
 
     On a real TPU (Mosaic tiling) each size must equal its whole sequence or be a
-    multiple of 128, except ``block_q`` and ``block_kv_dkv``: multiples of 8.
+    multiple of 128, except ``block_q`` and ``block_kv_dkv``: multiples of 8.  There the
+    defaults obey that rule: each size is the largest of 512, 256, 128 dividing the
+    sequence, else the whole sequence if it is at most 1024 long, else (``block_q``,
+    ``block_kv_dkv``) the largest of 64, ..., 8 dividing it; a dQ / dK/dV size takes
+    the forward one only when that is valid for it.  A length with no valid default
+    raises a ValueError: pass ``block_sizes``.
     """
 
     block_q: int | None = None
@@ -44,37 +63,66 @@ class BlockSizes:
                 object.__setattr__(self, field.name, value)
 
     def resolve(self, q_len: int, kv_len: int, *, tpu: bool) -> BlockSizes:
-        pick = lambda value, default: default if value is None else value
-        bq = pick(self.block_q, _default_block(q_len))
-        bkv = pick(self.block_kv, _default_block(kv_len))
-        out = BlockSizes(
-            bq,
-            bkv,
-            pick(self.block_q_dq, bq),
-            pick(self.block_kv_dq, bkv),
-            pick(self.block_q_dkv, bq),
-            pick(self.block_kv_dkv, bkv),
+        lengths = {"q": q_len, "kv": kv_len}
+        length_of = lambda name: lengths[name.split("_")[1]]
+        chosen: dict[str, int] = {}
+        for name, fallback in _FALLBACK.items():  # forward sizes first: the others inherit
+            value = getattr(self, name)
+            if value is None:
+                value = _default(name, length_of(name), chosen.get(fallback), tpu)
+            chosen[name] = value
+        for name, value in chosen.items():
+            _check_block(name, value, length_of(name), tpu)
+        return BlockSizes(**chosen)
+
+
+# Field -> the forward field it defaults to (None: a forward field itself).
+_FALLBACK = {
+    "block_q": None,
+    "block_kv": None,
+    "block_q_dq": "block_q",
+    "block_kv_dq": "block_kv",
+    "block_q_dkv": "block_q",
+    "block_kv_dkv": "block_kv",
+}
+
+
+def _tpu_valid(block: int, length: int, multiple: int) -> bool:
+    return block == length or (0 < block and length % block == 0 and block % multiple == 0)
+
+
+def _check_block(name: str, block: int, length: int, tpu: bool) -> None:
+    if block <= 0:
+        raise ValueError(f"block_sizes.{name} must be a positive int, got {block!r}")
+    if length % block:
+        raise ValueError(f"block_sizes.{name}={block} must divide the sequence length {length}")
+    multiple = _TPU_MULTIPLE[name]
+    if tpu and not _tpu_valid(block, length, multiple):
+        raise ValueError(
+            f"block_sizes.{name}={block} must be a multiple of {multiple} on TPU (or equal {length})"
         )
-        # (field, sequence length, multiple required by Mosaic tiling on TPU)
-        rules = [
-            ("block_q", q_len, 8),
-            ("block_kv", kv_len, 128),
-            ("block_q_dq", q_len, 128),
-            ("block_kv_dq", kv_len, 128),
-            ("block_q_dkv", q_len, 128),
-            ("block_kv_dkv", kv_len, 8),
-        ]
-        for name, length, multiple in rules:
-            b = getattr(out, name)
-            if b <= 0:
-                raise ValueError(f"block_sizes.{name} must be a positive int, got {b!r}")
-            if length % b:
-                raise ValueError(f"block_sizes.{name}={b} must divide the sequence length {length}")
-            if tpu and b != length and b % multiple:
-                raise ValueError(
-                    f"block_sizes.{name}={b} must be a multiple of {multiple} on TPU (or equal {length})"
-                )
-        return out
+
+
+def _default(name: str, length: int, inherited: int | None, tpu: bool) -> int:
+    """Default of one field: the forward size it inherits when valid, else a ladder size."""
+    if not tpu:
+        return _default_block(length) if inherited is None else inherited
+    multiple = _TPU_MULTIPLE[name]
+    if inherited is not None and _tpu_valid(inherited, length, multiple):
+        return inherited
+    # Lane-wide blocks first, then one whole-sequence block (fewer, fuller grid steps
+    # than blocks of 8..64), then the narrower ladder sizes the field allows.
+    wide = [b for b in _BLOCK_LADDER if b % 128 == 0]
+    whole = [length] if length <= _TPU_MAX_WHOLE_BLOCK else []
+    narrow = [b for b in _BLOCK_LADDER if b % 128 and b % multiple == 0]
+    block = next((b for b in wide + whole + narrow if length % b == 0), None)
+    if block is None:
+        raise ValueError(
+            f"no default block_sizes.{name} for sequence length {length} on TPU: defaults exist for "
+            f"lengths that are multiples of {multiple} or at most {_TPU_MAX_WHOLE_BLOCK}; "
+            f"pass block_sizes (a multiple of {multiple} dividing {length}, or {length} itself)"
+        )
+    return block
 
 
 def _default_block(length: int) -> int:
@@ -276,6 +324,8 @@ def blocksparse_attention(
         interpret = jax.default_backend() != "tpu"
     if isinstance(block_sizes, dict):
         block_sizes = BlockSizes(**block_sizes)
+    if not isinstance(block_sizes, (BlockSizes, type(None))):
+        raise TypeError(f"block_sizes must be a BlockSizes, a dict or None, got {type(block_sizes).__name__}")
     bs = (block_sizes or BlockSizes()).resolve(Sq, Skv, tpu=interpret is False)
 
     mask_kind, mask = _resolve_mask(mask, causal, sliding_window, chunk_size, H, Sq, Skv)
