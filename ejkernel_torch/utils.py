@@ -6,7 +6,9 @@ both fronts produce the same strings on the same device and share config-cache e
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import operator
 import time
 from typing import Any, Iterator
 
@@ -99,12 +101,69 @@ def timer(name: str = "Operation", verbose: bool = True) -> Iterator[Timing]:
             print(f"{name} took {timing.seconds:.6f} s")
 
 
+# -- conversions ------------------------------------------------------------------------------
+
+
+def _dtype(dtype, name: str = "dtype") -> torch.dtype:
+    """torch dtypes, and names/numpy dtypes shared with the jax front ("bfloat16", np.float16)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    label = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", str(dtype))
+    resolved = getattr(torch, label.removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise TypeError(f"{name} must be a dtype, got {dtype!r}")
+    return resolved
+
+
+def _numpy_dtype(dtype: np.dtype, name: str) -> torch.dtype:
+    try:
+        return _dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name} has dtype {dtype}, which torch has no dtype for") from None
+
+
+def _as_tensor(x, name: str) -> torch.Tensor:
+    """A tensor from a tensor, a numpy array (the ones the jax front takes too) or a list."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if not isinstance(x, (np.ndarray, np.generic)):
+        return torch.as_tensor(x)
+    a = np.asarray(x)
+    dtype = _numpy_dtype(a.dtype, name)
+    if any(s < 0 for s in a.strides):  # torch cannot view reversed numpy memory
+        a = a.copy()
+    if a.dtype.kind == "V":  # ml_dtypes (bfloat16, float8): numpy-unknown to torch, same bits
+        return torch.from_numpy(a.view(f"u{a.itemsize}")).view(dtype)
+    return torch.from_numpy(a)
+
+
+def _int_arg(value, name: str) -> int:
+    """A Python int (or integer scalar); bools are refused, not read as 0/1."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{name} must be an int, got a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+def _axis(axis, rank: int, what: str) -> int:
+    """``axis`` in ``[-rank, rank)`` made non-negative; out of range is an error, not a wrap."""
+    axis = _int_arg(axis, "axis")
+    if not -rank <= axis < rank:
+        raise ValueError(f"axis={axis} is out of range for {what} with {rank} axes")
+    return axis % rank
+
+
 # -- structures -------------------------------------------------------------------------------
 
 
 def _tree_map(fn, tree):
     if isinstance(tree, dict):
-        return type(tree)((k, _tree_map(fn, v)) for k, v in tree.items())
+        out = copy.copy(tree)  # keeps the mapping's type and state (a defaultdict's factory)
+        for k, v in tree.items():
+            out[k] = _tree_map(fn, v)
+        return out
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
         return type(tree)(*(_tree_map(fn, v) for v in tree))
     if isinstance(tree, (list, tuple)):
@@ -116,8 +175,8 @@ def abstractify(tree: Any) -> Any:
     """Tensors (and numpy arrays) replaced by ``meta`` tensors of the same shape and dtype."""
 
     def leaf(x):
-        if isinstance(x, np.ndarray):
-            x = torch.from_numpy(x)
+        if isinstance(x, np.ndarray):  # only shape and dtype are needed: no copy of the data
+            return torch.empty(x.shape, dtype=_numpy_dtype(x.dtype, "an array"), device="meta")
         if isinstance(x, torch.Tensor):
             return torch.empty(x.shape, dtype=x.dtype, device="meta")
         return x
@@ -130,9 +189,13 @@ def abstractify(tree: Any) -> Any:
 
 def chunk_array(x: torch.Tensor, chunk_size: int, axis: int = 0, pad_value: float = 0) -> torch.Tensor:
     """Split ``axis`` into ``[num_chunks, chunk_size]``, padding its end with ``pad_value``."""
+    x = _as_tensor(x, "x")
+    chunk_size = _int_arg(chunk_size, "chunk_size")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    axis = axis % x.ndim
+    if x.ndim < 1:
+        raise ValueError("x must have at least one axis to chunk, got a scalar")
+    axis = _axis(axis, x.ndim, "x")
     length = x.shape[axis]
     num_chunks = -(-length // chunk_size)
     pad = num_chunks * chunk_size - length
@@ -145,15 +208,24 @@ def chunk_array(x: torch.Tensor, chunk_size: int, axis: int = 0, pad_value: floa
 def unchunk_array(x: torch.Tensor, original_length: int, axis: int = 0) -> torch.Tensor:
     """Inverse of ``chunk_array(..., axis=axis)``: merge the two axes it made, drop the padding.
 
-    ``axis`` names the axis as ``chunk_array`` was given it (so ``-1`` round-trips too).
+    ``axis`` names the axis as ``chunk_array`` was given it (so ``-1`` round-trips too), and
+    ``0 <= original_length <= num_chunks * chunk_size``.
     """
-    axis = axis % (x.ndim - 1)
+    x = _as_tensor(x, "x")
+    if x.ndim < 2:
+        raise ValueError(f"x must have the two axes chunk_array made, got shape {tuple(x.shape)}")
+    axis = _axis(axis, x.ndim - 1, "the array before chunking")
     merged = x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+    original_length = _int_arg(original_length, "original_length")
+    if not 0 <= original_length <= merged.shape[axis]:
+        raise ValueError(f"original_length must lie in [0, {merged.shape[axis]}] (the chunked length), "
+                         f"got {original_length}")
     return merged.narrow(axis, 0, original_length)
 
 
 def log_sum_exp(x: torch.Tensor, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> torch.Tensor:
     """``log(sum(exp(x)))`` without overflow; an all ``-inf`` slice gives ``-inf``, not NaN."""
+    x = _as_tensor(x, "x")
     if axis is None:
         out = log_sum_exp(x.reshape(-1), 0)
         return out.reshape((1,) * x.ndim) if keepdims else out
@@ -165,10 +237,34 @@ def log_sum_exp(x: torch.Tensor, axis: int | tuple[int, ...] | None = None, keep
 
 def safe_divide(numerator, denominator, min_denominator: float = 1e-10):
     """``numerator / denominator`` with denominators smaller than ``min_denominator`` in magnitude
-    replaced by ``±min_denominator`` (sign kept; 0 counts as positive)."""
-    den = torch.as_tensor(denominator)
-    floor = torch.where(den < 0, -min_denominator, min_denominator).to(den.dtype)
-    return numerator / torch.where(den.abs() < min_denominator, floor, den)
+    replaced by ``±min_denominator`` (sign kept; 0 counts as positive).
+
+    Computed in the result's floating dtype (the one ``/`` gives). Where ``min_denominator`` is
+    below that dtype's smallest normal number (1e-10 in float16), the floor is that number
+    instead, so it never rounds to 0.
+    """
+    num, den = _operand(numerator, "numerator"), _operand(denominator, "denominator")
+    dtype = torch.result_type(num, den)
+    if dtype.is_complex:
+        raise TypeError(f"safe_divide takes real numbers, got {dtype}")
+    if not dtype.is_floating_point:
+        dtype = torch.get_default_dtype()  # what / gives for integers
+    den = torch.as_tensor(den, dtype=dtype)
+    floor = torch.tensor(_floor(min_denominator, torch.finfo(dtype).tiny), dtype=dtype, device=den.device)
+    return num / torch.where(den.abs() < floor, torch.where(den < 0, -floor, floor), den)
+
+
+def _operand(x, name: str):
+    # Python numbers stay numbers: they promote weakly (1.0 / float16 is float16), as in jax.
+    return x if isinstance(x, (bool, int, float)) else _as_tensor(x, name)
+
+
+def _floor(min_denominator, tiny: float) -> float:
+    if isinstance(min_denominator, bool) or not isinstance(min_denominator, (int, float, np.integer, np.floating)):
+        raise TypeError(f"min_denominator must be a real number, got {type(min_denominator).__name__}")
+    if not min_denominator > 0:
+        raise ValueError(f"min_denominator must be positive, got {min_denominator}")
+    return max(float(min_denominator), tiny)
 
 
 def _to_numpy(x) -> np.ndarray:
@@ -203,6 +299,6 @@ def generate_attention_inputs(batch_size: int = 2, seq_len: int = 128, num_heads
               "key": (batch_size, kv_seq_len, num_kv_heads, head_dim),
               "value": (batch_size, kv_seq_len, num_kv_heads, head_dim)}
     dev = _device(device)
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtype = _dtype(dtype)
     return {name: torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).to(dev, dtype)
             for name, shape in shapes.items()}

@@ -1,6 +1,7 @@
 """Kernel utilities: params and their rules (triton_kernels), and each front's utils."""
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -11,6 +12,8 @@ import time
 import numpy as np
 import pytest
 
+from tests.frameworks import x64
+from triton_kernels.config_cache import cpu_fingerprint
 from triton_kernels.params import (
     BwdParams,
     FwdParams,
@@ -217,6 +220,56 @@ def test_chunk_round_trip(fw, length, chunk, axis):
     assert np.array_equal(fw.to_numpy(back), x)
 
 
+def test_chunk_array_bad_input(fw):
+    """Out-of-range axes wrapped (axis=2 of a 2-D array chunked axis 0), a scalar or a 1-D
+    unchunk input divided by zero, and a bad original_length dropped data or failed inside."""
+    u = utils(fw)
+    x = fw.asarray(np.arange(6.0).reshape(2, 3))
+    for axis in (2, -3):
+        with pytest.raises(ValueError, match=f"axis={axis} is out of range"):
+            u.chunk_array(x, 2, axis=axis)
+    with pytest.raises(ValueError, match="x must have at least one axis"):
+        u.chunk_array(fw.asarray(np.float32(1.0)), 2)
+    with pytest.raises(TypeError, match="chunk_size must be an int, got a bool"):
+        u.chunk_array(x, True)
+    with pytest.raises(TypeError, match="axis must be an int"):
+        u.chunk_array(x, 2, axis=1.0)
+    chunked = u.chunk_array(x, 2, axis=1)  # (2, 2, 2): 3 columns padded to 4
+    with pytest.raises(ValueError, match="x must have the two axes"):
+        u.unchunk_array(fw.asarray(np.zeros(4)), 2)
+    for axis in (2, -3):
+        with pytest.raises(ValueError, match=f"axis={axis} is out of range"):
+            u.unchunk_array(chunked, 3, axis=axis)
+    for length in (-1, 5):
+        with pytest.raises(ValueError, match=r"original_length must lie in \[0, 4\]"):
+            u.unchunk_array(chunked, length, axis=1)
+    with pytest.raises(TypeError, match="original_length must be an int"):
+        u.unchunk_array(chunked, 3.0, axis=1)
+    assert np.array_equal(fw.to_numpy(u.unchunk_array(chunked, 3, axis=-1)), fw.to_numpy(x))
+
+
+def test_numpy_inputs(fw):
+    """Both fronts take numpy arrays (torch crashed inside on them, and on reversed strides,
+    bfloat16 numpy arrays, numpy dtypes and defaultdicts)."""
+    import ml_dtypes
+
+    u = utils(fw)
+    x = np.arange(5.0, dtype=np.float32)[::-1]
+    chunked = u.chunk_array(x, 2, pad_value=-1)
+    assert fw.to_numpy(chunked).tolist() == [[4, 3], [2, 1], [0, -1]]
+    assert fw.to_numpy(u.unchunk_array(np.asarray(fw.to_numpy(chunked), np.float32), 5)).tolist() == x.tolist()
+    assert fw.to_numpy(u.chunk_array(x.astype(ml_dtypes.bfloat16), 5)).tolist() == [x.tolist()]
+    np.testing.assert_allclose(fw.to_numpy(u.log_sum_exp(x, axis=0)), np.log(np.exp(x).sum()), rtol=1e-6)
+    np.testing.assert_allclose(fw.to_numpy(u.safe_divide(np.ones(2, np.float32), x[:2])), [0.25, 1 / 3], rtol=1e-6)
+    tree = collections.defaultdict(list, r=np.arange(5)[::-1], b=np.zeros((2, 3), ml_dtypes.bfloat16))
+    abstract = u.abstractify(tree)
+    assert type(abstract) is collections.defaultdict and abstract.default_factory is list
+    assert tuple(abstract["r"].shape) == (5,) and str(abstract["r"].dtype).endswith("int64")
+    assert tuple(abstract["b"].shape) == (2, 3) and str(abstract["b"].dtype).endswith("bfloat16")
+    inputs = u.generate_attention_inputs(1, 4, 2, 8, dtype=np.float16)
+    assert str(inputs["query"].dtype).endswith("float16")
+
+
 def test_log_sum_exp(fw):
     u = utils(fw)
     x = np.array([[1000.0, 1001.0, 1002.0], [-np.inf, -np.inf, -np.inf], [0.5, -np.inf, 2.0]])
@@ -234,6 +287,35 @@ def test_safe_divide(fw):
     den = np.array([0.0, -1e-12, 1e-12, 2.0, -4.0])
     got = fw.to_numpy(u.safe_divide(fw.asarray(np.ones(5)), fw.asarray(den)))
     np.testing.assert_allclose(got, [1e10, -1e10, 1e10, 0.5, -0.25])
+
+
+def test_safe_divide_floor_never_rounds_to_zero(fw):
+    """The floor was cast to the denominator's dtype: 0 for integers and float16 (so 1 / 0 gave
+    inf), and torch rounded it through float32 for float64."""
+    u = utils(fw)
+    got = u.safe_divide(1.0, 0)
+    assert str(got.dtype).endswith("float32") and fw.to_numpy(got) == np.float32(1 / 1e-10)
+    got = u.safe_divide(fw.asarray(np.array([0, 1, 2])), fw.asarray(np.array([0, -1, 4])))
+    assert str(got.dtype).endswith("float32") and fw.to_numpy(got).tolist() == [0.0, -1.0, 0.5]
+    half = u.safe_divide(fw.asarray(np.ones(2, np.float16)), fw.asarray(np.array([0, -1e-6], np.float16)))
+    tiny = float(np.finfo(np.float16).tiny)  # 1e-10 is 0 in float16: the floor is its smallest normal
+    assert str(half.dtype).endswith("float16") and fw.to_numpy(half).tolist() == [1 / tiny, -1 / tiny]
+    with x64(fw):
+        one, zero = fw.asarray(np.ones(1), "float64"), fw.asarray(np.zeros(1), "float64")
+        assert fw.to_numpy(u.safe_divide(one, zero)).tolist() == [1.0 / 1e-10]
+    with pytest.raises(ValueError, match="min_denominator must be positive"):
+        u.safe_divide(1.0, 0, min_denominator=0)
+    with pytest.raises(TypeError, match="min_denominator must be a real number"):
+        u.safe_divide(1.0, 0, min_denominator="small")
+
+
+def test_device_strings(fw):
+    """Both fronts take a device as a string ("cpu"); jax failed with an AttributeError."""
+    u = utils(fw)
+    assert u.get_device_platform("cpu") == "cpu"
+    assert u.device_fingerprint("cpu") == cpu_fingerprint()
+    assert set(u.get_memory_usage("cpu")) == {"allocated", "reserved", "limit"}
+    assert u.config_key("op", 1, device="cpu").device == cpu_fingerprint()
 
 
 def test_assert_allclose(fw):

@@ -1,6 +1,7 @@
 """Array helpers for the jax front: abstract values, chunking, stable reductions, test inputs."""
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import jax
@@ -19,11 +20,47 @@ def abstractify(tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
+def _to_jax(x, name: str) -> jax.Array:
+    """``jnp.asarray``, refusing 64-bit integers that jax without x64 would wrap into 32 bits."""
+    if isinstance(x, jax.Array):
+        return x
+    x = np.asarray(x)
+    narrow = jax.dtypes.canonicalize_dtype(x.dtype)
+    if x.dtype.kind in "iu" and narrow != x.dtype and x.size:
+        lo, hi, info = x.min(), x.max(), np.iinfo(narrow)
+        if lo < info.min or hi > info.max:
+            raise ValueError(f"{name} holds values in [{lo}, {hi}], outside {narrow}: jax without "
+                             f"jax_enable_x64 would silently wrap them into {narrow}")
+    return jnp.asarray(x)
+
+
+def _int_arg(value, name: str) -> int:
+    """A Python int (or integer scalar); bools are refused, not read as 0/1."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+def _axis(axis, rank: int, what: str) -> int:
+    """``axis`` in ``[-rank, rank)`` made non-negative; out of range is an error, not a wrap."""
+    axis = _int_arg(axis, "axis")
+    if not -rank <= axis < rank:
+        raise ValueError(f"axis={axis} is out of range for {what} with {rank} axes")
+    return axis % rank
+
+
 def chunk_array(x: jax.Array, chunk_size: int, axis: int = 0, pad_value: float = 0) -> jax.Array:
     """Split ``axis`` into ``[num_chunks, chunk_size]``, padding its end with ``pad_value``."""
+    x = _to_jax(x, "x")
+    chunk_size = _int_arg(chunk_size, "chunk_size")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    axis = axis % x.ndim
+    if x.ndim < 1:
+        raise ValueError("x must have at least one axis to chunk, got a scalar")
+    axis = _axis(axis, x.ndim, "x")
     length = x.shape[axis]
     num_chunks = -(-length // chunk_size)
     pad = [(0, 0)] * x.ndim
@@ -35,10 +72,18 @@ def chunk_array(x: jax.Array, chunk_size: int, axis: int = 0, pad_value: float =
 def unchunk_array(x: jax.Array, original_length: int, axis: int = 0) -> jax.Array:
     """Inverse of ``chunk_array(..., axis=axis)``: merge the two axes it made, drop the padding.
 
-    ``axis`` names the axis as ``chunk_array`` was given it (so ``-1`` round-trips too).
+    ``axis`` names the axis as ``chunk_array`` was given it (so ``-1`` round-trips too), and
+    ``0 <= original_length <= num_chunks * chunk_size``.
     """
-    axis = axis % (x.ndim - 1)
+    x = _to_jax(x, "x")
+    if x.ndim < 2:
+        raise ValueError(f"x must have the two axes chunk_array made, got shape {x.shape}")
+    axis = _axis(axis, x.ndim - 1, "the array before chunking")
     merged = x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+    original_length = _int_arg(original_length, "original_length")
+    if not 0 <= original_length <= merged.shape[axis]:
+        raise ValueError(f"original_length must lie in [0, {merged.shape[axis]}] (the chunked length), "
+                         f"got {original_length}")
     return jax.lax.slice_in_dim(merged, 0, original_length, axis=axis)
 
 
@@ -52,10 +97,28 @@ def log_sum_exp(x: jax.Array, axis: int | tuple[int, ...] | None = None, keepdim
 
 def safe_divide(numerator, denominator, min_denominator: float = 1e-10):
     """``numerator / denominator`` with denominators smaller than ``min_denominator`` in magnitude
-    replaced by ``±min_denominator`` (sign kept; 0 counts as positive)."""
-    den = jnp.asarray(denominator)
-    floor = jnp.where(den < 0, -min_denominator, min_denominator).astype(den.dtype)
-    return numerator / jnp.where(jnp.abs(den) < min_denominator, floor, den)
+    replaced by ``±min_denominator`` (sign kept; 0 counts as positive).
+
+    Computed in the result's floating dtype (the one ``/`` gives). Where ``min_denominator`` is
+    below that dtype's smallest normal number (1e-10 in float16), the floor is that number
+    instead, so it never rounds to 0.
+    """
+    dtype = jnp.result_type(numerator, denominator)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        raise TypeError(f"safe_divide takes real numbers, got {dtype}")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        dtype = jnp.result_type(float)  # what / gives for integers
+    den = jnp.asarray(denominator).astype(dtype)
+    floor = jnp.asarray(_floor(min_denominator, float(jnp.finfo(dtype).tiny)), dtype)
+    return numerator / jnp.where(jnp.abs(den) < floor, jnp.where(den < 0, -floor, floor), den)
+
+
+def _floor(min_denominator, tiny: float) -> float:
+    if isinstance(min_denominator, bool) or not isinstance(min_denominator, (int, float, np.integer, np.floating)):
+        raise TypeError(f"min_denominator must be a real number, got {type(min_denominator).__name__}")
+    if not min_denominator > 0:
+        raise ValueError(f"min_denominator must be positive, got {min_denominator}")
+    return max(float(min_denominator), tiny)
 
 
 def _to_numpy(x) -> np.ndarray:

@@ -12,12 +12,27 @@ from triton_kernels.config_cache import CacheKey, cpu_fingerprint, gpu_fingerpri
 
 
 def _device(device=None):
-    """A jax Device from ``None`` (the default device), an array or a Device."""
+    """A jax Device from ``None`` (the default device), an array, a Device, or a string as the
+    torch front takes it: a platform, optionally with an index (``"cpu"``, ``"gpu"``, ``"cuda:1"``)."""
     if device is None:
         return jax.devices()[0]
     if isinstance(device, jax.Array):
         return next(iter(device.devices()))
+    if isinstance(device, str):
+        return _named_device(device)
+    if not isinstance(device, jax.Device):
+        raise TypeError(f"device must be None, an array, a jax Device or a string, got {type(device).__name__}")
     return device
+
+
+def _named_device(name: str):
+    platform, _, index = name.partition(":")
+    try:
+        devices = jax.devices(platform)
+        return devices[int(index) if index else 0]
+    except (RuntimeError, ValueError, IndexError):
+        raise ValueError(f"device {name!r} names no device jax can see (platforms: cpu, gpu, cuda, rocm, "
+                         f"tpu, optionally with ':<index>')") from None
 
 
 def _gpu_vendor(dev) -> str:
