@@ -4,25 +4,31 @@
 both against one loop reference and against each other.
 
 Conventions:
-- ``cu_seqlens`` is 1-D, integer, non-decreasing: ``[0, len0, len0+len1, ...]``. Empty
-  sequences are allowed. Outputs indexed by token or chunk have ``cu_seqlens``'s dtype.
+- ``cu_seqlens`` is 1-D int32 or int64, starts at 0 and is non-decreasing:
+  ``[0, len0, len0+len1, ...]``. Empty sequences are allowed. Outputs indexed by token or chunk
+  have ``cu_seqlens``'s dtype. Narrower or unsigned dtypes are refused (offsets would wrap).
+- Without ``jax_enable_x64``, jax keeps integers in 32 bits: int64 numpy inputs become int32
+  (so results are int32 where the torch front returns int64), and one whose values do not fit
+  in int32 raises a ``ValueError`` instead of wrapping.
 - Everything is vectorized and jit-able. Where the output length depends on values
   (``cu_seqlens[-1]`` tokens, or the number of chunks), pass it as a static int
   (``total_tokens=`` / ``total_chunks=``); without it the function works eagerly and raises a
   ``ValueError`` under ``jax.jit``. Slots past the end (a static size larger than needed, as
   when packing to a fixed budget) are padding and hold -1 in every output.
-- Value checks (negative lengths, a too-small static size) run whenever values are concrete;
-  under ``jit`` they cannot, and bad values give unspecified results.
+- Value checks (a first boundary other than 0, negative lengths, a too-small static size) run
+  whenever values are concrete; under ``jit`` they cannot, and bad values give unspecified
+  results.
 - Segment ids: ids <= 0 are padding; tokens attend only to tokens with the same positive id.
 """
 from __future__ import annotations
 
 import functools
-import operator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from .utils.arrays import _int_arg, _to_jax
 
 __all__ = [
     "cdiv", "identity_dtype_convert", "mask_to_segment_ids", "prepare_chunk_indices",
@@ -44,30 +50,39 @@ def _traced(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
-def _int_array(x, name: str, ndim: int | None = None) -> jax.Array:
-    x = jnp.asarray(x)
+def _int_array(x, name: str, ndim: int | None = None, offsets: bool = False) -> jax.Array:
+    """An integer array; ``offsets`` (lengths, boundaries) must be int32 or int64, since a
+    narrower or unsigned dtype wraps around when they are added or subtracted."""
+    x = x if isinstance(x, jax.Array) else np.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
+    if offsets and x.dtype not in (np.int32, np.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {x.dtype}")
+    x = _to_jax(x, name)
     if ndim is not None and x.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {x.shape}")
     return x
 
 
 def _mask_array(mask, name: str) -> jax.Array:
-    mask = jnp.asarray(mask)
+    # Compared with 0 before any jax conversion, which could wrap a nonzero int64 to 0.
+    mask = mask if isinstance(mask, jax.Array) else np.asarray(mask)
     if mask.dtype != jnp.bool_:
         if not jnp.issubdtype(mask.dtype, jnp.integer):
             raise TypeError(f"{name} must be bool or integer (nonzero = valid), got {mask.dtype}")
         mask = mask != 0
-    return mask
+    return jnp.asarray(mask)
 
 
 def _cu_seqlens(cu_seqlens) -> jax.Array:
-    cu = _int_array(cu_seqlens, "cu_seqlens", ndim=1)
+    cu = _int_array(cu_seqlens, "cu_seqlens", ndim=1, offsets=True)
     if cu.shape[0] < 1:
         raise ValueError("cu_seqlens must hold at least one boundary, got an empty array")
     if not _traced(cu):
-        lens = np.diff(np.asarray(cu))
+        values = np.asarray(cu)
+        if values[0] != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")
+        lens = np.diff(values)
         if (lens < 0).any():
             raise ValueError(f"cu_seqlens must be non-decreasing (lengths >= 0), got lengths {lens.tolist()}")
     return cu
@@ -76,7 +91,7 @@ def _cu_seqlens(cu_seqlens) -> jax.Array:
 def _chunk_size(chunk_size) -> int:
     if _traced(chunk_size):
         raise TypeError("chunk_size must be a static Python int, got a traced value")
-    chunk_size = operator.index(chunk_size)
+    chunk_size = _int_arg(chunk_size, "chunk_size")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     return chunk_size
@@ -93,7 +108,7 @@ def _static_size(size, bounds: jax.Array, arg: str, fn: str) -> int:
         return int(bounds[-1])
     if _traced(size):
         raise TypeError(f"{fn}: {arg} must be a static Python int, got a traced value")
-    size = operator.index(size)
+    size = _int_arg(size, f"{fn}: {arg}")
     if size < 0:
         raise ValueError(f"{fn}: {arg} must be >= 0, got {size}")
     if not _traced(bounds) and size < int(bounds[-1]):
@@ -130,11 +145,16 @@ def prepare_lens_from_mask(mask) -> jax.Array:
 
 
 def prepare_cu_seqlens_from_mask(mask, out_dtype=jnp.int32) -> jax.Array:
-    """``[0, cumsum(lens)]``: ``[[1,1,1,0],[1,1,0,0]] -> [0, 3, 5]``."""
+    """``[0, cumsum(lens)]``: ``[[1,1,1,0],[1,1,0,0]] -> [0, 3, 5]``.
+
+    ``out_dtype`` is int32 or int64 (a narrower one would overflow); int64 gives int32 unless
+    ``jax_enable_x64`` is on.
+    """
     lens = prepare_lens_from_mask(mask)
     out_dtype = jnp.dtype(out_dtype)
-    if not jnp.issubdtype(out_dtype, jnp.integer):
-        raise TypeError(f"out_dtype must be an integer dtype, got {out_dtype}")
+    if out_dtype not in (np.int32, np.int64):
+        raise TypeError(f"out_dtype must be int32 or int64, got {out_dtype}")
+    out_dtype = jax.dtypes.canonicalize_dtype(out_dtype)  # int64 -> int32 without x64, no warning
     return jnp.concatenate([jnp.zeros(1, out_dtype), jnp.cumsum(lens, dtype=out_dtype)])
 
 
@@ -186,15 +206,17 @@ def _identity_with_grad_cast(dtype: jnp.dtype):
     def identity(x):
         return x
 
-    identity.defvjp(lambda x: (x, None), lambda _, g: (g.astype(dtype),))
+    # g has the output's dtype, which is the input's: the gradient goes back in it, or adding
+    # it to another path's gradient of the same input would mix dtypes.
+    identity.defvjp(lambda x: (x, None), lambda _, g: (g.astype(dtype).astype(g.dtype),))
     return identity
 
 
 def identity_dtype_convert(dtype):
-    """A function that returns its input unchanged and casts the incoming gradient to ``dtype``.
+    """A function that returns its input unchanged and rounds the incoming gradient through ``dtype``.
 
-    The gradient w.r.t. the input then has dtype ``dtype`` (the torch version rounds it through
-    ``dtype`` too, but torch's autograd casts it back to the input's dtype).
+    The gradient w.r.t. the input keeps the input's dtype; its values are those of ``dtype``
+    (as in the torch version).
     """
     return _identity_with_grad_cast(jnp.dtype(dtype))
 

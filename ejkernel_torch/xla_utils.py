@@ -1,15 +1,16 @@
 """Packed-sequence helpers: cu_seqlens, position/sequence ids, chunk indices, segment-id masks.
 
 The torch twin of ``ejkernel_jax.xla_utils``: same names, arguments and results (see that
-module for the conventions). Outputs live on the input's device. ``total_tokens=`` /
-``total_chunks=`` avoid the host sync that reading ``cu_seqlens[-1]`` costs, and keep shapes
-static under ``torch.compile``; value checks are skipped while compiling.
+module for the conventions). Outputs live on the input's device; int64 inputs give int64
+results (jax without x64 gives int32). ``total_tokens=`` / ``total_chunks=`` avoid the host
+sync that reading ``cu_seqlens[-1]`` costs, and keep shapes static under ``torch.compile``;
+value checks are skipped while compiling.
 """
 from __future__ import annotations
 
-import operator
-
 import torch
+
+from .utils import _as_tensor, _dtype, _int_arg
 
 __all__ = [
     "cdiv", "identity_dtype_convert", "mask_to_segment_ids", "prepare_chunk_indices",
@@ -31,32 +32,26 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _dtype(dtype) -> torch.dtype:
-    """torch dtypes, and names shared with the jax front ("bfloat16")."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    name = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", str(dtype))
-    resolved = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(resolved, torch.dtype):
-        raise TypeError(f"not a dtype: {dtype!r}")
-    return resolved
-
-
 def _is_int(x: torch.Tensor) -> bool:
     return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
 
 
-def _int_tensor(x, name: str, ndim: int | None = None) -> torch.Tensor:
-    x = torch.as_tensor(x)
+def _int_tensor(x, name: str, ndim: int | None = None, offsets: bool = False) -> torch.Tensor:
+    """An integer tensor; ``offsets`` (lengths, boundaries) must be int32 or int64, since a
+    narrower or unsigned dtype wraps around when they are added or subtracted (and torch
+    indexes only with int64/int32)."""
+    x = _as_tensor(x, name)
     if not _is_int(x):
         raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
+    if offsets and x.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {x.dtype}")
     if ndim is not None and x.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
     return x
 
 
 def _mask_tensor(mask, name: str) -> torch.Tensor:
-    mask = torch.as_tensor(mask)
+    mask = _as_tensor(mask, name)
     if mask.dtype != torch.bool:
         if not _is_int(mask):
             raise TypeError(f"{name} must be bool or integer (nonzero = valid), got {mask.dtype}")
@@ -65,10 +60,12 @@ def _mask_tensor(mask, name: str) -> torch.Tensor:
 
 
 def _cu_seqlens(cu_seqlens) -> torch.Tensor:
-    cu = _int_tensor(cu_seqlens, "cu_seqlens", ndim=1)
+    cu = _int_tensor(cu_seqlens, "cu_seqlens", ndim=1, offsets=True)
     if cu.shape[0] < 1:
         raise ValueError("cu_seqlens must hold at least one boundary, got an empty array")
     if not _compiling():
+        if int(cu[0]) != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
         lens = torch.diff(cu)
         if bool((lens < 0).any()):
             raise ValueError(f"cu_seqlens must be non-decreasing (lengths >= 0), got lengths {lens.tolist()}")
@@ -76,7 +73,7 @@ def _cu_seqlens(cu_seqlens) -> torch.Tensor:
 
 
 def _chunk_size(chunk_size) -> int:
-    chunk_size = operator.index(chunk_size)
+    chunk_size = _int_arg(chunk_size, "chunk_size")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     return chunk_size
@@ -88,7 +85,7 @@ def _static_size(size, bounds: torch.Tensor, arg: str, fn: str) -> int:
         return int(bounds[-1])
     if isinstance(size, torch.Tensor):
         raise TypeError(f"{fn}: {arg} must be a Python int, got a tensor")
-    size = operator.index(size)
+    size = _int_arg(size, f"{fn}: {arg}")
     if size < 0:
         raise ValueError(f"{fn}: {arg} must be >= 0, got {size}")
     if not _compiling() and size < int(bounds[-1]):
@@ -125,11 +122,14 @@ def prepare_lens_from_mask(mask) -> torch.Tensor:
 
 
 def prepare_cu_seqlens_from_mask(mask, out_dtype=torch.int32) -> torch.Tensor:
-    """``[0, cumsum(lens)]``: ``[[1,1,1,0],[1,1,0,0]] -> [0, 3, 5]``."""
+    """``[0, cumsum(lens)]``: ``[[1,1,1,0],[1,1,0,0]] -> [0, 3, 5]``.
+
+    ``out_dtype`` is int32 or int64 (a narrower one would overflow).
+    """
     lens = prepare_lens_from_mask(mask)
-    out_dtype = _dtype(out_dtype)
-    if out_dtype.is_floating_point or out_dtype.is_complex or out_dtype == torch.bool:
-        raise TypeError(f"out_dtype must be an integer dtype, got {out_dtype}")
+    out_dtype = _dtype(out_dtype, "out_dtype")
+    if out_dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"out_dtype must be int32 or int64, got {out_dtype}")
     zero = torch.zeros(1, dtype=out_dtype, device=lens.device)
     return torch.cat([zero, torch.cumsum(lens, dim=0, dtype=out_dtype)])
 
@@ -185,14 +185,15 @@ class _IdentityGradCast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.to(ctx.dtype), None
+        # Back in grad's (= the input's) dtype explicitly, as the jax version does.
+        return grad.to(ctx.dtype).to(grad.dtype), None
 
 
 def identity_dtype_convert(dtype):
-    """A function that returns its input unchanged and casts the incoming gradient to ``dtype``.
+    """A function that returns its input unchanged and rounds the incoming gradient through ``dtype``.
 
-    Gradient values are rounded through ``dtype``; torch's autograd then casts them to the
-    input's dtype (the jax version leaves them in ``dtype``).
+    The gradient w.r.t. the input keeps the input's dtype; its values are those of ``dtype``
+    (as in the jax version).
     """
     dtype = _dtype(dtype)
 

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.frameworks import x64
 
 FAST = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -205,6 +206,31 @@ def test_identity_dtype_convert(fw):
     assert grad.tolist() == rounded.tolist() and not np.array_equal(rounded, cot)
 
 
+def grad_dtype(fw, fn, x) -> str:
+    """The dtype of d sum(fn(x)) / dx as the framework returns it (fw.vjp hands back float64)."""
+    if fw.name == "torch":
+        x = x.detach().requires_grad_(True)
+        fn(x).sum().backward()
+        return str(x.grad.dtype)
+    import jax
+
+    return str(jax.grad(lambda x: fn(x).sum())(x).dtype)
+
+
+def test_identity_dtype_convert_gradient_keeps_input_dtype(fw):
+    """The rounded gradient comes back in the input's dtype, so it adds to other paths' gradients
+    of the same input (jax returned it as bfloat16, and x * identity(x) failed to differentiate)."""
+    identity = xu(fw).identity_dtype_convert("bfloat16")
+    primal = np.linspace(-2, 2, 7).astype(np.float32)
+    cot = np.array([1.00390625, 1 + 2**-10, 3.14159, -2.71828, 0.1, 1e-3, 7.0], dtype=np.float32)
+    x = fw.asarray(primal, "float32")
+    assert grad_dtype(fw, identity, x).endswith("float32")
+    (grad,) = fw.vjp(lambda x: identity(x) * x, [x], fw.asarray(cot, "float32"))
+    direct = cot * primal  # float32, the cotangent reaching identity's output and x directly
+    rounded = fw.to_numpy(fw.asarray(direct, "bfloat16")).astype(np.float32)
+    assert grad.tolist() == (rounded + direct).tolist()
+
+
 def test_identity_dtype_convert_is_an_autograd_function():
     import torch
 
@@ -306,6 +332,73 @@ def test_bad_input(fw):
         x.mask_to_segment_ids(fw.asarray(np.ones(3, bool)))
     with pytest.raises(ValueError, match="per_head"):
         x.mask_to_segment_ids(fw.asarray(np.ones((1, 3, 3), bool)), per_head=True)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int16", "uint8", "uint32"])
+def test_cu_seqlens_must_be_int32_or_int64(fw, dtype):
+    """Narrow or unsigned offsets wrap around (uint lengths of [0, 4, 2] were [4, 2**32 - 2]);
+    torch could not index with them at all."""
+    x = xu(fw)
+    cu = ints(fw, [0, 4, 6], dtype)
+    for call in (lambda: x.prepare_lens(cu), lambda: x.prepare_position_ids(cu, total_tokens=8),
+                 lambda: x.prepare_token_indices(cu), lambda: x.prepare_chunk_indices(cu, 2)):
+        with pytest.raises(TypeError, match="cu_seqlens must be int32 or int64"):
+            call()
+
+
+def test_cu_seqlens_must_start_at_0(fw):
+    x = xu(fw)
+    for values in ([-3, 2], [-5, -3], [1, 4, 6]):
+        cu = ints(fw, values)
+        for call in (lambda: x.prepare_lens(cu), lambda: x.prepare_position_ids(cu),
+                     lambda: x.prepare_sequence_ids(cu, total_tokens=8), lambda: x.prepare_chunk_offsets(cu, 2)):
+            with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+                call()
+
+
+def test_cu_seqlens_from_mask_out_dtype(fw):
+    """A narrow out_dtype overflowed into a decreasing cu_seqlens ([0, -56, -112] for int8)."""
+    x = xu(fw)
+    mask = fw.asarray(np.ones((3, 200), bool))
+    for dtype in ("int8", "int16", "uint8", "bool"):
+        with pytest.raises(TypeError, match="out_dtype must be int32 or int64"):
+            x.prepare_cu_seqlens_from_mask(mask, out_dtype=dtype)
+    for dtype in ("int32", "int64"):
+        assert np_of(fw, x.prepare_cu_seqlens_from_mask(mask, out_dtype=dtype)).tolist() == [0, 200, 400, 600]
+
+
+def test_int64_values_beyond_int32(fw):
+    """jax without x64 narrows int64 to int32: values that do not fit are refused, not wrapped
+    (lengths of [0, 2**32 + 3] were [3]; ids 1 and 2**32 + 1 were one segment). With 64-bit
+    arrays both fronts give the exact answer; masks are compared with 0 before any narrowing."""
+    x = xu(fw)
+    cu = np.array([0, 2**32 + 3], np.int64)
+    ids = np.array([1, 2**32 + 1], np.int64)
+    with x64(fw):
+        assert np_of(fw, x.prepare_lens(cu)).tolist() == [2**32 + 3]
+        assert np_of(fw, x.segment_ids_to_mask(ids)).tolist() == [[True, False], [False, True]]
+    if fw.name == "jax":
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            x.prepare_lens(cu)
+        with pytest.raises(ValueError, match="segment_ids"):
+            x.segment_ids_to_mask(ids)
+        with pytest.raises(ValueError, match="q_segment_ids"):
+            x.segment_ids_to_mask((ids, ids))
+    assert np_of(fw, x.prepare_lens(np.array([0, 2**31 - 1], np.int64))).tolist() == [2**31 - 1]
+    assert np_of(fw, x.prepare_lens_from_mask(np.array([[2**32, 1, 0]], np.int64))).tolist() == [2]
+
+
+def test_sizes_must_be_ints_not_bools(fw):
+    """True was read as chunk_size=1 / total_tokens=1."""
+    x = xu(fw)
+    cu = ints(fw, [0, 1])
+    for value, error in ((True, "bool"), (np.bool_(True), "bool"), (2.0, "float")):
+        with pytest.raises(TypeError, match=f"chunk_size must be an int, got .*{error}"):
+            x.prepare_chunk_offsets(cu, value)
+        with pytest.raises(TypeError, match=f"total_tokens must be an int, got .*{error}"):
+            x.prepare_position_ids(cu, total_tokens=value)
+        with pytest.raises(TypeError, match=f"total_chunks must be an int, got .*{error}"):
+            x.prepare_chunk_indices(cu, 1, total_chunks=value)
 
 
 # -- the use they exist for: packing documents --------------------------------------------------------------
