@@ -1,8 +1,10 @@
 """The config cache shared by both fronts: round trip, opt-in autotuning, bad files, concurrency."""
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -127,7 +129,7 @@ def test_both_frameworks_share_the_tuned_entry(cache, torch_fw, jax_fw):
     ("{not json", "not valid JSON"),
     ('{"some": "other tool"}', "not an ejkernel config cache"),
     ('{"format": "ejkernel-config-cache", "version": 99, "entries": {}}', "format version 99"),
-    ("\udcff", "could not be read"),
+    ("\udcff", "not UTF-8"),
 ])
 def test_corrupt_or_foreign_file_is_ignored(cache, content, why):
     cache.path.write_bytes(content.encode("utf-8", "surrogateescape"))
@@ -158,6 +160,56 @@ def test_unwritable_location_warns_and_keeps_config_in_memory(tmp_path):
     with pytest.warns(UserWarning, match="could not write"):
         assert cache.store(KEY, {"BLOCK": 4}) == {"BLOCK": 4}
     assert cache.lookup(KEY) == {"BLOCK": 4}
+
+
+def test_a_folder_holds_the_cache_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(cc, "_caches", {})
+    monkeypatch.setattr(cc, "_caches_by_env", {})
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("mine")
+    new_folder = str(tmp_path / "new") + os.sep  # a trailing separator names a folder to create
+    monkeypatch.setenv(cc.CACHE_ENV, str(folder))
+    assert cc.get_cache(folder) is cc.get_cache(folder / "configs.json") is cc.get_cache()
+    for cache in (cc.get_cache(folder), ConfigCache(folder), ConfigCache(str(folder)), ConfigCache(new_folder)):
+        assert cache.path.name == "configs.json" and cache.path.parent in (folder, tmp_path / "new")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert cache.store(KEY, {"BLOCK": 16}) == {"BLOCK": 16}
+    assert (folder / "keep.txt").read_text() == "mine" and not list(tmp_path.glob("*.bad"))
+    assert ConfigCache(folder / "configs.json").lookup(KEY) == {"BLOCK": 16}
+    assert ConfigCache(tmp_path / "new" / "configs.json").lookup(KEY) == {"BLOCK": 16}
+
+
+def test_only_a_regular_file_with_bad_content_is_moved_aside(tmp_path):
+    cache = ConfigCache(tmp_path / "configs.json")
+    cache.path.mkdir()  # a folder appears where the file was named
+    (cache.path / "keep.txt").write_text("mine")
+    with pytest.warns(UserWarning, match="could not write.*not a regular file"):
+        assert cache.store(KEY, {"BLOCK": 16}) == {"BLOCK": 16}
+    assert (cache.path / "keep.txt").read_text() == "mine" and not list(tmp_path.glob("*.bad"))
+    with pytest.warns(UserWarning, match="not a regular file.*ignoring it"):
+        assert cache.lookup(KEY) == {"BLOCK": 16}  # kept for this process
+
+
+def test_a_read_error_never_moves_the_file_aside(cache, monkeypatch):
+    cache.store(KEY, {"BLOCK": 16})
+    before = cache.path.read_bytes()
+    real_open = pathlib.Path.open
+
+    def failing_open(self, *args, **kwargs):  # a transient EIO, EMFILE, permission error...
+        if self == cache.path:
+            raise OSError(errno.EIO, "Input/output error", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "open", failing_open)
+    other = ConfigCache(cache.path)
+    other_key = CacheKey(KEY.device, "other", 1)
+    with pytest.warns(UserWarning, match="could not write.*could not be read.*Input/output error"):
+        assert other.store(other_key, {"BLOCK": 32}) == {"BLOCK": 32}
+    monkeypatch.undo()
+    assert cache.path.read_bytes() == before and not list(cache.path.parent.glob("*.bad"))
+    assert ConfigCache(cache.path).lookup(KEY) == {"BLOCK": 16}
 
 
 def test_location_from_env(tmp_path, monkeypatch):

@@ -13,7 +13,10 @@ The file (``EJKERNEL_CONFIG_CACHE``, default ``~/.cache/ejkernel/configs.json``)
 replaced whole (temp file in the same folder + ``os.replace``), so readers never see half a
 file; writers take an exclusive ``flock`` on a side lock file around read-merge-write, so two
 processes storing at once keep each other's entries. A corrupt or foreign file is ignored with
-a warning, and moved aside (``<name>.bad``) before the next write; it never raises.
+a warning, and moved aside (``<name>.bad``) before the next write; it never raises. A file that
+could not be read (permissions, I/O errors) or is not a regular file is never moved or replaced:
+stores then keep their entry in memory only. A folder given as the location (the variable, or
+``get_cache``/``ConfigCache``'s path) holds ``configs.json``.
 
 Standard library only: both fronts import this module.
 """
@@ -25,6 +28,7 @@ import json
 import math
 import os
 import platform
+import stat
 import tempfile
 import threading
 import time
@@ -122,11 +126,18 @@ def make_key(device: str, op: str, version: int | str, **shapes: Any) -> CacheKe
 # --------------------------------------------------------------------------------------------
 
 
+def cache_file(path: str | os.PathLike) -> Path:
+    """The cache file at ``path``: a folder (one that exists, or a name ending in a separator)
+    holds ``configs.json``. Every way of naming a location goes through here."""
+    text = os.fsdecode(path)
+    resolved = Path(text).expanduser()
+    return resolved / "configs.json" if text.endswith(("/", os.sep)) or resolved.is_dir() else resolved
+
+
 def default_cache_path() -> Path:
     env = os.environ.get(CACHE_ENV)
     if env:
-        path = Path(env).expanduser()
-        return path / "configs.json" if env.endswith(("/", os.sep)) or path.is_dir() else path
+        return cache_file(env)
     return Path.home() / ".cache" / "ejkernel" / "configs.json"
 
 
@@ -159,7 +170,7 @@ class ConfigCache:
     """A view of one cache file. Reads are cheap (re-parsed only when the file changes)."""
 
     def __init__(self, path: str | os.PathLike | None = None):
-        self.path = Path(path).expanduser() if path is not None else default_cache_path()
+        self.path = cache_file(path) if path is not None else default_cache_path()
         self._lock = threading.Lock()
         self._stamp: tuple | None = None
         self._entries: dict[str, dict] = {}
@@ -175,14 +186,22 @@ class ConfigCache:
         return st.st_ino, st.st_mtime_ns, st.st_size
 
     def _read_file(self) -> tuple[dict[str, dict], str | None, bool]:
-        """(entries, problem, file exists)."""
+        """(entries, problem, whether the content is bad: the file may be moved aside).
+        A file that could not be read is a problem but not bad content: it may be valid."""
         try:
-            text = self.path.read_text(encoding="utf-8")
+            if not stat.S_ISREG(os.stat(self.path).st_mode):
+                return {}, "could not be read (not a regular file)", False
+            data = self.path.read_bytes()
         except FileNotFoundError:
             return {}, None, False
-        except (OSError, UnicodeDecodeError) as e:
-            return {}, f"could not be read ({e})", True
-        return (*_parse(text), True)
+        except OSError as e:
+            return {}, f"could not be read ({e})", False
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return {}, f"is not UTF-8 text ({e})", True
+        entries, problem = _parse(text)
+        return entries, problem, problem is not None and not entries
 
     def _refresh(self) -> None:
         """Re-read the file if it changed since the last read (one ``stat`` when it did not).
@@ -254,11 +273,13 @@ class ConfigCache:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self._file_lock():
-                current, problem, exists = self._read_file()
-                if problem and exists and not current:
+                current, problem, bad = self._read_file()
+                if bad:
                     backup = self.path.with_name(self.path.name + ".bad")
                     os.replace(self.path, backup)
                     warnings.warn(f"config cache {self.path} {problem}; moved it to {backup}", stacklevel=2)
+                elif problem and not current:  # unreadable: writing now would drop its entries
+                    raise OSError(problem)
                 old = current.get(key.text)
                 if old is not None and not overwrite:
                     return dict(old["config"])
@@ -290,7 +311,7 @@ def get_cache(path: str | os.PathLike | None = None) -> ConfigCache:
         if cache is None:
             cache = _caches_by_env[env] = get_cache(default_cache_path())
         return cache
-    resolved = Path(path).expanduser()
+    resolved = cache_file(path)
     with _caches_lock:
         if resolved not in _caches:
             _caches[resolved] = ConfigCache(resolved)
@@ -365,7 +386,8 @@ def select_config(key: CacheKey, heuristic: Mapping[str, Any] | Callable[[], Map
 
 
 __all__ = [
-    "AUTOTUNE_ENV", "CACHE_ENV", "CacheKey", "ConfigCache", "autotune_enabled", "cpu_fingerprint",
+    "AUTOTUNE_ENV", "CACHE_ENV", "CacheKey", "ConfigCache", "autotune_enabled", "cache_file",
+    "cpu_fingerprint",
     "default_cache_path", "get_cache", "get_config", "gpu_fingerprint", "host_memory_usage",
     "make_key", "select_config", "tune",
 ]
