@@ -93,6 +93,15 @@ def test_autotune_flag_parsing(monkeypatch):
     assert cc.autotune_enabled(False) is False
 
 
+def test_keys_are_equal_only_when_their_text_is():
+    true, one = cc.make_key("cpu|x", "op", 1, causal=True), cc.make_key("cpu|x", "op", 1, causal=1)
+    assert true.text != one.text and true != one  # True == 1 in Python, not in the file
+    assert true == cc.make_key("cpu|x", "op", 1, causal=True) and len({true, one}) == 2
+    assert cc.make_key("cpu|x", "op", 1) != cc.make_key("cpu|x", "op", "1")
+    with pytest.raises(TypeError, match="mapping keys must be str"):  # {1: 5} would read as {"1": 5}
+        cc.make_key("cpu|x", "op", 1, x={1: 5})
+
+
 def test_tune_details(cache):
     bench = fake_bench({64: 2.0, 128: 2.0, 256: float("nan")})
     assert cc.tune(KEY, CANDIDATES, bench, cache=cache) == CANDIDATES[0]  # tie: earlier wins

@@ -348,6 +348,26 @@ def test_lookups_are_memoized_until_the_file_changes(fw, rng, cache_path, monkey
     assert plans[-1] == tunable_plan(tuning.FLASH_FWD, problem, case.candidates[tuning.FLASH_FWD][1])
 
 
+def test_memoized_lookups_are_what_the_cache_holds(cache_path):
+    """A memoized resolve gives what a fresh lookup gives, whatever was resolved before."""
+    device, config = "cpu|test", dict(blocksize_m=16, blocksize_n=32, blocksize_k=16)
+    problem = (40, 32, 24, 3, 3, False, "float32", "float32")
+    first = ConfigCache(cache_path)
+    first.store(tuning.GMM.cache_key((8,) + problem[1:], device), config)  # another problem's entry
+    assert tuning.resolve(tuning.GMM, problem, CPU, device, cache=first) is None
+    # another view of the same file stores this problem's entry: resolving through either sees it
+    second = ConfigCache(cache_path)
+    second.store(tuning.GMM.cache_key(problem, device), config)
+    assert tuning.resolve(tuning.GMM, problem, CPU, device, cache=second) == FwdParams(**config)
+    assert tuning.resolve(tuning.GMM, problem, CPU, device, cache=first) == FwdParams(**config)
+    # True == 1 in Python, not in cache keys: transpose_rhs=1 has no entry, whatever came first
+    true, one = problem[:5] + (True,) + problem[6:], problem[:5] + (1,) + problem[6:]
+    second.store(tuning.GMM.cache_key(true, device), config)
+    assert second.lookup(tuning.GMM.cache_key(one, device)) is None
+    assert tuning.resolve(tuning.GMM, true, CPU, device, cache=second) == FwdParams(**config)
+    assert tuning.resolve(tuning.GMM, one, CPU, device, cache=second) is None
+
+
 def test_varlen_keys_bucket_the_token_totals(fw, rng, cache_path, monkeypatch):
     asked = spy_candidates(monkeypatch, CASES["flash"])
     seq_lens = {25: [0, 7, 25], 29: [0, 11, 29]}  # both totals count as 32

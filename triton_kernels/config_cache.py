@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import math
 import os
@@ -108,6 +109,11 @@ class CacheKey:
     def __post_init__(self):
         object.__setattr__(self, "shapes", json.loads(stable_json(self.shapes)))
 
+    def __eq__(self, other) -> bool:
+        # By text, as stored: field equality would find causal=True equal to causal=1, two keys
+        # with different hashes and different entries.
+        return isinstance(other, CacheKey) and self.text == other.text
+
     def __hash__(self) -> int:
         return hash(self.text)
 
@@ -166,6 +172,11 @@ def _parse(text: str) -> tuple[dict[str, dict], str | None]:
     return entries, problem
 
 
+# Generations are drawn from one counter for all ConfigCache objects: a memo keyed by the file
+# (tuning.resolve) then never takes one object's generation for another's.
+_generations = itertools.count(1)
+
+
 class ConfigCache:
     """A view of one cache file. Reads are cheap (re-parsed only when the file changes)."""
 
@@ -175,7 +186,7 @@ class ConfigCache:
         self._stamp: tuple | None = None
         self._entries: dict[str, dict] = {}
         self._local: dict[str, dict] = {}  # stored but not persisted (unwritable location)
-        self._generation = 0
+        self._generation = next(_generations)
 
     # -- reading ------------------------------------------------------------------------------
     def _file_stamp(self) -> tuple | None:
@@ -212,7 +223,7 @@ class ConfigCache:
             if problem:  # once per version of the file, not on every lookup
                 warnings.warn(f"config cache {self.path} {problem}; ignoring it", stacklevel=4)
             self._entries, self._stamp = entries, stamp
-            self._generation += 1
+            self._generation = next(_generations)
 
     def generation(self) -> int:
         """A number that changes whenever the entries may have changed (the file was replaced,
@@ -287,13 +298,13 @@ class ConfigCache:
                 self._replace(current)
                 with self._lock:  # this process sees its own write at once, whatever the clock's grain
                     self._entries, self._stamp = current, self._file_stamp()
-                    self._generation += 1
+                    self._generation = next(_generations)
         except OSError as e:
             warnings.warn(f"could not write config cache {self.path} ({e}); "
                           "the config is kept for this process only", stacklevel=2)
             with self._lock:
                 self._local[key.text] = entry
-                self._generation += 1
+                self._generation = next(_generations)
         return dict(config)
 
 

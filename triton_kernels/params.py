@@ -67,11 +67,12 @@ def _plain(o: Any, default: Callable[[Any], Any] | None) -> Any:
         for k, v in o.items():
             if isinstance(k, enum.Enum):
                 k = k.value
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
-                raise TypeError(f"stable_json: mapping keys must be str or int, got {k!r}")
-            out[str(k)] = _plain(v, default)
-        if len(out) != len(o):
-            raise TypeError("stable_json: keys collide once converted to strings")
+            # str only: JSON would write an int key 1 as "1", and {1: x} and {"1": x} share a key
+            if not isinstance(k, str):
+                raise TypeError(f"stable_json: mapping keys must be str, got {k!r}")
+            out[k] = _plain(v, default)
+        if len(out) != len(o):  # an enum key and its value
+            raise TypeError("stable_json: keys collide once enums are replaced by their values")
         return out
     if isinstance(o, (list, tuple)):
         return [_plain(v, default) for v in o]

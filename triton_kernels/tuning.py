@@ -135,8 +135,9 @@ def resolve(tunable: Tunable, problem: Hashable, facts: DeviceFacts, device: str
     if explicit is not None:
         return explicit
     cache = cache if cache is not None else get_cache()
-    generation = cache.generation()
-    memo_key = (tunable.op, tunable.version, device, problem, facts, cache.path)
+    generation = cache.generation()  # unique across ConfigCache objects: any view of the file may store
+    # repr beside the problem: == has True == 1 == 1.0, which cache keys (stable_json) keep apart
+    memo_key = (tunable.op, tunable.version, device, problem, repr(problem), facts, cache.path)
     hit = _memo.get(memo_key)
     if hit is not None and hit[0] == generation:
         params = hit[1]
