@@ -93,6 +93,17 @@ def test_autotune_flag_parsing(monkeypatch):
     assert cc.autotune_enabled(False) is False
 
 
+@pytest.mark.parametrize("value", ["no", "", 1, 0, 1.0])
+def test_autotune_must_be_a_bool_or_none(cache, monkeypatch, value):
+    monkeypatch.setenv(cc.AUTOTUNE_ENV, "0")
+    bench = fake_bench({64: 1.0, 128: 2.0, 256: 3.0})
+    with pytest.raises(TypeError, match="autotune must be True, False or None"):
+        cc.autotune_enabled(value)
+    with pytest.raises(TypeError, match="autotune must be"):
+        cc.select_config(KEY, HEURISTIC, CANDIDATES, bench, cache=cache, autotune=value)
+    assert bench.calls == [] and not cache.path.exists()
+
+
 def test_keys_are_equal_only_when_their_text_is():
     true, one = cc.make_key("cpu|x", "op", 1, causal=True), cc.make_key("cpu|x", "op", 1, causal=1)
     assert true.text != one.text and true != one  # True == 1 in Python, not in the file

@@ -4,6 +4,8 @@ selection, zero sizes, torch-vs-jax parity, bad input, jit/compile, and the Pall
 Outputs are poisoned with NaN before every launch (conftest), so a row the kernels forget to
 write, e.g. past sum(group_sizes), fails the comparisons.
 """
+import re
+
 import numpy as np
 import pytest
 
@@ -332,7 +334,21 @@ def _gmm_bad_cases():
         (dict(group_offset=np.array(0.0, f32)), TypeError, "group_offset must be an int"),
         (dict(preferred_element_type="int32"), TypeError, "preferred_element_type must be"),
         (dict(fwd_params={"blocksize_m": 8}), ValueError, "at least 16"),
-        (dict(fwd_params={"q_blocksize": 16}), ValueError, "do not apply"),
+        *_params_bad_cases(),
+    ]
+
+
+def _params_bad_cases():
+    """fwd_params and autotune errors name them, and list only what grouped matmuls take."""
+    return [
+        (dict(fwd_params={"q_blocksize": 16}), ValueError,
+         re.escape("fwd_params: field(s) ['q_blocksize'] do not apply")),
+        (dict(fwd_params={"bogus": 1}), ValueError,
+         re.escape("fwd_params: unknown field(s) ['bogus']; known: "
+                   "['blocksize_k', 'blocksize_m', 'blocksize_n', 'num_stages', 'num_warps']") + "$"),
+        (dict(fwd_params=[16]), TypeError, "fwd_params: expected FwdParams"),
+        (dict(autotune="no"), TypeError, "autotune must be True, False or None, got 'no'"),
+        (dict(autotune=1, fwd_params={"blocksize_m": 16}), TypeError, "autotune must be"),  # even when not read
     ]
 
 
@@ -341,7 +357,7 @@ def test_gmm_bad_input(fw, kwargs, error, match):
     args = dict(lhs=np.zeros((6, 4), np.float32), rhs=np.zeros((2, 4, 5), np.float32),
                 group_sizes=np.array([2, 3], np.int32)) | kwargs
     options = {}
-    for key in ("group_offset", "fwd_params", "preferred_element_type"):
+    for key in ("group_offset", "fwd_params", "preferred_element_type", "autotune"):
         if key in args:
             value = args.pop(key)
             options[key] = fw.asarray(value) if isinstance(value, np.ndarray) else value
@@ -358,11 +374,13 @@ def test_gmm_bad_input(fw, kwargs, error, match):
     (dict(num_actual_groups=1, group_offset=2), ValueError, "group_offset=2"),
     (dict(group_sizes=np.array([5, 3], np.int32)), ValueError, "exceeds the 6 rows"),
     (dict(lhs=np.zeros((4, 6, 1), np.float32)), ValueError, "lhs must be 2-D"),
+    *_params_bad_cases(),
 ])
 def test_tgmm_bad_input(fw, kwargs, error, match):
     args = dict(lhs=np.zeros((4, 6), np.float32), rhs=np.zeros((6, 5), np.float32),
                 group_sizes=np.array([2, 3], np.int32)) | kwargs
-    options = {key: args.pop(key) for key in ("num_actual_groups", "group_offset") if key in args}
+    options = {key: args.pop(key) for key in ("num_actual_groups", "group_offset", "fwd_params", "autotune")
+               if key in args}
     with pytest.raises(error, match=match):
         fw.ops.transposed_grouped_matmul(*(fw.asarray(args[n]) for n in ("lhs", "rhs", "group_sizes")), **options)
 

@@ -105,6 +105,8 @@ def test_torch_and_jax_agree_with_overrides(torch_fw, jax_fw, rng):
     (dict(bwd_params={"num_key_splits": 2}), ValueError, "bwd_params.*unknown field"),
     (dict(fwd_params={"blocksize_k": 32}), ValueError, "fwd_params.*do not apply"),
     (dict(fwd_params={"blocksize_m": 32, "q_blocksize": 64}), ValueError, "fwd_params.*disagree"),
+    (dict(autotune="no"), TypeError, "autotune must be True, False or None"),
+    (dict(autotune=1, fwd_params=FWD, bwd_params=BWD), TypeError, "autotune must be"),  # even when not read
 ])
 @pytest.mark.parametrize("op", ["padded_attention", "flash_attention"])
 def test_bad_params_raise(fw, op, kwargs, error, match):

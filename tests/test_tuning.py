@@ -368,6 +368,23 @@ def test_memoized_lookups_are_what_the_cache_holds(cache_path):
     assert tuning.resolve(tuning.GMM, one, CPU, device, cache=second) is None
 
 
+@pytest.mark.parametrize("op", ["grouped_matmul", "transposed_grouped_matmul"])
+def test_gmm_params_that_override_nothing_read_the_cache(fw, cache_path, monkeypatch, op):
+    """fwd_params={} (or all None) is fwd_params=None: the cached entry, not the heuristic."""
+    tunable, shapes = {"grouped_matmul": (tuning.GMM, [(40, 32), (3, 32, 24)]),
+                       "transposed_grouped_matmul": (tuning.TGMM, [(32, 40), (40, 24)])}[op]
+    problem = (40, 32, 24, 3, 3, False, "float32", "float32")
+    config = dict(blocksize_m=16, blocksize_n=32, blocksize_k=16)
+    ConfigCache(cache_path).store(tunable.cache_key(problem, fingerprint(fw)), config)
+    arrays = [fw.asarray(np.ones(s), "float32") for s in shapes] + [fw.asarray(np.array([10, 0, 25], np.int32))]
+    plans = spy_launches(monkeypatch, fw, CASES["gmm"])
+    for params in (None, {}, {"blocksize_m": None}, FwdParams()):
+        plans.clear()
+        getattr(fw.ops, op)(*arrays, fwd_params=params)
+        assert tunable_plan(tunable, problem, config) in plans, params
+        assert tunable.plan(problem, CPU, None) not in plans, params
+
+
 def test_varlen_keys_bucket_the_token_totals(fw, rng, cache_path, monkeypatch):
     asked = spy_candidates(monkeypatch, CASES["flash"])
     seq_lens = {25: [0, 7, 25], 29: [0, 11, 29]}  # both totals count as 32

@@ -334,10 +334,17 @@ def get_cache(path: str | os.PathLike | None = None) -> ConfigCache:
 # --------------------------------------------------------------------------------------------
 
 
+def check_autotune(autotune: Any) -> None:
+    """``autotune=`` must be True, False or None: ``bool("no")`` would turn tuning on."""
+    if autotune is not None and not isinstance(autotune, bool):
+        raise TypeError(f"autotune must be True, False or None, got {autotune!r}")
+
+
 def autotune_enabled(autotune: bool | None = None) -> bool:
     """The explicit argument if given, else ``EJKERNEL_AUTOTUNE`` (1/true/yes/on)."""
+    check_autotune(autotune)
     if autotune is not None:
-        return bool(autotune)
+        return autotune
     return os.environ.get(AUTOTUNE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -397,7 +404,7 @@ def select_config(key: CacheKey, heuristic: Mapping[str, Any] | Callable[[], Map
 
 
 __all__ = [
-    "AUTOTUNE_ENV", "CACHE_ENV", "CacheKey", "ConfigCache", "autotune_enabled", "cache_file",
+    "AUTOTUNE_ENV", "CACHE_ENV", "CacheKey", "ConfigCache", "autotune_enabled", "cache_file", "check_autotune",
     "cpu_fingerprint",
     "default_cache_path", "get_cache", "get_config", "gpu_fingerprint", "host_memory_usage",
     "make_key", "select_config", "tune",

@@ -326,6 +326,7 @@ def check_tgmm(lhs_shape, lhs_dtype: str, rhs_shape, rhs_dtype: str, gs_shape, g
 # plans
 
 MIN_BLOCK = 16  # tl.dot needs every tile dimension >= 16 on GPUs
+PARAM_FIELDS = ("blocksize_m", "blocksize_n", "blocksize_k", "num_warps", "num_stages")  # of FwdParams
 CPU_PROGRAMS = 3  # the interpreter runs programs one after another; 3 exercises the striding
 
 
@@ -334,7 +335,7 @@ def _merge(defaults: dict, params: FwdParams | None, facts: DeviceFacts, what: s
     given = FwdParams.coerce(params).to_dict()
     unknown = sorted(set(given) - set(cfg))
     if unknown:
-        raise ValueError(f"{what}: fwd_params field(s) {unknown} do not apply; use {sorted(cfg)}")
+        raise ValueError(f"{what}: fwd_params field(s) {unknown} do not apply; use {sorted(PARAM_FIELDS)}")
     cfg.update(given)
     small = {f: v for f, v in cfg.items() if f.startswith("blocksize") and v < MIN_BLOCK}
     if small:

@@ -232,14 +232,28 @@ class BwdParams(_Params):
         return cls(**out)
 
 
-def op_params(cls, value, name: str):
+def op_params(cls, value, name: str, fields: tuple[str, ...] | None = None):
     """An op's ``fwd_params=``/``bwd_params=`` argument as ``cls``, or ``None`` when it overrides
-    nothing (so plans, and their caches, stay exactly the defaults). Errors name ``name``."""
+    nothing (so plans, and their caches, stay exactly the defaults). Errors name ``name``.
+    ``fields``: the only fields the op takes, if not all of ``cls``'s."""
     try:
-        params = cls.coerce(value)
+        params = cls.coerce(value) if fields is None else _coerce_fields(cls, value, fields)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{name}: {e}") from None
     return params if params.to_dict() else None
+
+
+def _coerce_fields(cls, value, fields: tuple[str, ...]):
+    """``cls.coerce(value)`` for an op that takes only ``fields``: errors list those alone."""
+    if isinstance(value, Mapping):  # (only here: torch.compile cannot trace fields() of a class)
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown field(s) {sorted(unknown, key=str)}; known: {sorted(fields)}")
+    params = cls.coerce(value)
+    unused = sorted(set(params.to_dict()) - set(fields))
+    if unused:
+        raise ValueError(f"field(s) {unused} do not apply; use {sorted(fields)}")
+    return params
 
 
 def encode_params(params: FwdParams | BwdParams | None) -> list[int] | None:

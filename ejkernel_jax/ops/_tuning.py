@@ -15,6 +15,7 @@ from ejkernel_jax.launch import device_facts, launch
 from ejkernel_jax.ops._common import is_concrete
 from ejkernel_jax.utils import device_fingerprint
 from triton_kernels import tuning
+from triton_kernels.config_cache import check_autotune
 
 
 def resolve(tunable: tuning.Tunable, problem: Hashable, explicit=None):
@@ -26,6 +27,7 @@ def autotune(tunable: tuning.Tunable, problem: Hashable, arrays: Sequence[Any], 
              explicit: Any = None) -> None:
     """With autotuning enabled, no ``explicit`` params and concrete ``arrays``: tune ``problem``
     on a cache miss, timing the candidates on ``arrays`` (as the plan's launch takes them)."""
+    check_autotune(autotune)  # also when it is not read: explicit params, tracing
     if explicit is not None or not tuning.autotune_enabled(autotune) or not all(map(is_concrete, arrays)):
         return
     facts = device_facts()

@@ -22,7 +22,8 @@ from ejkernel_jax.launch import device_facts, launch
 from ejkernel_jax.ops import _tuning
 from ejkernel_jax.ops._common import array_arg, is_concrete, name_of
 from triton_kernels import grouped_matmul as gm
-from triton_kernels.params import FwdParams
+from triton_kernels.config_cache import check_autotune
+from triton_kernels.params import FwdParams, op_params
 from triton_kernels.tuning import GMM, TGMM
 
 PLATFORMS = ("tpu", "gpu", "cuda", "cpu")
@@ -167,10 +168,11 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     ``preferred_element_type`` (default: the input dtype). ``fwd_params`` overrides the forward
     kernel's block sizes (Triton: also ``num_warps``/``num_stages``; Pallas: the tiling).
     ``platform``: None (the default backend), "tpu" (Pallas), "gpu"/"cuda"/"cpu" (Triton).
-    Triton without ``fwd_params``: every launch (the gradients' too) uses the config cache's
-    entry for its shapes and device, else the heuristic; ``autotune`` (default:
-    ``EJKERNEL_AUTOTUNE``) times candidates on a cache miss, on concrete arrays only (under
-    ``jit`` the cache is only read, at trace time). Pallas uses only ``fwd_params``.
+    Triton without ``fwd_params`` (or with no field set, e.g. ``{}``): every launch (the
+    gradients' too) uses the config cache's entry for its shapes and device, else the
+    heuristic; ``autotune`` (True, False or None, the default: ``EJKERNEL_AUTOTUNE``) times
+    candidates on a cache miss, on concrete arrays only (under ``jit`` the cache is only read,
+    at trace time). Pallas uses only ``fwd_params``.
     ``check_values=False`` skips reading concrete ``group_sizes``/``group_offset`` arrays for
     the value checks (a device-to-host copy on GPU): for values known valid.
     Differentiable in lhs and rhs.
@@ -181,7 +183,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
         tuple(group_sizes.shape), name_of(group_sizes), bool(transpose_rhs))
     out_dtype = _out_dtype(preferred_element_type, name_of(lhs))
-    params = FwdParams.coerce(fwd_params) if fwd_params is not None else None
+    params = op_params(FwdParams, fwd_params, "fwd_params", gm.PARAM_FIELDS)  # {}: None, as if not given
+    check_autotune(autotune)
     group_sizes = _group_sizes_arg(group_sizes, m, bool(check_values))
     offset = _group_offset_arg(group_offset, num_groups, num_selected, bool(check_values))
     if _platform(platform) == "tpu":
@@ -216,7 +219,8 @@ def transposed_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
         tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
         tuple(group_sizes.shape), name_of(group_sizes), num_actual_groups)
     out_dtype = _out_dtype(preferred_element_type, name_of(lhs))
-    params = FwdParams.coerce(fwd_params) if fwd_params is not None else None
+    params = op_params(FwdParams, fwd_params, "fwd_params", gm.PARAM_FIELDS)  # {}: None, as if not given
+    check_autotune(autotune)
     group_sizes = _group_sizes_arg(group_sizes, m, bool(check_values))
     offset = _group_offset_arg(group_offset, num_groups, num_selected, bool(check_values))
     if _platform(platform) == "tpu":

@@ -13,6 +13,7 @@ import torch
 from ejkernel_torch.launch import device_facts, launch
 from ejkernel_torch.utils import device_fingerprint
 from triton_kernels import tuning
+from triton_kernels.config_cache import check_autotune
 
 
 _fingerprints: dict[torch.device, str] = {}
@@ -45,6 +46,7 @@ def autotune(tunable: tuning.Tunable, problem: Hashable, device: torch.device, a
              autotune: bool | None, explicit: Any = None) -> None:
     """With autotuning enabled and no ``explicit`` params: tune ``problem`` on a cache miss,
     timing the candidates on ``arrays`` (contiguous, as the plan's launch takes them)."""
+    check_autotune(autotune)  # also when it is not read: explicit params, tracing
     if explicit is not None or not tuning.autotune_enabled(autotune) or torch.compiler.is_compiling():
         return
     facts = device_facts(device)

@@ -24,23 +24,22 @@ from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable, pl
 from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import name_of, same_device, tensor_arg
 from triton_kernels import grouped_matmul as gm
-from triton_kernels.params import FwdParams
+from triton_kernels.config_cache import check_autotune
+from triton_kernels.params import FwdParams, op_params
 from triton_kernels.tuning import GMM, TGMM
-
-_PARAM_FIELDS = ("blocksize_m", "blocksize_n", "blocksize_k", "num_warps", "num_stages")
 
 
 def _encode(params: FwdParams | None) -> Optional[list[int]]:
     """FwdParams as a list of ints (0 = plan default): what a custom-op schema can carry."""
     if params is None:
         return None
-    return [getattr(params, f) or 0 for f in _PARAM_FIELDS]
+    return [getattr(params, f) or 0 for f in gm.PARAM_FIELDS]
 
 
 def _decode(encoded: Optional[list[int]]) -> FwdParams | None:
     if encoded is None:
         return None
-    return FwdParams(**{f: v for f, v in zip(_PARAM_FIELDS, encoded) if v})
+    return FwdParams(**{f: v for f, v in zip(gm.PARAM_FIELDS, encoded) if v})
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,12 +230,13 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     ``[group_offset, group_offset + num_selected)``. Rows of other groups and rows past
     ``sum(group_sizes)`` are zeros. Accumulates in float32; the output dtype is
     ``preferred_element_type`` (default: the input dtype). ``fwd_params`` overrides the forward
-    kernel's ``blocksize_m/n/k``, ``num_warps``, ``num_stages``; without it every launch (the
-    gradients' too) uses the config cache's entry for its shapes and device, else the heuristic.
-    ``autotune`` (default: ``EJKERNEL_AUTOTUNE``) times candidates on a cache miss and stores the
-    fastest (eager only; see ``triton_kernels.tuning``). ``check_values=False`` skips reading
-    ``group_sizes`` (and a tensor ``group_offset``) for the value checks, a host sync on CUDA:
-    for values known valid. Differentiable in lhs and rhs.
+    kernel's ``blocksize_m/n/k``, ``num_warps``, ``num_stages``; without it (or with no field
+    set, e.g. ``{}``) every launch (the gradients' too) uses the config cache's entry for its
+    shapes and device, else the heuristic. ``autotune`` (True, False or None, the default:
+    ``EJKERNEL_AUTOTUNE``) times candidates on a cache miss and stores the fastest (eager only;
+    see ``triton_kernels.tuning``). ``check_values=False`` skips reading ``group_sizes`` (and a
+    tensor ``group_offset``) for the value checks, a host sync on CUDA: for values known valid.
+    Differentiable in lhs and rhs.
     """
     lhs, rhs, group_sizes = (tensor_arg(n, t) for n, t in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)))
     m, k, n, num_groups, num_selected = gm.check_gmm(
@@ -244,7 +244,8 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
         tuple(group_sizes.shape), name_of(group_sizes), bool(transpose_rhs))
     device = same_device(lhs=lhs, rhs=rhs)
     out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
-    params = FwdParams.coerce(fwd_params) if fwd_params is not None else None
+    params = op_params(FwdParams, fwd_params, "fwd_params", gm.PARAM_FIELDS)  # {}: None, as if not given
+    check_autotune(autotune)
     group_sizes, offset = _group_args(group_sizes, group_offset, m, num_groups, num_selected, device,
                                       bool(check_values))
     problem = (m, k, n, num_groups, num_selected, bool(transpose_rhs), name_of(lhs), dtype_name(out_dtype))
@@ -275,7 +276,8 @@ def transposed_grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes:
         tuple(group_sizes.shape), name_of(group_sizes), num_actual_groups)
     device = same_device(lhs=lhs, rhs=rhs)
     out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
-    params = FwdParams.coerce(fwd_params) if fwd_params is not None else None
+    params = op_params(FwdParams, fwd_params, "fwd_params", gm.PARAM_FIELDS)  # {}: None, as if not given
+    check_autotune(autotune)
     group_sizes, offset = _group_args(group_sizes, group_offset, m, num_groups, num_selected, device,
                                       bool(check_values))
     problem = (m, k, n, num_groups, num_selected, False, name_of(lhs), dtype_name(out_dtype))
