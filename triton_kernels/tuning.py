@@ -122,6 +122,14 @@ def _valid(tunable: Tunable, problem, facts: DeviceFacts, config: dict, cache: C
     return params
 
 
+def _value_types(problem) -> tuple:
+    """The types of a problem's values (a tuple's items, a dataclass's fields), for the memo: ==
+    finds True == 1 == 1.0, which cache keys (stable_json) keep apart. Cheaper than repr on the
+    per-call path."""
+    values = problem if isinstance(problem, tuple) else getattr(problem, "__dict__", {}).values()
+    return tuple(map(type, values))
+
+
 def resolve(tunable: Tunable, problem: Hashable, facts: DeviceFacts, device: str, explicit: Params | None = None,
             *, autotune: bool | None = None, measure: Callable[[Params], float] | None = None,
             cache: ConfigCache | None = None, framework: str | None = None) -> Params | None:
@@ -136,8 +144,7 @@ def resolve(tunable: Tunable, problem: Hashable, facts: DeviceFacts, device: str
         return explicit
     cache = cache if cache is not None else get_cache()
     generation = cache.generation()  # unique across ConfigCache objects: any view of the file may store
-    # repr beside the problem: == has True == 1 == 1.0, which cache keys (stable_json) keep apart
-    memo_key = (tunable.op, tunable.version, device, problem, repr(problem), facts, cache.path)
+    memo_key = (tunable.op, tunable.version, device, problem, _value_types(problem), facts, cache.path)
     hit = _memo.get(memo_key)
     if hit is not None and hit[0] == generation:
         params = hit[1]
