@@ -616,10 +616,12 @@ def test_jax_reference_matches_torch_reference(rng):
     m, k, n, groups = 40, 12, 9, 5
     sizes = ragged_sizes(rng, m, groups)
     lhs, rhs_t = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((3, n, k)).astype(np.float32)
-    got = jax.jit(lambda s: jref.grouped_matmul(lhs, rhs_t, s, transpose_rhs=True, group_offset=1))(sizes)
+    with jax.default_matmul_precision("highest"):  # a GPU's default float32 matmul is TF32
+        got = jax.jit(lambda s: jref.grouped_matmul(lhs, rhs_t, s, transpose_rhs=True, group_offset=1))(sizes)
     want = ref.forward(ref.grouped_matmul, lhs, rhs_t, sizes, transpose_rhs=True, group_offset=1)
     assert _err(np.asarray(got), want, "float32")
     a, b = rng.standard_normal((k, m)).astype(np.float32), rng.standard_normal((m, n)).astype(np.float32)
-    got = jref.transposed_grouped_matmul(a, b, sizes, group_offset=2, num_actual_groups=3)
+    with jax.default_matmul_precision("highest"):
+        got = jref.transposed_grouped_matmul(a, b, sizes, group_offset=2, num_actual_groups=3)
     want = ref.forward(ref.transposed_grouped_matmul, a, b, sizes, group_offset=2, num_actual_groups=3)
     assert _err(np.asarray(got), want, "float32")
