@@ -10,6 +10,9 @@ import os
 import tempfile
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# References and the XLA-computed sides of comparisons assume float32 matmuls; a GPU's default
+# is TF32 (~1e-3). Set before jax is imported, so example subprocesses inherit it too.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # The suite never reads or tunes a developer's config cache: a private empty one, tuning off
 # (tests that tune point EJKERNEL_CONFIG_CACHE elsewhere themselves).
 os.environ["EJKERNEL_CONFIG_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="ejkernel-test-cache-"), "configs.json")

@@ -36,6 +36,18 @@ _ATTN_STATIC = ("mask", "causal", "sliding_window", "chunk_size", "softmax_scale
 # -- helpers ------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _jax_on_cpu(request):
+    """The torch tensors here live on the CPU, so the bridge runs jax there: the direct jax calls
+    they are compared with bit for bit must run there too, also where jax's default is a GPU (the
+    gpu test places its arrays itself)."""
+    if request.node.get_closest_marker("gpu"):
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def _same_bits(t: torch.Tensor, a) -> bool:
     a = np.asarray(a)
     if str(a.dtype) != str(t.dtype).removeprefix("torch."):
