@@ -122,3 +122,41 @@ def test_torch_compile_fullgraph_on_gpu():
         results.append([out.detach()] + [p.grad.clone() for p in layer.parameters()])
     for eager, compiled in zip(*results):
         assert rel_error(compiled.cpu().numpy(), eager.cpu().numpy()) < 1e-4
+
+
+def test_autotune_on_gpu_torch_tunes_jax_reads(torch_fw, jax_fw, rng, tmp_path, monkeypatch):
+    """Autotuning on the GPU (test_tuning.py checks it on CPU plans): torch times the candidates
+    and stores the fastest forward and backward configs; jax, as a fresh process would, reads
+    them; both launch them with bitwise equal results, still correct."""
+    import json
+
+    from triton_kernels import config_cache as cc
+    from triton_kernels import tuning
+
+    path = tmp_path / "configs.json"
+    monkeypatch.setenv(cc.CACHE_ENV, str(path))
+    for fresh in (True, False):  # first a clean cache; then the jax side's fresh view of it
+        monkeypatch.setattr(cc, "_caches", {})
+        monkeypatch.setattr(cc, "_caches_by_env", {})
+        tuning.clear_memo()
+        if fresh:
+            shape = (2, 512, 512, 4, 2, 64)
+            arrays, _ = _inputs(rng, shape, None, False)
+            cot = rng.standard_normal(shape[:2] + (shape[3], shape[5]))
+            tuned, values = _run(torch_fw, arrays, None, dict(causal=True, autotune=True), "bfloat16", cot)
+            entries = json.loads(path.read_text())["entries"]
+            ops = {json.loads(key)[1] for key, e in entries.items()  # key: [device, op, version, shapes]
+                   if e["source"] == "autotune" and e["framework"] == "torch"}
+            assert ops == {tuning.FLASH_FWD.op, tuning.FLASH_BWD.op}, entries
+    read, _ = _run(jax_fw, arrays, None, dict(causal=True), "bfloat16", cot)
+    assert json.loads(path.read_text())["entries"] == entries  # jax only read
+    for i, (a, b) in enumerate(zip(tuned, read)):
+        assert a.tobytes() == b.tobytes(), (i, np.nanmax(np.abs(a - b)))
+
+    def reference(q, k, v):
+        return ref.flash_attention(q, k, v, causal=True)
+
+    assert rel_error(tuned[0], ref.forward(reference, *values)) < TOLERANCE["bfloat16"]
+    cot_seen = torch_fw.to_numpy(torch_fw.asarray(cot, "bfloat16"))
+    for got, want in zip(tuned[2:], ref.vjp(reference, values, cot_seen, n_diff=3)):
+        assert rel_error(got, want) < 2 * GRAD_TOLERANCE["bfloat16"]
