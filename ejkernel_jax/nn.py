@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel_jax.ops.flash_attention import flash_attention
+from triton_kernels import checks
 
 
 def _torch_uniform(fan_in: int):
@@ -24,22 +25,28 @@ def _torch_uniform(fan_in: int):
 
 
 class TorchLinear(nn.Module):
-    """``x @ weight.T + bias`` with torch's parameter names, layout and init."""
+    """``x @ weight.T + bias`` with torch's parameter names, layout, init and rounding: the
+    product is accumulated in float32, the bias added there, and the sum rounded once to
+    ``dtype`` (as torch's addmm does; rounding the product first differs in bf16/fp16).
+    ``precision`` as in ``flax.linen.Dense``: a GPU's default for float32 is TF32, where torch
+    multiplies in full float32, so ``"highest"`` matches torch there."""
 
     features: int
     use_bias: bool = True
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    precision: Any = None
 
     @nn.compact
     def __call__(self, x):
         fan_in = x.shape[-1]
         weight = self.param("weight", _torch_uniform(fan_in), (self.features, fan_in), self.param_dtype)
         dtype = self.dtype or x.dtype
-        y = x.astype(dtype) @ weight.astype(dtype).T
+        y = jax.lax.dot_general(x.astype(dtype), weight.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                                precision=self.precision, preferred_element_type=jnp.float32)
         if self.use_bias:
             y = y + self.param("bias", _torch_uniform(fan_in), (self.features,), self.param_dtype).astype(dtype)
-        return y
+        return y.astype(dtype)
 
 
 class MultiHeadAttention(nn.Module):
@@ -62,18 +69,16 @@ class MultiHeadAttention(nn.Module):
     softmax_scale: float | None = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    precision: Any = None  # of the projections, see TorchLinear
     attention_fn: Callable = flash_attention
 
     @nn.compact
     def __call__(self, x, segment_ids=None, *, deterministic: bool = True):
-        kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-        if kv_heads < 1:
-            raise ValueError(f"num_kv_heads must be >= 1 (or None for num_heads), got {self.num_kv_heads}")
-        head_dim = self.head_dim or self.embed_dim // self.num_heads
-        if self.num_heads % kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({kv_heads})")
+        kv_heads, head_dim = checks.attention_layer(self.embed_dim, self.num_heads, self.num_kv_heads,
+                                                    self.head_dim, self.dropout)
+        checks.attention_layer_input(tuple(x.shape), self.embed_dim)
         batch, seq, _ = x.shape
-        linear = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        linear = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)
         qkv = TorchLinear((self.num_heads + 2 * kv_heads) * head_dim, name="qkv", **linear)(x)
         qkv = qkv.reshape(batch, seq, self.num_heads + 2 * kv_heads, head_dim)
         q, k, v = jnp.split(qkv, [self.num_heads, self.num_heads + kv_heads], axis=2)

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from ejkernel_torch.ops.flash_attention import flash_attention
+from triton_kernels import checks
 
 
 class MultiHeadAttention(nn.Module):
@@ -23,13 +24,8 @@ class MultiHeadAttention(nn.Module):
                  sliding_window=None, logits_soft_cap: float | None = None, softmax_scale: float | None = None,
                  attention_fn=flash_attention, device=None, dtype=None):
         super().__init__()
-        self.num_heads = num_heads
-        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if self.num_kv_heads < 1:
-            raise ValueError(f"num_kv_heads must be >= 1 (or None for num_heads), got {num_kv_heads}")
-        self.head_dim = head_dim or embed_dim // num_heads
-        if num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        self.num_kv_heads, self.head_dim = checks.attention_layer(embed_dim, num_heads, num_kv_heads, head_dim, dropout)
+        self.embed_dim, self.num_heads = embed_dim, num_heads
         self.causal, self.dropout, self.attention_fn = causal, dropout, attention_fn
         self.options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale)
         factory = dict(device=device, dtype=dtype)
@@ -38,6 +34,9 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``segment_ids [batch, seq]``: attend within equal ids only; ids <= 0 are padding."""
+        checks.attention_layer_input(tuple(x.shape), self.embed_dim)
+        if x.dtype != self.qkv.weight.dtype:
+            raise TypeError(f"x must have the layer's dtype {self.qkv.weight.dtype}, got {x.dtype}")
         batch, seq, _ = x.shape
         qkv = self.qkv(x).view(batch, seq, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)

@@ -113,3 +113,36 @@ def softmax_scale(value, d: int) -> float:
         raise ValueError(f"softmax_scale must be finite with |softmax_scale| <= {FLOAT32_MAX / _LOG2E:.4g} "
                          f"(float32), got {value}")
     return scale
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def attention_layer(embed_dim, num_heads, num_kv_heads, head_dim, dropout) -> tuple[int, int]:
+    """A ``MultiHeadAttention`` layer's sizes (both fronts): returns ``(kv_heads, head_dim)``.
+    Without ``head_dim``, ``embed_dim`` must split evenly over the heads (as in torch.nn), not be
+    floored to a narrower layer."""
+    _positive_int("embed_dim", embed_dim)
+    _positive_int("num_heads", num_heads)
+    kv_heads = num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({kv_heads})")
+    if head_dim is None:
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}), "
+                             "or pass head_dim")
+        head_dim = embed_dim // num_heads
+    _positive_int("head_dim", head_dim)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
+    return kv_heads, head_dim
+
+
+def attention_layer_input(shape: Sequence[int], embed_dim: int) -> None:
+    if len(shape) != 3 or shape[-1] != embed_dim:
+        raise ValueError(f"x must be [batch, seq, embed_dim={embed_dim}], got shape {tuple(shape)}")
