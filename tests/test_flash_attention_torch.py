@@ -82,6 +82,18 @@ def test_compile_fullgraph_matches_eager():
         assert rel_error(comp.numpy(), eager.numpy()) < 1e-5
 
 
+@pytest.mark.parametrize("options", [dict(causal=True), dict(sliding_window=2)])
+def test_compile_with_a_window_across_sequence_lengths(options):
+    # A new length recompiles with dynamic sizes; the window side clamped to seq_q + seq_k was then
+    # a SymInt, which the op's spec cache could not hash (TypeError from the second length on).
+    k, v = torch.randn(1, 6, 1, 8), torch.randn(1, 6, 1, 8)
+    compiled = torch.compile(lambda q, k, v: ejk.flash_attention(q, k, v, **options), fullgraph=True)
+    with _fresh_inductor_cache():
+        for seq in (5, 7, 9):
+            q = torch.randn(1, seq, 2, 8)
+            assert rel_error(compiled(q, k, v).numpy(), ejk.flash_attention(q, k, v, **options).numpy()) < 1e-6
+
+
 def test_default_seed_follows_torch_manual_seed():
     q, k, v = _qkv(grad=False)
     outs = []
