@@ -105,6 +105,8 @@ def test_torch_and_jax_agree_with_overrides(torch_fw, jax_fw, rng):
     (dict(bwd_params={"num_key_splits": 2}), ValueError, "bwd_params.*unknown field"),
     (dict(fwd_params={"blocksize_k": 32}), ValueError, "fwd_params.*do not apply"),
     (dict(fwd_params={"blocksize_m": 32, "q_blocksize": 64}), ValueError, "fwd_params.*disagree"),
+    # past Triton's 2**20 elements a tile: it crashed inside the kernel (an InterpreterError)
+    (dict(fwd_params={"blocksize_m": 2048, "blocksize_n": 1024}), ValueError, "fwd_params.*2048x1024 tile"),
     (dict(autotune="no"), TypeError, "autotune must be True, False or None"),
     (dict(autotune=1, fwd_params=FWD, bwd_params=BWD), TypeError, "autotune must be"),  # even when not read
 ])
@@ -114,6 +116,17 @@ def test_bad_params_raise(fw, op, kwargs, error, match):
     args = (x, x, x) if op == "flash_attention" else (x, x, x, fw.asarray(np.zeros(1, np.int32)))
     with pytest.raises(error, match=match):
         getattr(fw.ops, op)(*args, **kwargs)
+
+
+def test_tiles_past_tritons_element_limit_raise(fw, rng):
+    # gmm's tiles too (it crashed inside the kernel); on a GPU plan the shared memory check passed them.
+    lhs, rhs = fw.asarray(np.zeros((4, 16)), "float32"), fw.asarray(np.zeros((2, 16, 16)), "float32")
+    sizes = fw.asarray(np.array([2, 2], np.int32))
+    with pytest.raises(ValueError, match="a 1024x2048 tile has 2097152 elements"):
+        fw.ops.grouped_matmul(lhs, rhs, sizes, fwd_params=dict(blocksize_m=1024, blocksize_n=1024, blocksize_k=2048))
+    with pytest.raises(ValueError, match="a 2048x1024 tile"):
+        attention_fwd_plan((1, 512, 16), "float16", 0.1, HOPPER, FwdParams(blocksize_m=2048, blocksize_n=1024,
+                                                                             num_stages=1))
 
 
 def test_too_big_config_raises(fw, monkeypatch):

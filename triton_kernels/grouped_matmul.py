@@ -40,7 +40,7 @@ import triton.language as tl
 
 from . import checks
 from .padded_attention import _dot, _dot_precision
-from .params import FwdParams, check_params, itemsize, select_num_stages
+from .params import FwdParams, check_params, check_tile_numel, itemsize, select_num_stages
 from .plan import DeviceFacts, LaunchPlan, Output, cdiv, check_float_dtype
 
 # --------------------------------------------------------------------------------------------
@@ -340,6 +340,8 @@ def _merge(defaults: dict, params: FwdParams | None, facts: DeviceFacts, what: s
     small = {f: v for f, v in cfg.items() if f.startswith("blocksize") and v < MIN_BLOCK}
     if small:
         raise ValueError(f"{what}: block sizes must be at least {MIN_BLOCK}, got {small}")
+    bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
+    check_tile_numel(what, (bm, bk), (bk, bn), (bm, bn))
     return cfg
 
 

@@ -22,7 +22,7 @@ import math
 import triton
 import triton.language as tl
 
-from .params import BwdParams, FwdParams, attention_smem_bytes, check_params, itemsize
+from .params import BwdParams, FwdParams, attention_smem_bytes, check_params, check_tile_numel, itemsize
 from .plan import DeviceFacts, LaunchPlan, Output, cdiv, check_float_dtype, fp32, next_power_of_2
 
 LOG2E = 1.4426950408889634
@@ -400,6 +400,7 @@ def override_tiles(tiles: tuple[int, int, int, int, int], params: FwdParams | Bw
             raise ValueError(f"{what}: {name} must be at least {MIN_BLOCK}, got {side}")
         sides.append(side)
     bm, bn = sides
+    check_tile_numel(what, (bm, bn), (bm, bd), (bn, bd))
     warps, stages = given.get("num_warps", warps), given.get("num_stages", stages)
     smem = attention_smem_bytes(bm, bn, bd, dtype, stages)
     if isinstance(params, BwdParams):  # the backward keeps one more tile (dO or V) resident

@@ -354,6 +354,17 @@ def select_num_stages(smem_per_stage: int, facts: DeviceFacts, max_stages: int |
     return int(max(1, min(max_stages, fit)))
 
 
+MAX_TILE_NUMEL = 1 << 20  # Triton's limit on a tensor's elements (TRITON_MAX_TENSOR_NUMEL)
+
+
+def check_tile_numel(what: str, *tiles: tuple[int, int]) -> None:
+    """Every 2-D tile a config makes must be one Triton can hold, on every device."""
+    for rows, cols in tiles:
+        if rows * cols > MAX_TILE_NUMEL:
+            raise ValueError(f"{what}: a {rows}x{cols} tile has {rows * cols} elements; Triton allows at most "
+                             f"{MAX_TILE_NUMEL} per tensor")
+
+
 def check_params(params: FwdParams | BwdParams, facts: DeviceFacts, smem_bytes: int,
                  what: str = "kernel config") -> None:
     """Validate overrides against the device: the config's shared memory must fit.
@@ -366,7 +377,7 @@ def check_params(params: FwdParams | BwdParams, facts: DeviceFacts, smem_bytes: 
 
 __all__ = [
     "BwdParams", "FwdParams", "SMEM_LIMIT_ENV", "attention_smem_bytes",
-    "check_params", "check_shared_memory", "decode_params", "dtype_name", "encode_params", "itemsize",
+    "MAX_TILE_NUMEL", "check_params", "check_shared_memory", "check_tile_numel", "decode_params", "dtype_name", "encode_params", "itemsize",
     "op_params", "select_num_stages",
     "select_num_warps", "shared_memory_limit", "short_hash", "stable_json",
 ]
