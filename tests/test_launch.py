@@ -54,6 +54,16 @@ def test_unwritten_outputs_are_poisoned(fw):
     assert np.isnan(y[5:]).all()
 
 
+@pytest.mark.parametrize("dtype, sentinel", [("int8", -128), ("uint8", 255), ("int16", -0x5EED), ("int32", -0x5EED)])
+def test_unwritten_integer_outputs_are_poisoned(fw, dtype, sentinel):
+    # -0x5EED does not fit 8 bits: filling an int8 output with it raised inside the launcher.
+    if fw.name == "jax" and fw.device == "cuda":
+        pytest.skip("jax-triton allocates outputs itself: no poisoning on the jax GPU path")
+    y = fw.to_numpy(_launch(fw, kt.half_plan(10, dtype), np.arange(10, dtype=dtype))[0])
+    np.testing.assert_array_equal(y[:5], np.arange(5))
+    assert (y[5:] == sentinel).all()
+
+
 def test_zeroed_outputs_and_aliases(fw, rng):
     x = rng.standard_normal(37).astype(np.float32)
     acc = rng.standard_normal(37).astype(np.float32)
@@ -148,3 +158,20 @@ def test_jax_triton_import_restores_triton_cache_dir(tmp_path, cache_dir):
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.getcwd(), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == repr(cache_dir)
+
+
+def test_grids_past_cuda_limits_are_errors_before_launch():
+    # Grid axes 1 and 2 hold at most 65535 programs on CUDA. Flash attention checked its batch and
+    # heads; the padded-attention, scores-v and dropout-mask plans went on to a launch error.
+    from triton_kernels import HOPPER
+    from triton_kernels import flash_attention as fa
+    from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan, scores_v_fwd_plan
+
+    too_many = 65_536
+    for make in (lambda: attention_fwd_plan((too_many, 128, 64), "float16", 0.125, HOPPER),
+                 lambda: attention_bwd_plans((too_many, 128, 64), "float16", 0.125, HOPPER),
+                 lambda: scores_v_fwd_plan((too_many, 128, 64), "float16", HOPPER),
+                 lambda: fa.dropout_mask_plan(too_many, 1, 16, 16, 0.5, HOPPER)):
+        with pytest.raises(ValueError, match="exceeds CUDA's limits"):
+            make()
+    attention_fwd_plan((65_535, 128, 64), "float16", 0.125, HOPPER)  # the limit itself is fine

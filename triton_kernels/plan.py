@@ -187,6 +187,9 @@ def _check_scalar(plan_name: str, name: str, value) -> None:
         raise ValueError(f"{plan_name}: scalar {name}={value!r} is not float32-exact; use fp32()")
 
 
+MAX_GRID = (2**31 - 1, 65_535, 65_535)
+
+
 def _check_plan(plan: LaunchPlan) -> None:
     kernel = plan.kernel
     names = list(kernel.arg_names)
@@ -218,6 +221,10 @@ def _check_plan(plan: LaunchPlan) -> None:
         raise ValueError(f"{plan.name}: one dtype per input expected")
     if not 1 <= len(plan.grid) <= 3 or any(g < 0 for g in plan.grid):
         raise ValueError(f"{plan.name}: bad grid {plan.grid}")
+    # CUDA's limits, checked on every device so that a call fails alike everywhere, up front.
+    if any(g > limit for g, limit in zip(plan.grid, MAX_GRID)):
+        raise ValueError(f"{plan.name}: grid {plan.grid} exceeds CUDA's limits {MAX_GRID} (a batch or head "
+                         "count too large for one launch)")
 
 
 def next_power_of_2(n: int) -> int:
