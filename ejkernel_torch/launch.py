@@ -65,8 +65,15 @@ def _allocate(out: Output, device: torch.device) -> torch.Tensor:
         return torch.zeros(out.shape, dtype=dtype, device=device)
     t = torch.empty(out.shape, dtype=dtype, device=device)
     if debug.poisoning():
-        t.fill_(float("nan") if dtype.is_floating_point else debug.POISON_INT)
+        t.fill_(float("nan") if dtype.is_floating_point else _poison_int(dtype))
     return t
+
+
+def _poison_int(dtype: torch.dtype):
+    if dtype == torch.bool:
+        return True
+    info = torch.iinfo(dtype)
+    return debug.poison_int(info.min, info.max)
 
 
 def _launch_compiled(plan: LaunchPlan, inputs, outputs) -> None:

@@ -27,9 +27,9 @@ def unmarked_scalar_kernel(x_ptr, n, y_ptr, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
 
 
-def half_plan(n: int) -> LaunchPlan:
-    return LaunchPlan(kernel=write_first_half_kernel, grid=(1,), inputs=("x_ptr",), input_dtypes=("float32",),
-                      scalars=(("n", n),), outputs=(Output("y_ptr", (n,), "float32"),),
+def half_plan(n: int, dtype: str = "float32") -> LaunchPlan:
+    return LaunchPlan(kernel=write_first_half_kernel, grid=(1,), inputs=("x_ptr",), input_dtypes=(dtype,),
+                      scalars=(("n", n),), outputs=(Output("y_ptr", (n,), dtype),),
                       constexprs=(("BLOCK", triton.next_power_of_2(n)),))
 
 

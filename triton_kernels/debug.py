@@ -16,7 +16,7 @@ def poisoning() -> bool:
 def poison_outputs(enabled: bool = True):
     """Poison kernel outputs before each launch so elements a kernel forgets to write show up.
 
-    Float outputs become NaN and integer outputs ``POISON_INT``. Outputs the plan zeroes are
+    Float outputs become NaN and integer outputs ``POISON_INT`` (``poison_int`` where it does not fit). Outputs the plan zeroes are
     left zeroed. Applies where the launcher allocates the buffers itself (torch on any device,
     jax on the interpreter path).
     """
@@ -29,3 +29,11 @@ def poison_outputs(enabled: bool = True):
 
 
 POISON_INT = -0x5EED
+
+
+def poison_int(lowest: int, highest: int) -> int:
+    """The integer sentinel for a dtype of range [lowest, highest]: ``POISON_INT`` where it fits
+    (int16 and wider), else the end of the range nearest to it (int8: -128; unsigned: highest)."""
+    if lowest <= POISON_INT <= highest:
+        return POISON_INT
+    return lowest if lowest < 0 else highest
