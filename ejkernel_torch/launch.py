@@ -188,9 +188,10 @@ def _interpret_plan_fake(inputs, plan):
 def _check_traceable_inputs(plan: LaunchPlan, inputs) -> torch.device:
     device = inputs[0].device
     for name, x, dtype in zip(plan.inputs, inputs, plan.input_dtypes):
-        if x.device != device or dtype_name(x.dtype) != dtype:
-            raise ValueError(f"{plan.name}: input {name} must be a {dtype} tensor on {device}, "
-                             f"got {x.dtype} on {x.device}")
+        # The kernels index inputs as dense row-major arrays: a strided view would be read wrongly.
+        if x.device != device or dtype_name(x.dtype) != dtype or not x.is_contiguous():
+            raise ValueError(f"{plan.name}: input {name} must be a contiguous {dtype} tensor on {device}, "
+                             f"got {x.dtype} on {x.device} (contiguous={x.is_contiguous()})")
     return device
 
 

@@ -160,3 +160,15 @@ def test_autotune_on_gpu_torch_tunes_jax_reads(torch_fw, jax_fw, rng, tmp_path, 
     cot_seen = torch_fw.to_numpy(torch_fw.asarray(cot, "bfloat16"))
     for got, want in zip(tuned[2:], ref.vjp(reference, values, cot_seen, n_diff=3)):
         assert rel_error(got, want) < 2 * GRAD_TOLERANCE["bfloat16"]
+
+
+def test_registered_op_rejects_strided_inputs_on_gpu():
+    # The public function makes inputs contiguous; a direct call of the registered op with a strided
+    # view read it as if dense on CUDA (the CPU launcher already refused it).
+    import torch
+
+    q = torch.randn(1, 2, 16, 32, device="cuda").transpose(1, 2)  # [1, 16, 2, 32], not contiguous
+    k = torch.randn(1, 16, 2, 32, device="cuda")
+    with pytest.raises(ValueError, match="must be a contiguous"):
+        torch.ops.ejkernel.flash_attention_fwd(q, k, k, None, None, None, None, None, None, 0, 0, 32 ** -0.5,
+                                               -1, -1, 0.0, 0.0)

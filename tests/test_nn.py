@@ -74,6 +74,7 @@ def test_flax_module_with_torch_weights_gives_torch_outputs():
 def test_flax_projections_round_like_torch(dtype):
     # torch's Linear adds the bias to the float32 product and rounds once; rounding the product
     # first (as the Flax layer did) changed 332 of 1152 bf16 outputs of the qkv projection.
+    import jax
     import jax.numpy as jnp
 
     from ejkernel_jax.nn import TorchLinear
@@ -81,9 +82,10 @@ def test_flax_projections_round_like_torch(dtype):
     torch.manual_seed(0)
     linear = torch.nn.Linear(32, 36, dtype=getattr(torch, dtype))
     x = torch.randn(4, 8, 32, dtype=getattr(torch, dtype))
-    params = {"params": {"weight": jnp.asarray(linear.weight.detach().float().numpy()).astype(dtype),
-                         "bias": jnp.asarray(linear.bias.detach().float().numpy()).astype(dtype)}}
-    got = TorchLinear(36, dtype=dtype, param_dtype=dtype).apply(params, jnp.asarray(x.float().numpy()).astype(dtype))
+    with jax.default_device(jax.devices("cpu")[0]):  # torch's device: one summation order, bits comparable
+        params = {"params": {"weight": jnp.asarray(linear.weight.detach().float().numpy()).astype(dtype),
+                             "bias": jnp.asarray(linear.bias.detach().float().numpy()).astype(dtype)}}
+        got = TorchLinear(36, dtype=dtype, param_dtype=dtype).apply(params, jnp.asarray(x.float().numpy()).astype(dtype))
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), linear(x).detach().float().numpy())
 
 
