@@ -94,6 +94,14 @@ def test_compile_with_a_window_across_sequence_lengths(options):
             assert rel_error(compiled(q, k, v).numpy(), ejk.flash_attention(q, k, v, **options).numpy()) < 1e-6
 
 
+def test_compile_checks_autotune():
+    # Eager calls reject autotune="no" (bool("no") would turn tuning on); compiled ones skipped the check.
+    q = torch.randn(1, 5, 2, 8)
+    compiled = torch.compile(lambda q: ejk.flash_attention(q, q, q, autotune="no"))
+    with pytest.raises(TypeError, match="autotune must be True, False or None"):
+        compiled(q)
+
+
 def test_default_seed_follows_torch_manual_seed():
     q, k, v = _qkv(grad=False)
     outs = []

@@ -24,6 +24,7 @@ from ejkernel_torch.ops._common import name_of, same_device, tensor_arg
 from triton_kernels import flash_attention as fa
 from triton_kernels.flash_attention.spec import dropout as check_dropout
 from triton_kernels.params import BwdParams, FwdParams, decode_params, encode_params, op_params
+from triton_kernels.config_cache import check_autotune
 from triton_kernels.tuning import FLASH_BWD, FLASH_FWD, autotune_enabled
 
 # --------------------------------------------------------------------------------------------
@@ -291,6 +292,7 @@ def _call_forward(spec: fa.FlashSpec, arrays: tuple, params: tuple) -> tuple[Ten
 def _autotune(spec, arrays, params, autotune, device) -> None:
     """On a cache miss with autotuning enabled, tune the forward, and the backward when a
     gradient will be taken (``arrays``: the op's nine array arguments)."""
+    check_autotune(autotune)  # also while compiling, where it is not read
     if torch.compiler.is_compiling() or not autotune_enabled(autotune):
         return
     features = _features(*arrays)
