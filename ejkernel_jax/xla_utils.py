@@ -28,7 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .utils.arrays import _int_arg, _to_jax
+from triton_kernels import checks
+
+from .utils.arrays import _to_jax
 
 __all__ = [
     "cdiv", "identity_dtype_convert", "mask_to_segment_ids", "prepare_chunk_indices",
@@ -91,7 +93,7 @@ def _cu_seqlens(cu_seqlens) -> jax.Array:
 def _chunk_size(chunk_size) -> int:
     if _traced(chunk_size):
         raise TypeError("chunk_size must be a static Python int, got a traced value")
-    chunk_size = _int_arg(chunk_size, "chunk_size")
+    chunk_size = checks.int_arg("chunk_size", chunk_size)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     return chunk_size
@@ -108,7 +110,7 @@ def _static_size(size, bounds: jax.Array, arg: str, fn: str) -> int:
         return int(bounds[-1])
     if _traced(size):
         raise TypeError(f"{fn}: {arg} must be a static Python int, got a traced value")
-    size = _int_arg(size, f"{fn}: {arg}")
+    size = checks.int_arg(f"{fn}: {arg}", size)
     if size < 0:
         raise ValueError(f"{fn}: {arg} must be >= 0, got {size}")
     if not _traced(bounds) and size < int(bounds[-1]):

@@ -8,13 +8,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import operator
 import time
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
+from triton_kernels import checks
 from triton_kernels.config_cache import CacheKey, cpu_fingerprint, gpu_fingerprint, host_memory_usage
 from triton_kernels.params import BwdParams, FwdParams, short_hash, stable_json
 
@@ -138,21 +138,10 @@ def _as_tensor(x, name: str) -> torch.Tensor:
 
 
 def _int_arg(value, name: str) -> int:
-    """A Python int (or integer scalar); bools are refused, not read as 0/1."""
-    if isinstance(value, (bool, np.bool_)) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+    """``checks.int_arg``, also refusing a bool tensor (which ``__index__`` reads as 0/1)."""
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
         raise TypeError(f"{name} must be an int, got a bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-
-
-def _axis(axis, rank: int, what: str) -> int:
-    """``axis`` in ``[-rank, rank)`` made non-negative; out of range is an error, not a wrap."""
-    axis = _int_arg(axis, "axis")
-    if not -rank <= axis < rank:
-        raise ValueError(f"axis={axis} is out of range for {what} with {rank} axes")
-    return axis % rank
+    return checks.int_arg(name, value)
 
 
 # -- structures -------------------------------------------------------------------------------
@@ -195,7 +184,7 @@ def chunk_array(x: torch.Tensor, chunk_size: int, axis: int = 0, pad_value: floa
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if x.ndim < 1:
         raise ValueError("x must have at least one axis to chunk, got a scalar")
-    axis = _axis(axis, x.ndim, "x")
+    axis = checks.axis("axis", axis, x.ndim)
     length = x.shape[axis]
     num_chunks = -(-length // chunk_size)
     pad = num_chunks * chunk_size - length
@@ -214,7 +203,7 @@ def unchunk_array(x: torch.Tensor, original_length: int, axis: int = 0) -> torch
     x = _as_tensor(x, "x")
     if x.ndim < 2:
         raise ValueError(f"x must have the two axes chunk_array made, got shape {tuple(x.shape)}")
-    axis = _axis(axis, x.ndim - 1, "the array before chunking")
+    axis = checks.axis("axis", axis, x.ndim - 1)  # the rank before chunking
     merged = x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
     original_length = _int_arg(original_length, "original_length")
     if not 0 <= original_length <= merged.shape[axis]:

@@ -6,7 +6,10 @@ the two fronts reject the same inputs with the same messages.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Sequence
+
+import numpy as np
 
 from .plan import FLOAT_DTYPES
 
@@ -37,8 +40,8 @@ def same_dtype(names: Sequence[str], dtypes: Sequence[str]) -> None:
 
 
 def axis(name: str, axis_value, rank: int) -> int:
-    if isinstance(axis_value, bool) or not isinstance(axis_value, int):
-        raise TypeError(f"{name} must be an int, got {axis_value!r}")
+    """``axis_value`` in ``[-rank, rank)`` made non-negative; out of range is an error, not a wrap."""
+    axis_value = int_arg(name, axis_value)
     if not -rank <= axis_value < rank:
         raise ValueError(f"{name}={axis_value} is out of range for an array of rank {rank}")
     return axis_value % rank
@@ -115,9 +118,19 @@ def softmax_scale(value, d: int) -> float:
     return scale
 
 
+def int_arg(name: str, value) -> int:
+    """A Python int (or integer scalar) as an int; bools are refused, not read as 0/1, and
+    floats are refused, not truncated."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
 def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
+    value = int_arg(name, value)
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return value

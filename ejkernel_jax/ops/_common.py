@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ejkernel_jax.utils.arrays import check_narrowing
 from triton_kernels import checks
 
 
@@ -12,21 +13,8 @@ def array_arg(name: str, x) -> jax.Array:
     if not isinstance(x, (jax.Array, np.ndarray)):
         raise TypeError(f"{name} must be a jax.Array, got {type(x).__name__}")
     if isinstance(x, np.ndarray):
-        _check_narrowing(name, x)
+        check_narrowing(name, x)
     return jnp.asarray(x)
-
-
-def _check_narrowing(name: str, x: np.ndarray) -> None:
-    """Without x64, jax turns 64-bit numpy integers into 32-bit ones by wrapping them: an int64
-    length of 2**32 + 1 would silently become 1. Values that do not fit are an error instead."""
-    target = jax.dtypes.canonicalize_dtype(x.dtype)
-    if x.dtype.kind not in "iu" or target == x.dtype or not x.size:
-        return
-    info = np.iinfo(target)
-    lo, hi = int(x.min()), int(x.max())
-    if lo < info.min or hi > info.max:
-        raise ValueError(f"{name} holds {x.dtype} values in [{lo}, {hi}], outside {target}'s range, which jax "
-                         "(jax_enable_x64 off) would wrap; pass values that fit or enable x64")
 
 
 def name_of(x) -> str:

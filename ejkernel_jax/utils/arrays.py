@@ -1,12 +1,13 @@
 """Array helpers for the jax front: abstract values, chunking, stable reductions, test inputs."""
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from triton_kernels import checks
 
 
 def abstractify(tree: Any) -> Any:
@@ -20,47 +21,36 @@ def abstractify(tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
+def check_narrowing(name: str, x: np.ndarray) -> None:
+    """Without x64, jax turns 64-bit numpy integers into 32-bit ones by wrapping them: an int64
+    length of 2**32 + 1 would silently become 1. Values that do not fit are an error instead."""
+    narrow = jax.dtypes.canonicalize_dtype(x.dtype)
+    if x.dtype.kind not in "iu" or narrow == x.dtype or not x.size:
+        return
+    lo, hi, info = int(x.min()), int(x.max()), np.iinfo(narrow)
+    if lo < info.min or hi > info.max:
+        raise ValueError(f"{name} holds {x.dtype} values in [{lo}, {hi}], outside {narrow}'s range, which jax "
+                         "(jax_enable_x64 off) would wrap; pass values that fit or enable x64")
+
+
 def _to_jax(x, name: str) -> jax.Array:
-    """``jnp.asarray``, refusing 64-bit integers that jax without x64 would wrap into 32 bits."""
+    """``jnp.asarray`` of anything array-like, through ``check_narrowing``."""
     if isinstance(x, jax.Array):
         return x
     x = np.asarray(x)
-    narrow = jax.dtypes.canonicalize_dtype(x.dtype)
-    if x.dtype.kind in "iu" and narrow != x.dtype and x.size:
-        lo, hi, info = x.min(), x.max(), np.iinfo(narrow)
-        if lo < info.min or hi > info.max:
-            raise ValueError(f"{name} holds values in [{lo}, {hi}], outside {narrow}: jax without "
-                             f"jax_enable_x64 would silently wrap them into {narrow}")
+    check_narrowing(name, x)
     return jnp.asarray(x)
-
-
-def _int_arg(value, name: str) -> int:
-    """A Python int (or integer scalar); bools are refused, not read as 0/1."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an int, got a bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-
-
-def _axis(axis, rank: int, what: str) -> int:
-    """``axis`` in ``[-rank, rank)`` made non-negative; out of range is an error, not a wrap."""
-    axis = _int_arg(axis, "axis")
-    if not -rank <= axis < rank:
-        raise ValueError(f"axis={axis} is out of range for {what} with {rank} axes")
-    return axis % rank
 
 
 def chunk_array(x: jax.Array, chunk_size: int, axis: int = 0, pad_value: float = 0) -> jax.Array:
     """Split ``axis`` into ``[num_chunks, chunk_size]``, padding its end with ``pad_value``."""
     x = _to_jax(x, "x")
-    chunk_size = _int_arg(chunk_size, "chunk_size")
+    chunk_size = checks.int_arg("chunk_size", chunk_size)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if x.ndim < 1:
         raise ValueError("x must have at least one axis to chunk, got a scalar")
-    axis = _axis(axis, x.ndim, "x")
+    axis = checks.axis("axis", axis, x.ndim)
     length = x.shape[axis]
     num_chunks = -(-length // chunk_size)
     pad = [(0, 0)] * x.ndim
@@ -78,9 +68,9 @@ def unchunk_array(x: jax.Array, original_length: int, axis: int = 0) -> jax.Arra
     x = _to_jax(x, "x")
     if x.ndim < 2:
         raise ValueError(f"x must have the two axes chunk_array made, got shape {x.shape}")
-    axis = _axis(axis, x.ndim - 1, "the array before chunking")
+    axis = checks.axis("axis", axis, x.ndim - 1)  # the rank before chunking
     merged = x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
-    original_length = _int_arg(original_length, "original_length")
+    original_length = checks.int_arg("original_length", original_length)
     if not 0 <= original_length <= merged.shape[axis]:
         raise ValueError(f"original_length must lie in [0, {merged.shape[axis]}] (the chunked length), "
                          f"got {original_length}")
