@@ -149,6 +149,35 @@ def plain_eager(*tensors) -> bool:
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+def reject_forward_ad(*tensors) -> None:
+    """Raise when forward-mode AD would differentiate a call on ``tensors``: the ops have no
+    forward-mode rule, and torch would drop the tangents silently (``torch.func.jvp`` gave zero
+    tangents, ``forward_ad`` dual tensors lost theirs). jax's ``jvp`` of a ``custom_vjp`` raises
+    too. Tensors without a tangent (constants under ``jvp``) pass. ``None`` entries are skipped."""
+    if torch.compiler.is_compiling() or (_forward_ad._current_level < 0 and _C._functorch.peek_interpreter_stack() is None):
+        return  # the usual call: no forward-mode AD can be recording
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if _forward_ad._current_level >= 0 and any(_forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        _forward_ad_error()
+    if _C._functorch.peek_interpreter_stack() is not None and _jvp_under_other_transforms():
+        # e.g. hessian (jacfwd over jacrev): the tangents are not visible at the inner level, but
+        # the jvp will differentiate this call's backward.
+        if any(_C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+            _forward_ad_error()
+
+
+def _jvp_under_other_transforms() -> bool:
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    outer = retrieve_all_functorch_interpreters()[:-1]  # outermost first; the last is the current one
+    return any(i.key() == _C._functorch.TransformType.Jvp for i in outer)
+
+
+def _forward_ad_error():
+    raise NotImplementedError("ejkernel ops have no forward-mode AD rule (torch.func.jvp, jacfwd, hessian, "
+                              "torch.autograd.forward_ad); use reverse mode (backward, torch.func.vjp/grad/jacrev)")
+
+
 @functools.lru_cache(maxsize=1024)
 def plan_text(plan: LaunchPlan) -> str:
     fn = plan.kernel.fn

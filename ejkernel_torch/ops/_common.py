@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ejkernel_torch.launch import device_facts, dtype_name
+from ejkernel_torch.launch import device_facts, dtype_name, reject_forward_ad
 from triton_kernels import checks
 
 
@@ -54,6 +54,7 @@ class _Context:
 def apply(function: type[torch.autograd.Function], *args):
     """``function.apply(*args)``, skipping autograd's bookkeeping when no input needs a grad
     (it costs about as much as the kernel launch itself on small inputs)."""
+    reject_forward_ad(*args)
     if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         return function.apply(*args)
     return function.forward(_Context(), *args)

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ejkernel_torch.launch import device_facts, dtype_name, launch, launch_traceable, plain_eager, torch_dtype
+from ejkernel_torch.launch import device_facts, dtype_name, launch, launch_traceable, plain_eager, reject_forward_ad, torch_dtype
 from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import name_of, same_device, tensor_arg
 from triton_kernels import flash_attention as fa
@@ -283,6 +283,7 @@ def _call_forward(spec: fa.FlashSpec, arrays: tuple, params: tuple) -> tuple[Ten
     through ``_FlashAttentionFn``, the op's own autograd functions. Anything else (torch.compile,
     fake or functional tensors, modes, functorch transforms) calls the registered op."""
     if not plain_eager(*arrays):
+        reject_forward_ad(*arrays)
         return torch.ops.ejkernel.flash_attention_fwd(*arrays, *_op_scalars(spec), *params)
     if _needs_grad(arrays[:4]):
         return _FlashAttentionFn.apply(*arrays, *_op_scalars(spec), *params, spec)

@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable, plain_eager
+from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable, plain_eager, reject_forward_ad
 from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import name_of, same_device, tensor_arg
 from triton_kernels import grouped_matmul as gm
@@ -149,6 +149,7 @@ def _call(op, body, fn, args):
     """``op(*args)``, or the same work without the dispatcher in plain eager mode."""
     lhs, rhs, group_sizes, group_offset = args[:4]
     if not plain_eager(lhs, rhs, group_sizes, group_offset):
+        reject_forward_ad(lhs, rhs)
         return op(*args)
     if torch.is_grad_enabled() and (lhs.requires_grad or rhs.requires_grad):
         return fn.apply(*args)
