@@ -368,7 +368,6 @@ def _group_args(fn: str, lhs, rhs, group_sizes, group_offset, m_axis: int, num_s
         offset_tensor = _tensor(fn, "group_offset", group_offset, _INT_DTYPES, "an integer tensor")
         if offset_tensor.shape not in ((), (1,)):
             raise ValueError(f"{fn}: argument 'group_offset' must be a scalar, got shape {tuple(offset_tensor.shape)}")
-        offset_tensor = offset_tensor.to(torch.int32)
     elif group_offset is not None:
         if isinstance(group_offset, bool) or not isinstance(group_offset, numbers.Integral):
             raise TypeError(f"{fn}: argument 'group_offset' must be an int or an integer tensor, got {group_offset!r}")
@@ -391,6 +390,9 @@ def _group_args(fn: str, lhs, rhs, group_sizes, group_offset, m_axis: int, num_s
             raise ValueError(f"{fn}: sum(group_sizes) = {got[1]} exceeds the {m} rows of the operand")
         if offset_tensor is not None:
             _check_offset_range(fn, got[2], group_sizes.shape[0], n_sel)
+    if offset_tensor is not None:
+        # Cast after the range check: an int64 offset of 2**32 would wrap to 0 in int32.
+        offset_tensor = offset_tensor.to(torch.int32)
     return lhs, rhs, group_sizes, offset_tensor, static_offset, device
 
 

@@ -435,6 +435,9 @@ def _gmm_bad_cases():
         (dict(rhs=jnp.zeros((1, 8, 4), jnp.float32), group_offset=2), ValueError, "group_offset"),
         (dict(rhs=jnp.zeros((1, 8, 4), jnp.float32), group_offset=-1), ValueError, "group_offset"),
         (dict(group_offset=jnp.zeros((2,), jnp.int32)), ValueError, "group_offset"),
+        # 64-bit / unsigned offsets are range-checked before the int32 cast (they wrapped to 0 / -1).
+        (dict(group_offset=np.array(2**32)), ValueError, r"group_offset=4294967296 selects"),
+        (dict(group_offset=jnp.uint32(2**32 - 1)), ValueError, r"group_offset=4294967295 selects"),
         (dict(group_offset=0.5), TypeError, "group_offset"),
         (dict(tiling=(128, 128)), ValueError, "tiling"),
         (dict(tiling=(128, 0, 128)), ValueError, "tiling"),

@@ -185,10 +185,10 @@ def _check_group_offset(group_offset, num_groups: int, num_selected: int) -> jax
         raise TypeError(f"group_offset must be an integer scalar, got {group_offset!r}")
     if group_offset.shape not in ((), (1,)):
         raise ValueError(f"group_offset must be a scalar, got shape {tuple(group_offset.shape)}")
-    group_offset = jnp.reshape(group_offset, ()).astype(jnp.int32)
     if _is_concrete(group_offset):
-        _check_offset_range(int(group_offset), num_groups, num_selected)
-    return group_offset
+        # Read before narrowing to int32: an int64 / uint32 offset of 2**32 would wrap to 0.
+        _check_offset_range(int(np.asarray(group_offset).reshape(())), num_groups, num_selected)
+    return jnp.reshape(group_offset, ()).astype(jnp.int32)
 
 
 def _check_tiling(tiling) -> Union[Tiling, TilingFn]:
