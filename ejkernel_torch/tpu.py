@@ -378,13 +378,14 @@ def _group_args(fn: str, lhs, rhs, group_sizes, group_offset, m_axis: int, num_s
     n_sel = num_selected if num_selected is not None else group_sizes.shape[0]
     if static_offset is not None:
         _check_offset_range(fn, static_offset, group_sizes.shape[0], n_sel)
-    if _checking_values() and group_sizes.numel():
+    if _checking_values() and (group_sizes.numel() or offset_tensor is not None):
+        # Also with no groups: an offset tensor must then be 0, as jax checks a concrete one.
         m = lhs.shape[m_axis] if lhs.ndim == 2 else None
-        checks = [group_sizes.min().to(torch.int64), group_sizes.sum(dtype=torch.int64)]
+        checks = [(group_sizes < 0).any().to(torch.int64), group_sizes.sum(dtype=torch.int64)]
         if offset_tensor is not None:
             checks.append(offset_tensor.reshape(()).to(torch.int64))
         got = torch.stack(checks).tolist()  # one host sync
-        if got[0] < 0:
+        if got[0]:
             raise ValueError(f"{fn}: argument 'group_sizes' must be non-negative, got {group_sizes.tolist()}")
         if m is not None and got[1] > m:
             raise ValueError(f"{fn}: sum(group_sizes) = {got[1]} exceeds the {m} rows of the operand")
