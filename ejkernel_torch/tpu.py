@@ -508,11 +508,10 @@ def make_group_metadata(
         raise TypeError(f"{fn}: argument 'start_group' must be an int or an integer tensor, got {start_group!r}")
     else:
         start_group = int(start_group)  # traced like jax.jit traces a Python int: no retrace per value
-    for name, value, least in (("m", m, 0), ("tm", tm, 1), ("num_nonzero_groups", num_nonzero_groups, 0)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-            kind = "positive" if least else "non-negative"
-            raise ValueError(f"{fn}: argument {name!r} must be a {kind} int, got {value!r}")
-    return _metadata(group_sizes, start_group, m=int(m), tm=int(tm), num_nonzero_groups=int(num_nonzero_groups),
+    # The jax version's checks, before tracing (a float m is a TypeError, m=-1 a ValueError, as there).
+    m, tm, num_nonzero_groups = (_gmm._check_count(name, value, least, traced_ok=False) for name, value, least in
+                                 (("m", m, 0), ("tm", tm, 1), ("num_nonzero_groups", num_nonzero_groups, 0)))
+    return _metadata(group_sizes, start_group, m=m, tm=tm, num_nonzero_groups=num_nonzero_groups,
                      visit_empty_groups=bool(visit_empty_groups))
 
 

@@ -163,6 +163,26 @@ def test_make_group_metadata_matches_brute_force(rng):
                 assert np.all((np.asarray(tiles) >= 0) & (np.asarray(tiles) < -(-m // tm)))
 
 
+@pytest.mark.parametrize(
+    "override, exc, match",
+    [  # once a ZeroDivisionError, silent results, or a lax.div dtype error
+        (dict(tm=0), ValueError, r"'tm' must be a positive int, got 0"),
+        (dict(m=-1), ValueError, r"'m' must be a non-negative int, got -1"),
+        (dict(m=8.0), TypeError, r"'m' must be an int, got float"),
+        (dict(num_nonzero_groups=-1), ValueError, r"'num_nonzero_groups' must be a non-negative int"),
+        (dict(start_group=0.5), TypeError, r"'start_group' must be an int"),
+        (dict(start_group=jnp.zeros((2,), jnp.int32)), TypeError, r"'start_group' must be an int or an integer scalar"),
+        (dict(group_sizes=jnp.array([3.0, 5.0])), TypeError, r"'group_sizes' must be an int32 array, got float32"),
+        (dict(group_sizes=[3, 5]), TypeError, r"'group_sizes' must be an int32 array, got list"),
+        (dict(group_sizes=jnp.array([[3, 5]], jnp.int32)), ValueError, r"'group_sizes' must be 1-D"),
+    ],
+)
+def test_make_group_metadata_bad_arguments(override, exc, match):
+    args = dict(group_sizes=jnp.array([3, 5], jnp.int32), m=8, tm=4, start_group=0, num_nonzero_groups=2)
+    with pytest.raises(exc, match=match):
+        gm.make_group_metadata(**{**args, **override})
+
+
 def test_make_group_metadata_matches_megablox(rng):
     """JAX's megablox (test-only oracle) agrees on every valid visit when tm divides m."""
     megablox = pytest.importorskip("jax.experimental.pallas.ops.tpu.megablox.gmm")

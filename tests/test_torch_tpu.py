@@ -330,6 +330,8 @@ BAD = {
                           r"'tiling' must be hashable"),
     "tm = 0": (lambda: tpu.make_group_metadata(group_sizes=_gs, m=8, tm=0, start_group=0, num_nonzero_groups=2),
                ValueError, r"'tm' must be a positive int"),
+    "float m": (lambda: tpu.make_group_metadata(group_sizes=_gs, m=8.0, tm=4, start_group=0, num_nonzero_groups=2),
+                TypeError, r"'m' must be an int, got float 8.0"),
     "dynamic mask not bool": (lambda: tpu.process_dynamic_mask(torch.ones(1, 8, 8), (8, 8)), TypeError,
                               r"'mask' must be a bool tensor"),
     "bool block size": (lambda: tpu.blocksparse_attention(_q, _q, _q, block_sizes={"block_q": True}), TypeError,

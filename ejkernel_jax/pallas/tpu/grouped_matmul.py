@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ._dot import dot as _dot
+from .blocksparse_attention.masks import check_int as _check_int
 
 __all__ = [
     "GroupMetadata",
@@ -96,6 +97,7 @@ def make_group_metadata(
       * ``num_tiles``: int32 scalar, the number of valid visits. Entries past it are padding
         (copies of the last valid visit) and must not be used.
     """
+    m, tm = _check_metadata_args(group_sizes, m, tm, start_group, num_nonzero_groups)
     num_groups = group_sizes.shape[0]
     tiles_m = pl.cdiv(m, tm)
     # A group spans its own tiles; consecutive groups share at most one boundary tile, and an
@@ -135,6 +137,37 @@ def make_group_metadata(
 # --------------------------------------------------------------------------------------------
 def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
+
+
+def _check_count(name: str, value, least: int, *, traced_ok: bool):
+    """An int >= ``least`` (``traced_ok``: or an integer scalar array, checked when concrete)."""
+    fn = "make_group_metadata"
+    if traced_ok and not isinstance(value, (bool, np.bool_)) and hasattr(value, "dtype"):
+        if not jnp.issubdtype(value.dtype, jnp.integer) or jnp.ndim(value) != 0:
+            raise TypeError(f"{fn}: argument {name!r} must be an int or an integer scalar, got {value!r}")
+        if not _is_concrete(value):
+            return value
+        value = int(value)
+    count = _check_int(f"{fn}: argument {name!r}", value)
+    if count < least:
+        raise ValueError(f"{fn}: argument {name!r} must be a {'positive' if least else 'non-negative'} int, "
+                         f"got {count}")
+    return count
+
+
+def _check_metadata_args(group_sizes, m, tm, start_group, num_nonzero_groups) -> tuple[int, int]:
+    """make_group_metadata's arguments (tm=0 divided by zero, m=-1 or a float start_group ran);
+    returns ``(m, tm)`` as ints. The values of ``group_sizes`` are the caller's to check."""
+    if not hasattr(group_sizes, "dtype") or group_sizes.dtype != jnp.int32:
+        got = getattr(group_sizes, "dtype", type(group_sizes).__name__)
+        raise TypeError(f"make_group_metadata: argument 'group_sizes' must be an int32 array, got {got}")
+    if group_sizes.ndim != 1:
+        raise ValueError(
+            f"make_group_metadata: argument 'group_sizes' must be 1-D, got shape {tuple(group_sizes.shape)}"
+        )
+    _check_count("start_group", start_group, 0, traced_ok=True)
+    _check_count("num_nonzero_groups", num_nonzero_groups, 0, traced_ok=True)
+    return _check_count("m", m, 0, traced_ok=False), _check_count("tm", tm, 1, traced_ok=False)
 
 
 def _check_float(name: str, x) -> None:
