@@ -461,6 +461,7 @@ def _gmm_bad_cases():
         (dict(group_offset=0.5), TypeError, "group_offset"),
         (dict(tiling=(128, 128)), ValueError, "tiling"),
         (dict(tiling=(128, 0, 128)), ValueError, "tiling"),
+        (dict(tiling=(True, 128, 128)), ValueError, "tiling"),  # once tm=1
         (dict(tiling=lambda m, k, n: None), ValueError, "tiling"),
         (dict(input_buffer_count=3), ValueError, "input_buffer_count"),
         (dict(preferred_element_type=jnp.int32), TypeError, "preferred_element_type"),
@@ -496,6 +497,8 @@ def test_tgmm_bad_inputs():
         tg(lhs, jnp.zeros((2, 16, 4), jnp.float32), gs)
     with pytest.raises(ValueError, match="num_actual_groups"):
         tg(lhs, rhs, gs, num_actual_groups=3)
+    with pytest.raises(ValueError, match="num_actual_groups"):
+        tg(lhs, rhs, gs, num_actual_groups=True)  # once 1 group
     with pytest.raises(ValueError, match="group_offset"):
         tg(lhs, rhs, gs, group_offset=1, num_actual_groups=2)
     with pytest.raises(ValueError, match="exceeds"):

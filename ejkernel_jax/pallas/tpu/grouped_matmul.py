@@ -224,13 +224,18 @@ def _check_group_offset(group_offset, num_groups: int, num_selected: int) -> jax
     return jnp.reshape(group_offset, ()).astype(jnp.int32)
 
 
+def _is_int(x) -> bool:
+    # A bool is an int to isinstance: tiling=(True, 128, 128) silently meant tm=1.
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def _check_tiling(tiling) -> Union[Tiling, TilingFn]:
     if callable(tiling):
         return tiling
     if (
         not isinstance(tiling, (tuple, list))
         or len(tiling) != 3
-        or not all(isinstance(t, (int, np.integer)) and t > 0 for t in tiling)
+        or not all(_is_int(t) and t > 0 for t in tiling)
     ):
         raise ValueError(
             f"tiling must be 3 positive ints (tm, tk, tn) or a callable, got {tiling!r}"
@@ -728,8 +733,7 @@ def transposed_grouped_matmul(
     num_groups = group_sizes.shape[0]
     if num_actual_groups is None:
         num_actual_groups = num_groups
-    if (not isinstance(num_actual_groups, (int, np.integer))
-            or not 0 <= num_actual_groups <= num_groups):
+    if not _is_int(num_actual_groups) or not 0 <= num_actual_groups <= num_groups:
         raise ValueError(
             f"num_actual_groups must be an int in [0, {num_groups}], got {num_actual_groups!r}"
         )
