@@ -165,6 +165,8 @@ def _checking_values() -> bool:
 
 def _jax_dtype(fn: str, name: str, dtype):
     """torch dtypes map to jax's; anything else is handed to jax as it is (jax checks it)."""
+    if dtype is None:  # jnp.dtype(None) is float64: jax's check would name a dtype never passed
+        return None
     if isinstance(dtype, torch.dtype):
         if dtype not in TORCH_TO_JAX_DTYPE:
             raise TypeError(f"{fn}: argument {name!r}: {dtype} has no jax equivalent")

@@ -368,6 +368,8 @@ JAX_CHECKED = {  # shape/dtype rules that jax checks while tracing: still before
     "lhs/rhs dtypes differ": (lambda: tpu.grouped_matmul(_lhs, _rhs.bfloat16(), _gs), TypeError,
                               r"lhs and rhs must have the same dtype"),
     "rhs k mismatch": (lambda: tpu.grouped_matmul(_lhs, _rhs[:, :3], _gs), ValueError, r"does not match lhs"),
+    "None output dtype": (lambda: tpu.grouped_matmul(_lhs, _rhs, _gs, preferred_element_type=None), TypeError,
+                          r"preferred_element_type must be one of float16, bfloat16, float32, got None"),
     "complex output dtype": (lambda: tpu.grouped_matmul(_lhs, _rhs, _gs, preferred_element_type=torch.complex64),
                              TypeError, r"preferred_element_type must be a float dtype"),
 }
