@@ -37,6 +37,7 @@ import torch
 
 from ejkernel_jax.pallas.tpu import blocksparse_attention as _bsa
 from ejkernel_jax.pallas.tpu import grouped_matmul as _gmm
+from ejkernel_jax.pallas.tpu.blocksparse_attention import attention as _bsa_attention
 
 # Host-side objects: the jax module's own (numpy masks and schedules, no device arrays).
 from ejkernel_jax.pallas.tpu.blocksparse_attention import (
@@ -114,10 +115,18 @@ def _int32(fn: str, name: str, x) -> torch.Tensor:
 
 
 def _int_ids(fn: str, name: str, x) -> torch.Tensor | None:
-    """Integer ids as int32, like the jax version's ``jnp.asarray(ids, jnp.int32)``."""
+    """Integer ids as int32, like the jax version's ``jnp.asarray(ids, jnp.int32)``; int64 ids
+    are range-checked first (one host sync), as the jax version checks concrete ones."""
     if x is None:
         return None
-    return _tensor(fn, name, x, _INT_DTYPES, "an integer tensor").to(torch.int32)
+    x = _tensor(fn, name, x, _INT_DTYPES, "an integer tensor")
+    if x.dtype == torch.int64 and x.numel() and _checking_values():
+        lo, hi = torch.aminmax(x)
+        try:
+            _bsa_attention.check_segment_id_range(name, int(lo), int(hi))
+        except ValueError as e:
+            raise ValueError(f"{fn}: {e}") from None
+    return x.to(torch.int32)
 
 
 def _device(fn: str, **tensors) -> torch.device:

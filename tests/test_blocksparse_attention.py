@@ -593,14 +593,20 @@ def test_invalid_arguments(rng):
         call(mask=MultiHeadMask([CausalMask((32, 32))] * 3))
     with pytest.raises(ValueError, match="either mask"):
         call(mask=CausalMask((32, 32)), causal=True)
-    with pytest.raises(ValueError, match="mask"):
+    with pytest.raises(TypeError, match="mask"):  # wrong types are TypeErrors, as in the torch front
         call(mask=[[True]])
-    with pytest.raises(ValueError, match="boolean"):
+    with pytest.raises(TypeError, match="boolean"):
         call(mask=jnp.ones((32, 32), jnp.int32))
+    with pytest.raises(TypeError, match="'q'|q must have a floating dtype"):
+        call(q=q.astype(jnp.int32), k=k.astype(jnp.int32), v=v.astype(jnp.int32))
     with pytest.raises(ValueError, match="q_segment_ids"):
         call(q_segment_ids=jnp.zeros((1, 31), jnp.int32))
-    with pytest.raises(ValueError, match="kv_segment_ids"):
+    with pytest.raises(TypeError, match="kv_segment_ids"):
         call(q_segment_ids=jnp.zeros((1, 32), jnp.int32), kv_segment_ids=jnp.zeros((1, 32), jnp.float32))
+    wide = np.zeros((1, 32), np.int64)
+    wide[0, -1] = 2**32  # would wrap to segment 0
+    with pytest.raises(ValueError, match="q_segment_ids holds values in \\[0, 4294967296\\]"):
+        call(q_segment_ids=wide)
     with pytest.raises(ValueError, match="sliding_window"):
         call(sliding_window=-1)
     with pytest.raises(ValueError, match="logits_soft_cap"):

@@ -291,6 +291,8 @@ BAD = {
                              r"'mask' must be a Mask"),
     "float segment ids": (lambda: tpu.blocksparse_attention(_q, _q, _q, q_segment_ids=torch.zeros(1, 8)),
                           TypeError, r"'q_segment_ids' must be an integer tensor"),
+    "int64 segment ids past int32": (lambda: tpu.blocksparse_attention(_q, _q, _q, q_segment_ids=torch.tensor(
+        [[0] * 7 + [2**32]])), ValueError, r"q_segment_ids holds values in \[0, 4294967296\]"),
     "k on another device": (lambda: tpu.blocksparse_attention(_q, _q.to(_meta), _q), ValueError,
                             r"'k' is on meta but 'q' is on cpu"),
     "mask on another device": (lambda: tpu.blocksparse_attention(_q, _q, _q, mask=torch.ones(8, 8, dtype=torch.bool,

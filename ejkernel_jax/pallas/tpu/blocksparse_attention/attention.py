@@ -191,12 +191,12 @@ def _resolve_mask(mask, causal, sliding_window, chunk_size, heads, q_len, kv_len
         kind = "static"
     elif isinstance(mask, jax.Array):
         if mask.dtype != jnp.bool_:
-            raise ValueError(f"mask must be boolean, got dtype {mask.dtype}")
+            raise TypeError(f"mask must be boolean, got dtype {mask.dtype}")
         if mask.ndim == 2:
             mask = mask[None]
         kind = "dynamic"
     else:
-        raise ValueError(
+        raise TypeError(
             f"mask must be a Mask, a numpy bool array or a bool jax.Array, got {type(mask).__name__}"
         )
     if len(mask.shape) != 3 or mask.shape[0] not in (1, heads) or tuple(mask.shape[1:]) != (q_len, kv_len):
@@ -236,8 +236,21 @@ def _segment_ids(q_segment_ids, kv_segment_ids, batch, q_len, kv_len):
                 f"{name} must have shape (batch, seq)=({batch}, {length}), got {tuple(ids.shape)}"
             )
         if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(f"{name} must be integer, got dtype {ids.dtype}")
+            raise TypeError(f"{name} must be integer, got dtype {ids.dtype}")
+        if np.iinfo(ids.dtype).max > _INT32.max and ids.size and not isinstance(ids, jax.core.Tracer):
+            values = np.asarray(ids)
+            check_segment_id_range(name, int(values.min()), int(values.max()))
     return jnp.asarray(q_segment_ids, jnp.int32), jnp.asarray(kv_segment_ids, jnp.int32)
+
+
+_INT32 = np.iinfo(np.int32)
+
+
+def check_segment_id_range(name: str, lo: int, hi: int) -> None:
+    """The kernels compare int32 ids: wider ones would wrap (0 and 2**32 would be one segment).
+    Checked where the values are known; ids traced under ``jit`` are narrowed as they are."""
+    if lo < _INT32.min or hi > _INT32.max:
+        raise ValueError(f"{name} holds values in [{lo}, {hi}], outside the int32 range the kernels compare")
 
 
 def _check_shapes(q, k, v) -> tuple[int, int, int, int, int]:
@@ -315,7 +328,11 @@ def blocksparse_attention(
       with no allowed key give 0 output, lse ``-inf`` and zero gradients.
     """
     B, Sq, H, D, Skv = _check_shapes(q, k, v)
-    if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+    # A wrong kind of dtype is a TypeError, as in the torch front; mismatched floats a ValueError.
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if logits_soft_cap is not None and not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
