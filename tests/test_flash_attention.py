@@ -398,6 +398,21 @@ def test_uint32_dropout_seed_is_read_as_its_bits(fw):
     np.testing.assert_array_equal(fw.to_numpy(a), fw.to_numpy(b))
 
 
+def test_numpy_integer_dropout_seed_is_an_int(fw):
+    # Seeds drawn with numpy (rng.integers, np.random.randint) are numpy integers: the same mask as
+    # the Python int, not a TypeError (jax's said "must be a jax.Array").
+    x = fw.asarray(np.random.default_rng(0).standard_normal((1, 16, 1, 16)), "float32")
+    want = fw.to_numpy(fw.ops.flash_attention(x, x, x, dropout_p=0.5, dropout_seed=3_000_000_000))
+    for seed in (np.int64(3_000_000_000), np.uint32(3_000_000_000)):
+        got = fw.to_numpy(fw.ops.flash_attention(x, x, x, dropout_p=0.5, dropout_seed=seed))
+        np.testing.assert_array_equal(got, want)
+    mask = fw.to_numpy(fw.ops.flash_attention_dropout_mask(np.int32(5), 1, 1, 4, 4, 0.5))
+    np.testing.assert_array_equal(mask, fw.to_numpy(fw.ops.flash_attention_dropout_mask(5, 1, 1, 4, 4, 0.5)))
+    for bad in (5.0, np.bool_(True), "5"):
+        with pytest.raises(TypeError, match="dropout_seed must be an int or an integer array"):
+            fw.ops.flash_attention(x, x, x, dropout_p=0.5, dropout_seed=bad)
+
+
 def _bad_varlen_cases():
     return [
         (dict(cu_q=np.array([0, 5, 3, 10], np.int32)), ValueError, "cu_seqlens_q must be non-decreasing"),

@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from ejkernel_jax.launch import device_facts, launch
@@ -91,7 +92,7 @@ def _seed(dropout_seed, dropout_p: float):
 
 
 def _seed_array(dropout_seed) -> jax.Array:
-    if isinstance(dropout_seed, int):
+    if not isinstance(dropout_seed, (jax.Array, np.ndarray)):  # ints (numpy's too), or refused as torch does
         return jnp.full((1,), fa.seed_value(dropout_seed), jnp.int32)
     seed = array_arg("dropout_seed", dropout_seed)
     fa.seed_array(tuple(seed.shape), name_of(seed))

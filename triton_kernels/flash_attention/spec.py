@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from .. import checks
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256  # padded to a power of two >= 16 inside the kernels
@@ -141,10 +143,11 @@ def dropout(dropout_p) -> float:
 
 
 def seed_value(seed) -> int:
-    """A Python int seed as the int32 the kernels read (taken modulo 2**32)."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    """A Python or numpy int seed as the int32 the kernels read (taken modulo 2**32). numpy ints
+    are what numpy's generators draw; bools are refused."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"dropout_seed must be an int or an integer array, got {seed!r}")
-    seed %= 2**32
+    seed = int(seed) % 2**32
     return seed - 2**32 if seed >= 2**31 else seed
 
 
