@@ -442,6 +442,20 @@ def test_dropout_needs_a_seed_in_jax(jax_fw):
         jax_fw.ops.flash_attention(x, x, x, dropout_p=0.5)
 
 
+def test_jax_typed_keys_are_refused_by_name(jax_fw):
+    # A typed key (jax.random.key, Flax NNX's rngs) has an extended dtype: reading its name failed
+    # with "Cannot interpret 'key<fry>' as a data type", naming no argument.
+    import jax
+
+    x, key = jax_fw.asarray(np.zeros((1, 4, 1, 16), np.float32)), jax.random.key(0)
+    with pytest.raises(TypeError, match="dropout_seed must be an integer array, got key<fry>"):
+        jax_fw.ops.flash_attention(x, x, x, dropout_p=0.5, dropout_seed=key)
+    with pytest.raises(TypeError, match="dropout_seed must be an integer array, got key<fry>"):
+        jax_fw.ops.flash_attention_dropout_mask(key, 1, 1, 4, 4, 0.5)
+    with pytest.raises(TypeError, match="q must be a float16, bfloat16 or float32 array, got key<fry>"):
+        jax_fw.ops.flash_attention(jax.random.split(key, (1, 4, 1, 16)), x, x)
+
+
 def test_mismatched_devices_or_types(torch_fw):
     import torch
 

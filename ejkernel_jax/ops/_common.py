@@ -18,6 +18,10 @@ def array_arg(name: str, x) -> jax.Array:
 
 
 def name_of(x) -> str:
+    # Typed PRNG keys (jax.random.key) have an extended dtype that jnp.dtype cannot read ("Cannot
+    # interpret 'key<fry>' as a data type"): its own name lets the checks refuse it by argument.
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+        return x.dtype.name
     return jnp.dtype(x.dtype).name
 
 
