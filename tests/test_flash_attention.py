@@ -413,6 +413,21 @@ def test_numpy_integer_dropout_seed_is_an_int(fw):
             fw.ops.flash_attention(x, x, x, dropout_p=0.5, dropout_seed=bad)
 
 
+@pytest.mark.parametrize("sizes, error, match", [
+    ((-1, 2, 4, 4), ValueError, "batch must be >= 0, got -1"), ((1, 2, -4, 4), ValueError, "seq_q must be >= 0"),
+    ((1, 2, 4, -4), ValueError, "seq_k must be >= 0"), ((1, 1.5, 4, 4), TypeError, "heads must be an int"),
+    ((1, 2, 4.0, 4), TypeError, "seq_q must be an int"), ((True, 2, 4, 4), TypeError, "batch must be an int"),
+    ((1, 70_000, 4, 4), ValueError, "exceeds CUDA's limits"),
+])
+def test_bad_dropout_mask_sizes(fw, sizes, error, match):
+    # Were unchecked: "bad grid (1, 2, -1)", torch.empty's or jax's shape errors, or a float size
+    # taken when a plan for equal ints was cached.
+    fw.ops.flash_attention_dropout_mask(1, 1, 2, 4, 4, 0.5)
+    with pytest.raises(error, match=match):
+        fw.ops.flash_attention_dropout_mask(1, *sizes, 0.5)
+    assert fw.to_numpy(fw.ops.flash_attention_dropout_mask(1, np.int64(1), 2, 4, 4, 0.5)).shape == (1, 2, 4, 4)
+
+
 def _bad_varlen_cases():
     return [
         (dict(cu_q=np.array([0, 5, 3, 10], np.int32)), ValueError, "cu_seqlens_q must be non-decreasing"),

@@ -13,7 +13,7 @@ from ejkernel_jax.launch import device_facts, launch
 from ejkernel_jax.ops import _tuning
 from ejkernel_jax.ops._common import array_arg, is_concrete, name_of
 from triton_kernels import flash_attention as fa
-from triton_kernels.flash_attention.spec import dropout as check_dropout
+from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
 from triton_kernels.params import BwdParams, FwdParams, op_params
 from triton_kernels.tuning import FLASH_BWD, FLASH_FWD, autotune_enabled
 
@@ -198,5 +198,6 @@ def flash_attention_dropout_mask(dropout_seed, batch: int, heads: int, seq_q: in
                                  dropout_p: float) -> jax.Array:
     """The bool keep-mask ``[batch, heads, seq_q, seq_k]`` flash attention draws for this seed;
     bit-for-bit ``ejkernel_torch.flash_attention_dropout_mask``."""
-    plan = fa.dropout_mask_plan(batch, heads, seq_q, seq_k, check_dropout(dropout_p), device_facts())
+    plan = fa.dropout_mask_plan(*dropout_mask_sizes(batch, heads, seq_q, seq_k), check_dropout(dropout_p),
+                                device_facts())
     return launch(plan, _seed_array(dropout_seed))[0].astype(bool)

@@ -22,7 +22,7 @@ from ejkernel_torch.launch import device_facts, dtype_name, launch, launch_trace
 from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import name_of, same_device, tensor_arg
 from triton_kernels import flash_attention as fa
-from triton_kernels.flash_attention.spec import dropout as check_dropout
+from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
 from triton_kernels.params import BwdParams, FwdParams, decode_params, encode_params, op_params
 from triton_kernels.config_cache import check_autotune
 from triton_kernels.tuning import FLASH_BWD, FLASH_FWD, autotune_enabled
@@ -403,5 +403,6 @@ def flash_attention_dropout_mask(dropout_seed: int | Tensor, batch: int, heads: 
     """The bool keep-mask ``[batch, heads, seq_q, seq_k]`` flash attention draws for this seed
     (element offset ((b * heads + h) * seq_q + i) * seq_k + j); the same in torch and jax."""
     seed = _seed_tensor(dropout_seed, torch.device(device))
-    plan = fa.dropout_mask_plan(batch, heads, seq_q, seq_k, check_dropout(dropout_p), device_facts(seed.device))
+    plan = fa.dropout_mask_plan(*dropout_mask_sizes(batch, heads, seq_q, seq_k), check_dropout(dropout_p),
+                                device_facts(seed.device))
     return launch(plan, seed)[0].bool()

@@ -151,6 +151,16 @@ def seed_value(seed) -> int:
     return seed - 2**32 if seed >= 2**31 else seed
 
 
+def dropout_mask_sizes(batch, heads, seq_q, seq_k) -> tuple[int, int, int, int]:
+    """``flash_attention_dropout_mask``'s sizes as ints >= 0, checked before its (cached) plan:
+    the plan cache would take a float or bool equal to a cached int."""
+    sizes = {"batch": batch, "heads": heads, "seq_q": seq_q, "seq_k": seq_k}
+    for name, value in sizes.items():
+        if checks.int_arg(name, value) < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    return tuple(int(v) for v in sizes.values())
+
+
 def seed_array(shape: Sequence[int], dtype: str) -> None:
     if dtype != "uint32":  # what jax.random.bits gives; the kernels read its bits as int32
         checks.int_input("dropout_seed", dtype)
