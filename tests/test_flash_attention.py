@@ -385,8 +385,25 @@ def test_checks_do_not_depend_on_earlier_calls(fw):
             fw.ops.flash_attention(x, x, x, **bad)
     packed, cu = fw.asarray(np.zeros((8, 2, 16), np.float32)), fw.asarray(np.array([0, 8], np.int32))
     fw.ops.flash_attention_varlen(packed, packed, packed, cu, cu, 8, 8)
-    with pytest.raises(TypeError, match="max_seqlen_q must be a non-negative Python int"):
+    with pytest.raises(TypeError, match="max_seqlen_q must be an int, got float"):
         fw.ops.flash_attention_varlen(packed, packed, packed, cu, cu, 8.0, 8)
+
+
+@pytest.mark.parametrize("max_seqlen, error, message", [
+    (np.int64(8), None, None),  # numpy ints are ints, as elsewhere
+    (-1, ValueError, r"max_seqlen_k must be in \[0, 2\*\*31\), got -1"),
+    (2**40, ValueError, r"max_seqlen_k must be in \[0, 2\*\*31\), got 1099511627776"),
+    (True, TypeError, "max_seqlen_k must be an int, got a bool"),
+])
+def test_max_seqlen_values(fw, max_seqlen, error, message):
+    packed, cu = fw.asarray(np.ones((8, 2, 16), np.float32)), fw.asarray(np.array([0, 3, 8], np.int32))
+    call = lambda: fw.ops.flash_attention_varlen(packed, packed, packed, cu, cu, 5, max_seqlen)
+    if error is None:
+        out = fw.to_numpy(call())  # v is all ones: every row that attends anything gives ones
+        assert np.array_equal(out, np.ones_like(out))
+    else:
+        with pytest.raises(error, match=message):
+            call()
 
 
 def test_uint32_dropout_seed_is_read_as_its_bits(fw):
@@ -409,8 +426,9 @@ def test_numpy_integer_dropout_seed_is_an_int(fw):
     mask = fw.to_numpy(fw.ops.flash_attention_dropout_mask(np.int32(5), 1, 1, 4, 4, 0.5))
     np.testing.assert_array_equal(mask, fw.to_numpy(fw.ops.flash_attention_dropout_mask(5, 1, 1, 4, 4, 0.5)))
     for bad in (5.0, np.bool_(True), "5"):
-        with pytest.raises(TypeError, match="dropout_seed must be an int or an integer array"):
-            fw.ops.flash_attention(x, x, x, dropout_p=0.5, dropout_seed=bad)
+        for p in (0.5, 0.0):  # an unused seed is still checked (a bad one passed silently at p=0)
+            with pytest.raises(TypeError, match="dropout_seed must be an int or an integer array"):
+                fw.ops.flash_attention(x, x, x, dropout_p=p, dropout_seed=bad)
 
 
 @pytest.mark.parametrize("sizes, error, match", [

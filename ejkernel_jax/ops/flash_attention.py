@@ -85,6 +85,8 @@ def _segment_ids(spec, x):
 
 def _seed(dropout_seed, dropout_p: float):
     if dropout_p == 0.0:
+        if dropout_seed is not None:  # unused, but a bad one is still an error
+            _seed_array(dropout_seed)
         return None
     if dropout_seed is None:
         raise ValueError("dropout_p > 0 needs a dropout_seed in jax (an int or an integer array)")

@@ -226,7 +226,11 @@ def _optional_tensor(name, x, device) -> Tensor | None:
 
 
 def _seed(dropout_seed, dropout_p: float, device) -> Tensor | None:
-    return None if dropout_p == 0.0 else _seed_tensor(dropout_seed, device)
+    if dropout_p == 0.0:
+        if dropout_seed is not None:  # unused, but a bad one is still an error
+            _seed_tensor(dropout_seed, device)
+        return None
+    return _seed_tensor(dropout_seed, device)
 
 
 def _seed_tensor(dropout_seed, device) -> Tensor:
@@ -323,7 +327,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, so
     * ``bias``: additive, ``[batch|1, heads_q|1, seq_q, seq_k]``; gets a gradient if it requires one
       (float32 scratch of [batch, heads_q, seq_q, seq_k] in the backward).
     * ``q_segment_ids``/``kv_segment_ids`` ``[batch, seq]``: tokens attend only within equal ids;
-      ids <= 0 are padding. Any integer dtype; int64 ids are compared as int64, the rest as int32.
+      ids <= 0 are padding. int8/16/32/64 or uint8; int64 ids are compared as int64, the rest as int32.
     * ``dropout_p``/``dropout_seed``: dropout on the probabilities, drawn in-kernel from
       (seed, element offset) (see ``flash_attention_dropout_mask``); the seed defaults to a draw
       from torch's generator.
@@ -370,7 +374,7 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     """``flash_attention`` over packed sequences: q ``[total_q, heads_q, head_dim]``, k/v
     ``[total_k, heads_kv, head_dim]``; sequence i is tokens ``cu_seqlens[i]:cu_seqlens[i+1]``
     (int32, ``[n_seq + 1]``, starting at 0, non-decreasing; checked on the host, a sync on
-    CUDA). ``max_seqlen_*`` bound the lengths. lse is ``[heads_q, total_q]``; tokens past
+    CUDA; not checked under torch.compile, where the kernels clamp them as under jax.jit). ``max_seqlen_*`` bound the lengths. lse is ``[heads_q, total_q]``; tokens past
     ``cu_seqlens[-1]`` give 0. Dropout offsets are those of the padded ``[n_seq, heads_q,
     max_seqlen_q, max_seqlen_k]`` problem. Bias and segment ids are not supported here.
     ``fwd_params``/``bwd_params``/``autotune`` as in ``flash_attention`` (cache keys count the

@@ -271,9 +271,7 @@ def varlen_spec(q_shape: tuple, k_shape: tuple, v_shape: tuple, dtypes: tuple,
             raise ValueError(f"{name} must have shape [n_seq + 1] with n_seq >= 1, got {tuple(shape)}")
     if cu_q_shape != cu_k_shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one shape, got {cu_q_shape} and {cu_k_shape}")
-    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise TypeError(f"{name} must be a non-negative Python int, got {value!r}")
+    max_seqlen_q, max_seqlen_k = _max_seqlen("max_seqlen_q", max_seqlen_q), _max_seqlen("max_seqlen_k", max_seqlen_k)
     return FlashSpec(
         batch=cu_q_shape[0] - 1, seq_q=max_seqlen_q, seq_k=max_seqlen_k, heads_q=heads_q, heads_kv=heads_kv,
         head_dim=head_dim, dtype=dtype, softmax_scale=checks.softmax_scale(softmax_scale, head_dim),
@@ -281,6 +279,14 @@ def varlen_spec(q_shape: tuple, k_shape: tuple, v_shape: tuple, dtypes: tuple,
         softcap=_positive_float("logits_soft_cap", logits_soft_cap), dropout_p=dropout(dropout_p),
         varlen=True, total_q=total_q, total_k=total_k,
     )
+
+
+def _max_seqlen(name: str, value) -> int:
+    """An int (numpy's too) in [0, 2**31): the kernels read sequence lengths as int32."""
+    value = checks.int_arg(name, value)
+    if not 0 <= value < 2**31:
+        raise ValueError(f"{name} must be in [0, 2**31), got {value}")
+    return value
 
 
 def cu_seqlens_values(name: str, values: Sequence[int], total: int, max_seqlen: int) -> None:
