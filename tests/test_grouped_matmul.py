@@ -625,3 +625,13 @@ def test_jax_reference_matches_torch_reference(rng):
         got = jref.transposed_grouped_matmul(a, b, sizes, group_offset=2, num_actual_groups=3)
     want = ref.forward(ref.transposed_grouped_matmul, a, b, sizes, group_offset=2, num_actual_groups=3)
     assert _err(np.asarray(got), want, "float32")
+
+
+def test_jax_typed_key_group_offset_is_refused_by_name(jax_fw):
+    # A typed key's extended dtype cannot be read by jnp.dtype ("Cannot interpret 'key<fry>'").
+    import jax
+
+    ones = lambda *shape: jax_fw.asarray(np.ones(shape, np.float32))
+    sizes = jax_fw.asarray(np.array([2, 2], np.int32))
+    with pytest.raises(TypeError, match="group_offset must be an int or an integer scalar array, got key<fry>"):
+        jax_fw.ops.grouped_matmul(ones(4, 3), ones(2, 3, 5), sizes, group_offset=jax.random.key(0))

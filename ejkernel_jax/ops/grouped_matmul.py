@@ -120,7 +120,7 @@ def _group_offset_arg(group_offset, num_groups: int, num_selected: int, check_va
         return jnp.full((1,), int(group_offset), jnp.int32)
     if not isinstance(group_offset, (jax.Array, np.ndarray)):
         raise TypeError(f"group_offset must be an int or an integer scalar array, got {group_offset!r}")
-    gm.check_group_offset_shape(tuple(group_offset.shape), jnp.dtype(group_offset.dtype).name)
+    gm.check_group_offset_shape(tuple(group_offset.shape), name_of(group_offset))
     if check_values and is_concrete(group_offset):
         gm.check_group_offset_value(int(np.asarray(group_offset).reshape(())), num_groups, num_selected)
     return jnp.reshape(group_offset, (1,)).astype(jnp.int32)
