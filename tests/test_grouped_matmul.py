@@ -484,6 +484,26 @@ def test_torch_compile_fullgraph(torch_fw, rng):
     assert _err(lhs.grad.numpy(), want[0], "float32") and _err(rhs.grad.numpy(), want[1], "float32")
 
 
+def test_torch_compile_fullgraph_with_fwd_params_dict(torch_fw, rng):
+    # fwd_params as a dict failed to trace (dynamo cannot take dataclasses.fields() of a class);
+    # only a FwdParams instance compiled.
+    import torch
+
+    import ejkernel_torch as ejk
+
+    m, k, n, groups = 40, 16, 16, 3
+    sizes = torch.from_numpy(ragged_sizes(rng, m, groups))
+    lhs, rhs, lhs_t, rhs_t = torch.randn(m, k), torch.randn(groups, k, n), torch.randn(k, m), torch.randn(m, n)
+    for params in (SMALL, {}):
+        torch._dynamo.reset()
+        gmm = torch.compile(lambda a, b: ejk.grouped_matmul(a, b, sizes, fwd_params=params), backend="aot_eager",
+                            fullgraph=True)
+        tgmm = torch.compile(lambda a, b: ejk.transposed_grouped_matmul(a, b, sizes, fwd_params=params),
+                             backend="aot_eager", fullgraph=True)
+        assert torch.equal(gmm(lhs, rhs), ejk.grouped_matmul(lhs, rhs, sizes, fwd_params=params))
+        assert torch.equal(tgmm(lhs_t, rhs_t), ejk.transposed_grouped_matmul(lhs_t, rhs_t, sizes, fwd_params=params))
+
+
 def test_torch_library_ops_pass_opcheck(torch_fw, rng):
     import torch
 

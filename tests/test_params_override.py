@@ -94,6 +94,19 @@ def test_torch_and_jax_agree_with_overrides(torch_fw, jax_fw, rng):
         assert np.max(np.abs(a - b)) <= 1e-6
 
 
+def test_torch_compile_with_params_dicts(torch_fw, rng):
+    # Dicts failed to trace (dynamo cannot take dataclasses.fields() of a class): only
+    # FwdParams/BwdParams instances compiled.
+    import torch
+
+    import ejkernel_torch as ejk
+
+    q = torch.from_numpy(rng.standard_normal((1, 20, 2, 16)).astype(np.float32))
+    fn = torch.compile(lambda x: ejk.flash_attention(x, x, x, fwd_params=FWD, bwd_params={"blocksize_m": 32}),
+                       backend="aot_eager", fullgraph=True)
+    assert torch.equal(fn(q), ejk.flash_attention(q, q, q, fwd_params=FWD))
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(fwd_params={"blocksize_q": 32}), ValueError, "fwd_params.*unknown field"),
     (dict(fwd_params={"blocksize_m": 24}), ValueError, "fwd_params.*power of two"),

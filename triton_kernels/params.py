@@ -154,8 +154,14 @@ class _Params:
                 if getattr(self, f.name) is not None}
 
     @classmethod
+    def field_names(cls) -> set[str]:
+        # fields() of an instance: torch.compile (dynamo) cannot trace fields() of the class, so
+        # a dict of params failed to compile where an instance did.
+        return {f.name for f in dataclasses.fields(cls())}
+
+    @classmethod
     def from_dict(cls, d: Mapping[str, Any]):
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = cls.field_names()
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; known: {sorted(names)}")
@@ -245,8 +251,8 @@ def op_params(cls, value, name: str, fields: tuple[str, ...] | None = None):
 
 def _coerce_fields(cls, value, fields: tuple[str, ...]):
     """``cls.coerce(value)`` for an op that takes only ``fields``: errors list those alone."""
-    if isinstance(value, Mapping):  # (only here: torch.compile cannot trace fields() of a class)
-        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+    if isinstance(value, Mapping):
+        unknown = set(value) - cls.field_names()
         if unknown:
             raise ValueError(f"unknown field(s) {sorted(unknown, key=str)}; known: {sorted(fields)}")
     params = cls.coerce(value)
