@@ -133,6 +133,27 @@ def test_tgmm_group_selection(fw, rng, group_offset, num_actual_groups):
     assert _err(fw.to_numpy(out), expected, "float32")
 
 
+def test_tgmm_row_offsets_past_int32(torch_fw):
+    # lhs [k, m] with (BLOCK_K - 1) * m >= 2**31: the k-row offsets were int32 and wrapped, so the
+    # kernel read out of bounds (illegal address on an H100 at m = 20M, a segfault in the
+    # interpreter). torch.empty leaves the pages untouched: only the last group's columns are
+    # written (and read). The jax front launches the same kernel (its arrays would be real copies).
+    import torch
+
+    import ejkernel_torch as ejk
+
+    m, k, n, rows = 34_200_000, 64, 16, 40  # the CPU plan's BLOCK_K is 64: 63 * m > 2**31
+    g = torch.Generator().manual_seed(0)
+    lhs = torch.empty(k, m, dtype=torch.bfloat16, device=torch_fw.device)
+    rhs = torch.empty(m, n, dtype=torch.bfloat16, device=torch_fw.device)
+    lhs[:, m - rows:] = torch.randn(k, rows, generator=g).to(lhs)
+    rhs[m - rows:] = torch.randn(rows, n, generator=g).to(rhs)
+    sizes = torch.tensor([m - rows, rows], dtype=torch.int32, device=torch_fw.device)
+    out = ejk.transposed_grouped_matmul(lhs, rhs, sizes, group_offset=1, num_actual_groups=1)
+    want = lhs[:, m - rows:].double().cpu().numpy() @ rhs[m - rows:].double().cpu().numpy()
+    assert _err(out[0].float().cpu().numpy(), want, "bfloat16")
+
+
 def test_other_groups_values_never_leak(fw, rng):
     # inf/NaN in rows outside a group must not reach that group's results (tiles straddle groups).
     m, k, n = 64, 16, 16

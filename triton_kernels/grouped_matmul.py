@@ -192,9 +192,9 @@ def _tgmm_tile(lhs_ptr, rhs_ptr, out_ptr, m, start, rows, index, pk, pn,
     n_mask = offs_n < N
     if LHS_MK:  # [m, K]: read [BLOCK_M, BLOCK_K] tiles, transpose in registers
         a_ptrs = lhs_ptr + start.to(tl.int64) * K + offs_r[:, None] * K + offs_k[None, :]
-    else:  # [K, m]: row stride m, so the k-tile's base offset is int64
-        a_ptrs = lhs_ptr + (pk * BLOCK_K).to(tl.int64) * m + start + \
-            tl.arange(0, BLOCK_K)[:, None] * m + offs_r[None, :]
+    else:  # [K, m]: row stride m, so the row offsets are int64 (an int32 row x m passed 2**31 from
+        # m = 2**31 / (BLOCK_K - 1) on, about 17M rows at BLOCK_K 128, and read out of bounds)
+        a_ptrs = lhs_ptr + offs_k.to(tl.int64)[:, None] * m + start + offs_r[None, :]
     b_ptrs = rhs_ptr + start.to(tl.int64) * N + offs_r[:, None] * N + offs_n[None, :]
     acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
     for r0 in range(0, rows, BLOCK_M):
