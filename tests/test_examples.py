@@ -28,3 +28,26 @@ def test_parity_report_registry_and_output(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {r["op"] for r in rows} == {"padded_softmax", "padded_softmax d/d0"}
     assert all(r["bitwise_equal"] or r["max_abs_diff"] <= 1e-6 for r in rows if r["dtype"] == "float32")
+
+
+def test_parity_report_fails_a_row_whose_error_is_nan(tmp_path, monkeypatch):
+    # A NaN error (here a reference with a NaN in it) passed the job: max(nan, x) > bound is False.
+    import numpy as np
+
+    from examples import parity_report
+    from examples.parity import Case
+    from ejkernel_torch import reference
+
+    def nan_reference(x):
+        out = reference.softmax(x)
+        out[0, 0] = float("nan")
+        return out
+
+    case = Case("softmax", "4x8", "float32", lambda rng: [rng.standard_normal((4, 8))], nan_reference)
+    monkeypatch.setattr(parity_report, "all_cases", lambda: [case])
+    monkeypatch.setattr(sys, "argv", ["parity_report.py", "--repeats", "1", "--out", str(tmp_path / "r.json")])
+    assert parity_report.main() == 1
+    for errors in ((np.nan, 0.0), (0.0, np.nan)):  # either framework
+        row = {"dtype": "float32", "rel_err_torch": errors[0], "rel_err_jax": errors[1]}
+        assert parity_report.failed_rows([row]) == [row]
+
