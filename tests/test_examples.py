@@ -51,3 +51,16 @@ def test_parity_report_fails_a_row_whose_error_is_nan(tmp_path, monkeypatch):
         row = {"dtype": "float32", "rel_err_torch": errors[0], "rel_err_jax": errors[1]}
         assert parity_report.failed_rows([row]) == [row]
 
+
+@pytest.mark.parametrize("example", ["torch_gpt", "flax_gpt"])
+def test_gpt_examples_fail_a_nan_loss(example):
+    # max() skipped a NaN |loss difference| after the first step: a short run with NaN passed.
+    import importlib
+    import math
+
+    judge = importlib.import_module(f"examples.{example}").judge
+    good = [3.4, 3.2, 3.0]
+    assert judge({"ejkernel": good, "plain": good}, steps=3) == (0.0, True)
+    diff, ok = judge({"ejkernel": [3.4, math.nan, math.nan], "plain": good}, steps=3)
+    assert math.isnan(diff) and not ok
+    assert not judge({"ejkernel": good, "plain": [3.4, 3.2, math.nan]}, steps=3)[1]
