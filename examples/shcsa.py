@@ -90,6 +90,11 @@ def main() -> None:
           f"grad {gap(xt.grad.numpy(), g_kernel):.2e}")
     assert not np.isnan(y_kernel).any() and not y_kernel[-1].any(), "all-padding rows must be zeros"
     assert gap(y_kernel, y_plain) < 1e-4 and gap(y_torch.detach().numpy(), y_kernel) < 1e-4
+    # The gradients are judged too (they were only printed: a wrong backward passed), relative
+    # to the largest one (about 40 here; the gaps are about 1e-5).
+    scale = float(np.max(np.abs(g_plain)))
+    assert gap(g_kernel, g_plain) < 1e-4 * scale and gap(xt.grad.numpy(), g_kernel) < 1e-4 * scale, \
+        "input gradients disagree"
 
 
 if __name__ == "__main__":

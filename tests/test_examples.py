@@ -64,3 +64,26 @@ def test_gpt_examples_fail_a_nan_loss(example):
     diff, ok = judge({"ejkernel": [3.4, math.nan, math.nan], "plain": good}, steps=3)
     assert math.isnan(diff) and not ok
     assert not judge({"ejkernel": good, "plain": [3.4, 3.2, math.nan]}, steps=3)[1]
+
+
+def test_shcsa_example_judges_gradients(monkeypatch):
+    # The input gradients were printed but not checked: a wrong torch backward passed.
+    import torch
+
+    import ejkernel_torch
+    from examples import shcsa
+
+    attention = ejkernel_torch.padded_attention
+
+    class _WrongBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 1.01
+
+    monkeypatch.setattr(ejkernel_torch, "padded_attention", lambda *a: _WrongBackward.apply(attention(*a)))
+    with pytest.raises(AssertionError, match="input gradients disagree"):
+        shcsa.main()
