@@ -355,6 +355,10 @@ def _gmm_bad_cases():
         (dict(group_offset=np.array(0.0, f32)), TypeError, "group_offset must be an int"),
         (dict(preferred_element_type="int32"), TypeError, "preferred_element_type must be"),
         (dict(fwd_params={"blocksize_m": 8}), ValueError, "at least 16"),
+        # read by truthiness before: "false" transposed (and then failed on the shapes)
+        (dict(transpose_rhs="false"), TypeError, "transpose_rhs must be a bool, got 'false'"),
+        (dict(transpose_rhs=None), TypeError, "transpose_rhs must be a bool"),
+        (dict(check_values="no", group_sizes=np.array([4, 3], np.int32)), TypeError, "check_values must be a bool"),
         *_params_bad_cases(),
     ]
 
@@ -378,7 +382,7 @@ def test_gmm_bad_input(fw, kwargs, error, match):
     args = dict(lhs=np.zeros((6, 4), np.float32), rhs=np.zeros((2, 4, 5), np.float32),
                 group_sizes=np.array([2, 3], np.int32)) | kwargs
     options = {}
-    for key in ("group_offset", "fwd_params", "preferred_element_type", "autotune"):
+    for key in ("group_offset", "fwd_params", "preferred_element_type", "autotune", "transpose_rhs", "check_values"):
         if key in args:
             value = args.pop(key)
             options[key] = fw.asarray(value) if isinstance(value, np.ndarray) else value
@@ -395,13 +399,14 @@ def test_gmm_bad_input(fw, kwargs, error, match):
     (dict(num_actual_groups=1, group_offset=2), ValueError, "group_offset=2"),
     (dict(group_sizes=np.array([5, 3], np.int32)), ValueError, "exceeds the 6 rows"),
     (dict(lhs=np.zeros((4, 6, 1), np.float32)), ValueError, "lhs must be 2-D"),
+    (dict(check_values="no"), TypeError, "check_values must be a bool, got 'no'"),
     *_params_bad_cases(),
 ])
 def test_tgmm_bad_input(fw, kwargs, error, match):
     args = dict(lhs=np.zeros((4, 6), np.float32), rhs=np.zeros((6, 5), np.float32),
                 group_sizes=np.array([2, 3], np.int32)) | kwargs
-    options = {key: args.pop(key) for key in ("num_actual_groups", "group_offset", "fwd_params", "autotune")
-               if key in args}
+    options = {key: args.pop(key) for key in ("num_actual_groups", "group_offset", "fwd_params", "autotune",
+                                              "check_values") if key in args}
     with pytest.raises(error, match=match):
         fw.ops.transposed_grouped_matmul(*(fw.asarray(args[n]) for n in ("lhs", "rhs", "group_sizes")), **options)
 

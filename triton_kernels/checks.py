@@ -129,6 +129,14 @@ def int_arg(name: str, value) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
 
 
+def flag(name: str, value) -> bool:
+    """A bool (numpy's too) as a bool; anything else is refused, not read by truthiness: a
+    string such as "false" would be True, and a traced jax value fails inside bool()."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
 def _positive_int(name: str, value) -> int:
     value = int_arg(name, value)
     if value < 1:

@@ -281,6 +281,7 @@ def check_out_dtype(dtype: str) -> None:
 def check_gmm(lhs_shape, lhs_dtype: str, rhs_shape, rhs_dtype: str, gs_shape, gs_dtype: str,
               transpose_rhs: bool) -> tuple[int, int, int, int, int]:
     """Returns (m, k, n, num_groups, num_selected)."""
+    transpose_rhs = checks.flag("transpose_rhs", transpose_rhs)
     checks.float_input("lhs", lhs_dtype)
     checks.float_input("rhs", rhs_dtype)
     checks.ndim("lhs", lhs_shape, 2, "[m, k]")

@@ -21,6 +21,7 @@ import numpy as np
 from ejkernel_jax.launch import device_facts, launch
 from ejkernel_jax.ops import _tuning
 from ejkernel_jax.ops._common import array_arg, is_concrete, name_of
+from triton_kernels import checks
 from triton_kernels import grouped_matmul as gm
 from triton_kernels.config_cache import check_autotune
 from triton_kernels.params import FwdParams, op_params
@@ -181,12 +182,13 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     group_sizes = array_arg("group_sizes", group_sizes)
     m, k, n, num_groups, num_selected = gm.check_gmm(
         tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
-        tuple(group_sizes.shape), name_of(group_sizes), bool(transpose_rhs))
+        tuple(group_sizes.shape), name_of(group_sizes), transpose_rhs)
     out_dtype = _out_dtype(preferred_element_type, name_of(lhs))
     params = op_params(FwdParams, fwd_params, "fwd_params", gm.PARAM_FIELDS)  # {}: None, as if not given
     check_autotune(autotune)
-    group_sizes = _group_sizes_arg(group_sizes, m, bool(check_values))
-    offset = _group_offset_arg(group_offset, num_groups, num_selected, bool(check_values))
+    check_values = checks.flag("check_values", check_values)
+    group_sizes = _group_sizes_arg(group_sizes, m, check_values)
+    offset = _group_offset_arg(group_offset, num_groups, num_selected, check_values)
     if _platform(platform) == "tpu":
         from ejkernel_jax.pallas.tpu import grouped_matmul as pallas_gm
 
@@ -221,8 +223,9 @@ def transposed_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
     out_dtype = _out_dtype(preferred_element_type, name_of(lhs))
     params = op_params(FwdParams, fwd_params, "fwd_params", gm.PARAM_FIELDS)  # {}: None, as if not given
     check_autotune(autotune)
-    group_sizes = _group_sizes_arg(group_sizes, m, bool(check_values))
-    offset = _group_offset_arg(group_offset, num_groups, num_selected, bool(check_values))
+    check_values = checks.flag("check_values", check_values)
+    group_sizes = _group_sizes_arg(group_sizes, m, check_values)
+    offset = _group_offset_arg(group_offset, num_groups, num_selected, check_values)
     if _platform(platform) == "tpu":
         from ejkernel_jax.pallas.tpu import grouped_matmul as pallas_gm
 

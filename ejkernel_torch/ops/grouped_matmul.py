@@ -23,6 +23,7 @@ import torch
 from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable, plain_eager, reject_forward_ad
 from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import name_of, same_device, tensor_arg
+from triton_kernels import checks
 from triton_kernels import grouped_matmul as gm
 from triton_kernels.config_cache import check_autotune
 from triton_kernels.params import FwdParams, op_params
@@ -242,13 +243,13 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     lhs, rhs, group_sizes = (tensor_arg(n, t) for n, t in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)))
     m, k, n, num_groups, num_selected = gm.check_gmm(
         tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
-        tuple(group_sizes.shape), name_of(group_sizes), bool(transpose_rhs))
+        tuple(group_sizes.shape), name_of(group_sizes), transpose_rhs)
     device = same_device(lhs=lhs, rhs=rhs)
     out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
     params = op_params(FwdParams, fwd_params, "fwd_params", gm.PARAM_FIELDS)  # {}: None, as if not given
     check_autotune(autotune)
     group_sizes, offset = _group_args(group_sizes, group_offset, m, num_groups, num_selected, device,
-                                      bool(check_values))
+                                      checks.flag("check_values", check_values))
     problem = (m, k, n, num_groups, num_selected, bool(transpose_rhs), name_of(lhs), dtype_name(out_dtype))
     lhs, rhs = lhs.contiguous(), rhs.contiguous()
     if not torch.compiler.is_compiling():  # bad fwd_params fail here (dynamo cannot trace plans)
@@ -280,7 +281,7 @@ def transposed_grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes:
     params = op_params(FwdParams, fwd_params, "fwd_params", gm.PARAM_FIELDS)  # {}: None, as if not given
     check_autotune(autotune)
     group_sizes, offset = _group_args(group_sizes, group_offset, m, num_groups, num_selected, device,
-                                      bool(check_values))
+                                      checks.flag("check_values", check_values))
     problem = (m, k, n, num_groups, num_selected, False, name_of(lhs), dtype_name(out_dtype))
     lhs, rhs = lhs.contiguous(), rhs.contiguous()
     if not torch.compiler.is_compiling():
