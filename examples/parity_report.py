@@ -54,7 +54,7 @@ def _run_case(case: Case, fw, inputs: list[np.ndarray], cotangent: np.ndarray, r
     arrays = [fw.asarray(a, case.dtype if np.issubdtype(a.dtype, np.floating) else None) for a in inputs]
     op = case.fn(fw.ops)
     out, ms = _timed(fw, lambda: op(*arrays, **case.kwargs), repeats)
-    results = {"out": fw.to_numpy(out)}
+    results = {"out": fw.to_numpy(out), "out_dtype": str(out.dtype).removeprefix("torch.")}
     if case.n_diff:
         n = case.n_diff
         grads = fw.vjp(lambda *d: op(*d, *arrays[n:], **case.kwargs), arrays[:n], fw.asarray(cotangent, case.dtype))
@@ -82,7 +82,8 @@ def _rows_for(case: Case, rng, repeats: int) -> list[dict]:
             "op": case.op if key == "out" else f"{case.op} d/d{key[4:]}",
             "shape": case.label, "dtype": case.dtype, "device": torch_fw.device,
             "rel_err_torch": rel_error(a, want), "rel_err_jax": rel_error(b, want),
-            "max_abs_diff": float(np.max(np.abs(a - b))) if a.size else 0.0,
+            "rel_diff": rel_error(a, b), "max_abs_diff": float(np.max(np.abs(a - b))) if a.size else 0.0,
+            "out_dtypes": [t_res["out_dtype"], j_res["out_dtype"]] if key == "out" else None,
             "bitwise_equal": a.tobytes() == b.tobytes(),
             "ms_torch": t_ms if key == "out" else None, "ms_jax": j_ms if key == "out" else None,
         })
@@ -94,11 +95,16 @@ BOUNDS = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 
 
 def failed_rows(rows: list[dict]) -> list[dict]:
-    """Rows that fail the job: a NaN or a wildly wrong result in either framework. An error that
-    is NaN (a reference with a NaN in it) fails too: ``max(nan, x) > bound`` was False, so such
-    a row passed whatever the framework returned."""
-    return [r for r in rows
-            if not (r["rel_err_torch"] <= BOUNDS[r["dtype"]] and r["rel_err_jax"] <= BOUNDS[r["dtype"]])]
+    """Rows that fail the job: a NaN or a wildly wrong result in either framework, the two
+    frameworks apart by more than the same bound (relative to jax's result), or outputs of two
+    dtypes. An error that is NaN (a reference with a NaN in it) fails too: ``max(nan, x) > bound``
+    was False, so such a row passed whatever the framework returned."""
+    def ok(r):
+        bound = BOUNDS[r["dtype"]]
+        same_dtype = r["out_dtypes"] is None or r["out_dtypes"][0] == r["out_dtypes"][1]
+        return r["rel_err_torch"] <= bound and r["rel_err_jax"] <= bound and r["rel_diff"] <= bound and same_dtype
+
+    return [r for r in rows if not ok(r)]
 
 
 def _progress(i: int, total: int, label: str) -> None:
@@ -139,7 +145,8 @@ def main() -> int:
     print(f"\nwrote {args.out}")
     bad = failed_rows(rows)
     for r in bad:
-        print(f"FAILED: {r['op']} {r['shape']} {r['dtype']}: errors {r['rel_err_torch']:.2e} / {r['rel_err_jax']:.2e}")
+        print(f"FAILED: {r['op']} {r['shape']} {r['dtype']}: errors {r['rel_err_torch']:.2e} / {r['rel_err_jax']:.2e}, "
+              f"torch vs jax {r['rel_diff']:.2e}" + (f", dtypes {r['out_dtypes']}" if r["out_dtypes"] else ""))
     return 1 if bad else 0
 
 

@@ -48,8 +48,33 @@ def test_parity_report_fails_a_row_whose_error_is_nan(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["parity_report.py", "--repeats", "1", "--out", str(tmp_path / "r.json")])
     assert parity_report.main() == 1
     for errors in ((np.nan, 0.0), (0.0, np.nan)):  # either framework
-        row = {"dtype": "float32", "rel_err_torch": errors[0], "rel_err_jax": errors[1]}
+        row = {"dtype": "float32", "rel_err_torch": errors[0], "rel_err_jax": errors[1], "rel_diff": 0.0,
+               "out_dtypes": None}
         assert parity_report.failed_rows([row]) == [row]
+
+
+def test_parity_report_fails_frameworks_that_disagree(tmp_path, monkeypatch):
+    # Only the errors against float64 were judged: torch and jax apart by twice the bound (each
+    # within it of the reference), or returning different dtypes, passed the job.
+    from examples import parity_report
+
+    good = {"dtype": "float32", "rel_err_torch": 0.0, "rel_err_jax": 0.0, "rel_diff": 0.0,
+            "out_dtypes": ["float32", "float32"]}
+    assert parity_report.failed_rows([good]) == []
+    apart = {**good, "rel_err_torch": 9e-5, "rel_err_jax": 9e-5, "rel_diff": 1.8e-4}
+    dtypes = {**good, "out_dtypes": ["float32", "bfloat16"]}
+    assert parity_report.failed_rows([apart, dtypes]) == [apart, dtypes]
+
+    import ejkernel_jax
+    from ejkernel_torch import reference
+    from examples.parity import Case
+
+    real_softmax = ejkernel_jax.softmax  # jax returns the same values in float32: only the dtype differs
+    monkeypatch.setattr(ejkernel_jax, "softmax", lambda x, **kw: real_softmax(x, **kw).astype("float32"))
+    case = Case("softmax", "3x7", "bfloat16", lambda rng: [rng.standard_normal((3, 7))], reference.softmax)
+    monkeypatch.setattr(parity_report, "all_cases", lambda: [case])
+    monkeypatch.setattr(sys, "argv", ["parity_report.py", "--repeats", "1", "--out", str(tmp_path / "r.json")])
+    assert parity_report.main() == 1
 
 
 @pytest.mark.parametrize("example", ["torch_gpt", "flax_gpt"])
