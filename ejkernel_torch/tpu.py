@@ -447,7 +447,7 @@ def grouped_matmul(
         tiling=_hashable(fn, "tiling", tiling),
         input_buffer_count=_hashable(fn, "input_buffer_count", input_buffer_count),
         static_group_offset=static_offset,
-        transpose_rhs=bool(transpose_rhs),
+        transpose_rhs=_gmm.check_flag(f"{fn}: argument 'transpose_rhs'", transpose_rhs),
         interpret=_hashable(fn, "interpret", _interpret(interpret, device)),
     )
 

@@ -379,7 +379,8 @@ def test_checks_do_not_depend_on_earlier_calls(fw):
     # 1 == True == 1.0 hash alike: a cached good call must not let a bad type through afterwards.
     x = fw.asarray(np.zeros((1, 8, 2, 16), np.float32))
     for bad, good in ((dict(causal=1), dict(causal=True)), (dict(softmax_scale=True), dict(softmax_scale=1.0)),
-                      (dict(sliding_window=(True, 2)), dict(sliding_window=(1, 2)))):
+                      (dict(sliding_window=(True, 2)), dict(sliding_window=(1, 2))),
+                      (dict(return_lse="no"), dict(return_lse=False))):
         fw.ops.flash_attention(x, x, x, **good)
         with pytest.raises(TypeError):
             fw.ops.flash_attention(x, x, x, **bad)

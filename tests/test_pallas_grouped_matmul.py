@@ -462,6 +462,7 @@ def _gmm_bad_cases():
         (dict(tiling=(128, 128)), ValueError, "tiling"),
         (dict(tiling=(128, 0, 128)), ValueError, "tiling"),
         (dict(tiling=(True, 128, 128)), ValueError, "tiling"),  # once tm=1
+        (dict(transpose_rhs="false"), TypeError, "transpose_rhs must be a bool"),  # once transposed
         (dict(tiling=lambda m, k, n: None), ValueError, "tiling"),
         (dict(input_buffer_count=3), ValueError, "input_buffer_count"),
         (dict(preferred_element_type=jnp.int32), TypeError, "preferred_element_type"),

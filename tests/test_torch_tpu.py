@@ -303,6 +303,8 @@ BAD = {
     "lhs float64": (lambda: tpu.grouped_matmul(_lhs.double(), _rhs, _gs), TypeError, r"'lhs' must be bfloat16"),
     "group_sizes int64": (lambda: tpu.grouped_matmul(_lhs, _rhs, _gs.long()), TypeError,
                           r"'group_sizes' must be int32, got torch.int64"),
+    "transpose_rhs a string": (lambda: tpu.grouped_matmul(_lhs, _rhs, _gs, transpose_rhs="false"), TypeError,
+                               r"'transpose_rhs' must be a bool, got 'false'"),  # "false" transposed
     "group_sizes 2-D": (lambda: tpu.grouped_matmul(_lhs, _rhs, _gs[None]), ValueError, r"'group_sizes' must be 1-D"),
     "negative group size": (lambda: tpu.grouped_matmul(_lhs, _rhs, torch.tensor([-1, 5], dtype=torch.int32)),
                             ValueError, r"'group_sizes' must be non-negative"),

@@ -12,7 +12,7 @@ from jax.custom_derivatives import SymbolicZero
 from ejkernel_jax.launch import device_facts, launch
 from ejkernel_jax.ops import _tuning
 from ejkernel_jax.ops._common import array_arg, is_concrete, name_of
-from triton_kernels import flash_attention as fa
+from triton_kernels import checks, flash_attention as fa
 from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
 from triton_kernels.params import BwdParams, FwdParams, op_params
 from triton_kernels.tuning import FLASH_BWD, FLASH_FWD, autotune_enabled
@@ -157,6 +157,7 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         softmax_scale=softmax_scale, sliding_window=fa.window_arg(sliding_window), logits_soft_cap=logits_soft_cap,
         bias_shape=bias_shape, bias_dtype=bias_dtype, q_segment_shape=qs_shape, q_segment_dtype=qs_dtype,
         kv_segment_shape=ks_shape, kv_segment_dtype=ks_dtype, dropout_p=dropout_p)
+    return_lse = checks.flag("return_lse", return_lse)  # "no" is truthy
     params = _params(spec, fwd_params, bwd_params)
     aux = (_segment_ids(spec, q_seg), _segment_ids(spec, kv_seg), None, None, _seed(dropout_seed, spec.dropout_p))
     _autotune(spec, params, q, k, v, bias, aux, autotune)
@@ -189,6 +190,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                                      ("cu_seqlens_k", cu_k, spec.total_k, max_seqlen_k)):
         if is_concrete(cu):
             fa.cu_seqlens_values(name, jax.device_get(cu).tolist(), total, max_len)
+    return_lse = checks.flag("return_lse", return_lse)  # "no" is truthy
     params = _params(spec, fwd_params, bwd_params)
     aux = (None, None, cu_q, cu_k, _seed(dropout_seed, spec.dropout_p))
     _autotune(spec, params, q, k, v, None, aux, autotune)

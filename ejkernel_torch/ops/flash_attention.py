@@ -21,7 +21,7 @@ from torch import Tensor
 from ejkernel_torch.launch import device_facts, dtype_name, launch, launch_traceable, plain_eager, reject_forward_ad, torch_dtype
 from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import name_of, same_device, tensor_arg
-from triton_kernels import flash_attention as fa
+from triton_kernels import checks, flash_attention as fa
 from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
 from triton_kernels.params import BwdParams, FwdParams, decode_params, encode_params, op_params
 from triton_kernels.config_cache import check_autotune
@@ -352,6 +352,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, so
         *shapes, dtypes, causal=causal, softmax_scale=softmax_scale, sliding_window=fa.window_arg(sliding_window),
         logits_soft_cap=logits_soft_cap, bias_shape=bias_shape, bias_dtype=bias_dtype, q_segment_shape=qs_shape,
         q_segment_dtype=qs_dtype, kv_segment_shape=ks_shape, kv_segment_dtype=ks_dtype, dropout_p=dropout_p)
+    return_lse = checks.flag("return_lse", return_lse)  # "no" is truthy
     params = _params(spec, fwd_params, bwd_params, device)
     seed = _seed(dropout_seed, spec.dropout_p, device)
     arrays = (q.contiguous(), k.contiguous(), v.contiguous(), None if bias is None else bias.contiguous(),
@@ -393,6 +394,7 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     if not torch.compiler.is_compiling():
         fa.cu_seqlens_values("cu_seqlens_q", cu_q.tolist(), spec.total_q, max_seqlen_q)
         fa.cu_seqlens_values("cu_seqlens_k", cu_k.tolist(), spec.total_k, max_seqlen_k)
+    return_lse = checks.flag("return_lse", return_lse)  # "no" is truthy
     params = _params(spec, fwd_params, bwd_params, device)
     seed = _seed(dropout_seed, spec.dropout_p, device)
     arrays = (q.contiguous(), k.contiguous(), v.contiguous(), None, None, None, cu_q.contiguous(), cu_k.contiguous(),

@@ -224,6 +224,13 @@ def _check_group_offset(group_offset, num_groups: int, num_selected: int) -> jax
     return jnp.reshape(group_offset, ()).astype(jnp.int32)
 
 
+def check_flag(name: str, value) -> bool:
+    """A bool (numpy's too), not read by truthiness: "false" would transpose."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
 def _is_int(x) -> bool:
     # A bool is an int to isinstance: tiling=(True, 128, 128) silently meant tm=1.
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
@@ -659,6 +666,7 @@ def grouped_matmul(
       ``[m, n]`` in ``preferred_element_type``. Rows outside the selected groups (including rows
       past ``sum(group_sizes)``) are zeros. Differentiable w.r.t. ``lhs`` and ``rhs``.
     """
+    transpose_rhs = check_flag("transpose_rhs", transpose_rhs)
     _check_float("lhs", lhs)
     _check_float("rhs", rhs)
     if lhs.ndim != 2:
@@ -683,7 +691,7 @@ def grouped_matmul(
     tiling = _check_tiling(tiling)
     input_buffer_count = _check_buffer_count(input_buffer_count)
     return _gmm_jit(lhs, rhs, group_sizes, group_offset, out_dtype, tiling,
-                    input_buffer_count, bool(transpose_rhs), _resolve_interpret(interpret))
+                    input_buffer_count, transpose_rhs, _resolve_interpret(interpret))
 
 
 def transposed_grouped_matmul(
