@@ -113,3 +113,26 @@ def test_n_pad_captured_by_jit(jax_fw, rng):
     eager = jax_fw.ops.padded_attention(q, q, q, n_pad)
     jitted = jax.jit(lambda q: jax_fw.ops.padded_attention(q, q, q, n_pad))(q)
     np.testing.assert_array_equal(np.asarray(jitted), np.asarray(eager))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_fullgraph(torch_fw, rng, dynamic):
+    # torch.compile traced into the plan code, the interpreter and the config cache's device
+    # fingerprint, and read n_pad's values: fullgraph=True failed, dynamic=True hit a RecursionError.
+    import torch
+
+    import ejkernel_torch as ejk
+
+    fn = torch.compile(lambda q, k, v, n: ejk.padded_attention(q, k, v, n, fwd_params={"blocksize_m": 16}),
+                       backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    for seq in (6, 9):
+        qkv, qkv_np, n_pad, n_pad_np = _case(torch_fw, rng, 3, seq, 8, "float32")
+        qkv = [t.requires_grad_() for t in qkv]
+        out = fn(*qkv, n_pad)
+        dout = rng.standard_normal(out.shape).astype(np.float32)
+        out.backward(torch.from_numpy(dout))
+        assert rel_error(out.detach().numpy(), ref.forward(ref.padded_attention, *qkv_np, n_pad_np)) \
+            < TOLERANCE["float32"]
+        expected = ref.vjp(ref.padded_attention, [*qkv_np, n_pad_np], dout, n_diff=3)
+        for name, t, want in zip("qkv", qkv, expected):
+            assert rel_error(t.grad.numpy(), want) < GRAD_TOLERANCE["float32"], name

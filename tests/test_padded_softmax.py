@@ -156,3 +156,31 @@ def test_bad_values(fw):
         fw.ops.padded_softmax_v(scores, fw.asarray(np.zeros((2, 4, 8), np.float32)), n_pad)
     with pytest.raises(TypeError, match="scores, v must share one dtype"):
         fw.ops.padded_softmax_v(scores, fw.asarray(np.zeros((2, 5, 8), np.float16)), n_pad)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_fullgraph(torch_fw, rng, dynamic):
+    # torch.compile traced into the plan code and the interpreter, and read n_pad's values
+    # (data-dependent): fullgraph=True failed for both ops. Under compile the kernels clamp n_pad.
+    import torch
+
+    import ejkernel_torch as ejk
+
+    options = dict(backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    probs = torch.compile(ejk.padded_softmax, **options)
+    probs_v = torch.compile(ejk.padded_softmax_v, **options)
+    for seq in (6, 9):
+        c = _case(torch_fw, rng, 3, seq, "float32", head_dim=8)
+        scores = c["scores"].clone().requires_grad_()
+        v = c["v"].clone().requires_grad_()
+        y = probs(scores, c["n_pad"])
+        assert rel_error(y.detach().numpy(), ref.forward(ref.padded_softmax, c["scores_np"], c["n_pad_np"])) \
+            < TOLERANCE["float32"]
+        out = probs_v(scores, v, c["n_pad"])
+        dout = rng.standard_normal(out.shape).astype(np.float32)
+        out.backward(torch.from_numpy(dout))
+        args = [c["scores_np"], c["v_np"], c["n_pad_np"]]
+        assert rel_error(out.detach().numpy(), ref.forward(ref.padded_softmax_v, *args)) < TOLERANCE["float32"]
+        ds_ref, dv_ref = ref.vjp(ref.padded_softmax_v, args, dout, n_diff=2)
+        assert rel_error(scores.grad.numpy(), ds_ref) < GRAD_TOLERANCE["float32"]
+        assert rel_error(v.grad.numpy(), dv_ref) < GRAD_TOLERANCE["float32"]

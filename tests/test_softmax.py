@@ -98,3 +98,22 @@ def test_bad_axis(fw):
         fw.ops.softmax(x, axis=2)
     with pytest.raises(TypeError, match="axis must be an int"):
         fw.ops.softmax(x, axis=1.0)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_fullgraph(torch_fw, rng, dynamic):
+    # torch.compile traced into the plan code and the interpreter: fullgraph=True failed
+    # ("Unsupported context manager"), the default mode with an InternalTorchDynamoError.
+    import torch
+
+    import ejkernel_torch as ejk
+
+    fn = torch.compile(lambda a: ejk.softmax(a, axis=1), backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    for shape in [(3, 4, 5), (2, 9, 3)]:  # a second shape: recompiled or dynamic sizes
+        x_np = rng.standard_normal(shape).astype(np.float32)
+        x = torch.from_numpy(x_np).requires_grad_()
+        dy_np = rng.standard_normal(shape).astype(np.float32)
+        fn(x).backward(torch.from_numpy(dy_np))
+        (dx_ref,) = ref.vjp(lambda a: ref.softmax(a, 1), [x_np], dy_np, n_diff=1)
+        assert rel_error(fn(x).detach().numpy(), ref.forward(ref.softmax, x_np, 1)) < TOLERANCE["float32"]
+        assert rel_error(x.grad.numpy(), dx_ref) < GRAD_TOLERANCE["float32"]

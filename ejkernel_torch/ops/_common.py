@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ejkernel_torch.launch import device_facts, dtype_name, reject_forward_ad
+from ejkernel_torch.launch import device_facts, dtype_name, plain_eager, reject_forward_ad
 from triton_kernels import checks
 
 
@@ -30,15 +30,38 @@ def name_of(x: torch.Tensor) -> str:
         return str(x.dtype).removeprefix("torch.")
 
 
+def static_shape(x: torch.Tensor) -> tuple[int, ...]:
+    # Plans need concrete sizes: under dynamic-shape tracing this specializes (guards) on them.
+    return tuple(int(n) for n in x.shape)
+
+
 def n_pad_arg(n_pad, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
-    """Validate ``n_pad`` (values too: a host sync on CUDA) and return it as int32 on ``device``."""
+    """Validate ``n_pad`` (values too: a host sync on CUDA) and return it as int32 on ``device``.
+
+    Under ``torch.compile`` the values are not known (as under ``jax.jit``): the kernels clamp them.
+    """
     n_pad = tensor_arg("n_pad", n_pad)
     checks.n_pad(tuple(n_pad.shape), name_of(n_pad), batch)
     if n_pad.device != device:
         raise ValueError(f"n_pad is on {n_pad.device} but the other inputs are on {device}")
-    if batch:
+    if batch and not torch.compiler.is_compiling():
         checks.n_pad_values(int(n_pad.min()), int(n_pad.max()), seq_len)
     return n_pad.to(torch.int32).contiguous()
+
+
+def kernel_op(name: str, body):
+    """``body`` (plans built from its tensors' shapes, run by ``launch_traceable``) as the
+    ``torch.library.triton_op`` ``ejkernel::name``. torch.compile cannot trace the plan code (nor
+    the interpreter): it sees the registered op instead, and traces it with ``fullgraph=True``
+    too. Plain eager calls run ``body`` directly, without the dispatcher's Python layers."""
+    op = torch.library.triton_op(f"ejkernel::{name}", body, mutates_args=())
+
+    def call(*args):
+        if plain_eager(*(a for a in args if isinstance(a, torch.Tensor))):
+            return body(*args)
+        return op(*args)
+
+    return call
 
 
 class _Context:

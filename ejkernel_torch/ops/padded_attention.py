@@ -1,24 +1,48 @@
 """padded_attention on torch tensors: forward and backward are Triton kernels."""
 from __future__ import annotations
 
-import torch
+from typing import Optional
 
-from ejkernel_torch.launch import device_facts, dtype_name, launch
+import torch
+from torch import Tensor
+
+from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import apply, n_pad_arg, name_of, same_device, tensor_arg
+from ejkernel_torch.ops._common import apply, kernel_op, n_pad_arg, name_of, same_device, static_shape, tensor_arg
 from triton_kernels import checks
 from triton_kernels.tuning import PADDED_BWD, PADDED_FWD
 from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan
-from triton_kernels.params import BwdParams, FwdParams, op_params
+from triton_kernels.params import BwdParams, FwdParams, decode_params, encode_params, op_params
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, n_pad: Tensor, softmax_scale: float,
+             fwd_params: Optional[list[int]]) -> tuple[Tensor, Tensor]:
+    problem = (static_shape(q), dtype_name(q.dtype), softmax_scale)
+    params = _tuning.resolve(PADDED_FWD, problem, q.device, decode_params(FwdParams, fwd_params))
+    out, lse2 = launch_traceable(attention_fwd_plan(*problem, device_facts(q.device), params), q, k, v, n_pad)
+    return out, lse2
+
+
+def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, n_pad: Tensor, dout: Tensor,
+              softmax_scale: float, bwd_params: Optional[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
+    problem = (static_shape(q), dtype_name(q.dtype), softmax_scale)
+    params = _tuning.resolve(PADDED_BWD, problem, q.device, decode_params(BwdParams, bwd_params))
+    delta_plan, dkdv_plan, dq_plan = attention_bwd_plans(*problem, device_facts(q.device), params)
+    (delta,) = launch_traceable(delta_plan, out, dout)
+    dk, dv = launch_traceable(dkdv_plan, q, k, v, dout, lse2, delta, n_pad)
+    (dq,) = launch_traceable(dq_plan, q, k, v, dout, lse2, delta, n_pad)
+    return dq, dk, dv
+
+
+# Registered ops (kernel_op); params travel as encode_params lists, which a schema can carry.
+_forward_op = kernel_op("padded_attention_fwd", _forward)
+_backward_op = kernel_op("padded_attention_bwd", _backward)
 
 
 class _PaddedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, n_pad, softmax_scale, fwd_params=None, bwd_params=None):
-        problem = (tuple(q.shape), dtype_name(q.dtype), softmax_scale)
-        plan = attention_fwd_plan(*problem, device_facts(q.device), _tuning.resolve(PADDED_FWD, problem, q.device,
-                                                                                    fwd_params))
-        out, lse2 = launch(plan, q, k, v, n_pad)
+        out, lse2 = _forward_op(q, k, v, n_pad, softmax_scale, encode_params(fwd_params))
         ctx.save_for_backward(q, k, v, out, lse2, n_pad)
         ctx.softmax_scale = softmax_scale
         ctx.bwd_params = bwd_params
@@ -27,14 +51,8 @@ class _PaddedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse2, n_pad = ctx.saved_tensors
-        problem = (tuple(q.shape), dtype_name(q.dtype), ctx.softmax_scale)
-        delta_plan, dkdv_plan, dq_plan = attention_bwd_plans(
-            *problem, device_facts(q.device), _tuning.resolve(PADDED_BWD, problem, q.device, ctx.bwd_params)
-        )
-        dout = dout.to(q.dtype).contiguous()
-        (delta,) = launch(delta_plan, out, dout)
-        dk, dv = launch(dkdv_plan, q, k, v, dout, lse2, delta, n_pad)
-        (dq,) = launch(dq_plan, q, k, v, dout, lse2, delta, n_pad)
+        dq, dk, dv = _backward_op(q, k, v, out, lse2, n_pad, dout.to(q.dtype).contiguous(), ctx.softmax_scale,
+                                  encode_params(ctx.bwd_params))
         return dq, dk, dv, None, None, None, None
 
 
@@ -59,7 +77,8 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_pad: t
     scale = checks.softmax_scale(softmax_scale, head_dim)
     device = same_device(q=q, k=k, v=v)
     fwd, bwd = op_params(FwdParams, fwd_params, "fwd_params"), op_params(BwdParams, bwd_params, "bwd_params")
-    if fwd is not None or bwd is not None:  # bad overrides fail here, before any kernel runs
+    # Bad overrides fail here, before any kernel runs (torch.compile cannot trace the plan code).
+    if (fwd is not None or bwd is not None) and not torch.compiler.is_compiling():
         facts, key = device_facts(device), (tuple(q.shape), dtype_name(q.dtype), scale)
         attention_fwd_plan(*key, facts, fwd)
         attention_bwd_plans(*key, facts, bwd)

@@ -4,17 +4,57 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 
-from ejkernel_torch.launch import device_facts, dtype_name, launch
-from ejkernel_torch.ops._common import apply, n_pad_arg, name_of, same_device, tensor_arg
+from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable
+from ejkernel_torch.ops._common import apply, kernel_op, n_pad_arg, name_of, same_device, static_shape, tensor_arg
 from triton_kernels import checks
 from triton_kernels.padded_attention import scores_v_bwd_plans, scores_v_fwd_plan
 from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
 
 
-def _softmax_rows_backward(y2d: torch.Tensor, dy2d: torch.Tensor) -> torch.Tensor:
-    plan = softmax_bwd_plan(*y2d.shape, dtype_name(y2d.dtype), device_facts(y2d.device))
-    return launch(plan, y2d, dy2d.to(y2d.dtype).contiguous())[0]
+# -- kernels, as registered ops (kernel_op): inputs are checked and contiguous --------------------
+
+def _rows_forward(x2d: Tensor) -> Tensor:
+    plan = softmax_fwd_plan(*static_shape(x2d), dtype_name(x2d.dtype), device_facts(x2d.device))
+    return launch_traceable(plan, x2d)[0]
+
+
+def _rows_backward(y2d: Tensor, dy2d: Tensor) -> Tensor:
+    plan = softmax_bwd_plan(*static_shape(y2d), dtype_name(y2d.dtype), device_facts(y2d.device))
+    return launch_traceable(plan, y2d, dy2d)[0]
+
+
+def _padded_probs(scores: Tensor, n_pad: Tensor) -> Tensor:
+    batch, seq_len, _ = static_shape(scores)
+    plan = padded_softmax_fwd_plan(batch, seq_len, dtype_name(scores.dtype), device_facts(scores.device))
+    return launch_traceable(plan, scores, n_pad)[0]
+
+
+def _scores_v_forward(scores: Tensor, v: Tensor, n_pad: Tensor) -> tuple[Tensor, Tensor]:
+    plan = scores_v_fwd_plan(static_shape(v), dtype_name(v.dtype), device_facts(v.device))
+    out, lse = launch_traceable(plan, scores, v, n_pad)
+    return out, lse
+
+
+def _scores_v_backward(scores: Tensor, v: Tensor, n_pad: Tensor, out: Tensor, lse: Tensor,
+                       dout: Tensor) -> tuple[Tensor, Tensor]:
+    delta_plan, ds_plan, dv_plan = scores_v_bwd_plans(static_shape(v), dtype_name(v.dtype), device_facts(v.device))
+    (delta,) = launch_traceable(delta_plan, out, dout)
+    (dscores,) = launch_traceable(ds_plan, scores, v, dout, lse, delta, n_pad)
+    (dv,) = launch_traceable(dv_plan, scores, dout, lse, n_pad)
+    return dscores, dv
+
+
+_rows_forward_op = kernel_op("softmax_rows_fwd", _rows_forward)
+_rows_backward_op = kernel_op("softmax_rows_bwd", _rows_backward)
+_padded_probs_op = kernel_op("padded_softmax_fwd", _padded_probs)
+_scores_v_forward_op = kernel_op("padded_softmax_v_fwd", _scores_v_forward)
+_scores_v_backward_op = kernel_op("padded_softmax_v_bwd", _scores_v_backward)
+
+
+def _softmax_rows_backward(y2d: Tensor, dy2d: Tensor) -> Tensor:
+    return _rows_backward_op(y2d, dy2d.to(y2d.dtype).contiguous())
 
 
 class _SoftmaxRows(torch.autograd.Function):
@@ -22,8 +62,7 @@ class _SoftmaxRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d):
-        plan = softmax_fwd_plan(*x2d.shape, dtype_name(x2d.dtype), device_facts(x2d.device))
-        y = launch(plan, x2d)[0]
+        y = _rows_forward_op(x2d)
         ctx.save_for_backward(y)
         return y
 
@@ -36,7 +75,7 @@ class _SoftmaxRows(torch.autograd.Function):
 class _PaddedSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, n_pad):
-        y = _padded_probs(scores, n_pad)
+        y = _padded_probs_op(scores, n_pad)
         ctx.save_for_backward(y)
         return y
 
@@ -53,26 +92,15 @@ class _PaddedSoftmax(torch.autograd.Function):
 class _PaddedSoftmaxV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, v, n_pad):
-        plan = scores_v_fwd_plan(tuple(v.shape), dtype_name(v.dtype), device_facts(v.device))
-        out, lse = launch(plan, scores, v, n_pad)
+        out, lse = _scores_v_forward_op(scores, v, n_pad)
         ctx.save_for_backward(scores, v, n_pad, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         scores, v, n_pad, out, lse = ctx.saved_tensors
-        delta_plan, ds_plan, dv_plan = scores_v_bwd_plans(tuple(v.shape), dtype_name(v.dtype), device_facts(v.device))
-        dout = dout.to(v.dtype).contiguous()
-        (delta,) = launch(delta_plan, out, dout)
-        (dscores,) = launch(ds_plan, scores, v, dout, lse, delta, n_pad)
-        (dv,) = launch(dv_plan, scores, dout, lse, n_pad)
+        dscores, dv = _scores_v_backward_op(scores, v, n_pad, out, lse, dout.to(v.dtype).contiguous())
         return dscores, dv, None
-
-
-def _padded_probs(scores: torch.Tensor, n_pad: torch.Tensor) -> torch.Tensor:
-    batch, seq_len, _ = scores.shape
-    plan = padded_softmax_fwd_plan(batch, seq_len, dtype_name(scores.dtype), device_facts(scores.device))
-    return launch(plan, scores, n_pad)[0]
 
 
 def softmax(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
