@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from tests import references as ref
-from tests.frameworks import TOLERANCE, rel_error
+from tests.frameworks import TOLERANCE, rel_error, x64
 
 DTYPES = ["float32", "float16", "bfloat16"]
 GRAD_TOLERANCE = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
@@ -184,3 +184,27 @@ def test_torch_compile_fullgraph(torch_fw, rng, dynamic):
         ds_ref, dv_ref = ref.vjp(ref.padded_softmax_v, args, dout, n_diff=2)
         assert rel_error(scores.grad.numpy(), ds_ref) < GRAD_TOLERANCE["float32"]
         assert rel_error(v.grad.numpy(), dv_ref) < GRAD_TOLERANCE["float32"]
+
+
+def test_traced_n_pad_wider_than_int32_is_clamped(fw, rng):
+    # Traced n_pad values are not checked but clamped to [0, seq] by the kernels; int64 values
+    # were first cast to int32 and wrapped: 2**32 + 2 padded 2 tokens, -2**32 + 1 padded one.
+    c = _case(fw, rng, 2, 6, "float32")
+    with x64(fw):
+        n_pad = fw.asarray(np.array([2**32 + 2, -2**32 + 1], np.int64))
+        if fw.name == "jax":
+            import jax
+
+            traced = jax.jit(fw.ops.padded_softmax)
+        else:
+            import torch
+
+            traced = torch.compile(fw.ops.padded_softmax, backend="aot_eager", fullgraph=True)
+        y = fw.to_numpy(traced(c["scores"], n_pad))
+        expected = ref.forward(ref.padded_softmax, c["scores_np"], np.array([6, 0]))
+        assert rel_error(y, expected) < TOLERANCE["float32"]
+        # and a dtype narrower than the sequence (int8, seq 130) still runs, unclamped
+        long = _case(fw, rng, 2, 130, "float32")
+        y = fw.to_numpy(traced(long["scores"], fw.asarray(np.array([100, 3], np.int8))))
+        expected = ref.forward(ref.padded_softmax, long["scores_np"], np.array([100, 3]))
+        assert rel_error(y, expected) < TOLERANCE["float32"]

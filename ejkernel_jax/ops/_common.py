@@ -37,7 +37,12 @@ def n_pad_arg(n_pad, batch: int, seq_len: int) -> jax.Array:
     """
     n_pad = array_arg("n_pad", n_pad)
     checks.n_pad(tuple(n_pad.shape), name_of(n_pad), batch)
-    if batch and is_concrete(n_pad):
+    if not is_concrete(n_pad):
+        # Unchecked: clip before the int32 cast, which would wrap int64 values (2**32 + 2 -> 2).
+        # Bounds in n_pad's dtype (a uint8 n_pad cannot hold seq 300, nor need clipping to it).
+        info = jnp.iinfo(n_pad.dtype)
+        n_pad = jnp.clip(n_pad, max(0, info.min), min(seq_len, info.max))
+    elif batch:
         # numpy, not n_pad.min(): inside a jit trace even a concrete array's min is a tracer.
         values = np.asarray(n_pad)
         checks.n_pad_values(int(values.min()), int(values.max()), seq_len)

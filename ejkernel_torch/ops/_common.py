@@ -44,7 +44,12 @@ def n_pad_arg(n_pad, batch: int, seq_len: int, device: torch.device) -> torch.Te
     checks.n_pad(tuple(n_pad.shape), name_of(n_pad), batch)
     if n_pad.device != device:
         raise ValueError(f"n_pad is on {n_pad.device} but the other inputs are on {device}")
-    if batch and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        # Unchecked: clamp before the int32 cast, which would wrap int64 values (2**32 + 2 -> 2).
+        # Bounds in n_pad's dtype (a uint8 n_pad cannot hold seq 300, nor need clamping to it).
+        info = torch.iinfo(n_pad.dtype)
+        n_pad = n_pad.clamp(max(0, info.min), min(seq_len, info.max))
+    elif batch:
         checks.n_pad_values(int(n_pad.min()), int(n_pad.max()), seq_len)
     return n_pad.to(torch.int32).contiguous()
 
