@@ -208,3 +208,25 @@ def test_traced_n_pad_wider_than_int32_is_clamped(fw, rng):
         y = fw.to_numpy(traced(long["scores"], fw.asarray(np.array([100, 3], np.int8))))
         expected = ref.forward(ref.padded_softmax, long["scores_np"], np.array([100, 3]))
         assert rel_error(y, expected) < TOLERANCE["float32"]
+
+
+def test_vmap_over_n_pad(fw, rng):
+    # torch.func.vmap over n_pad failed reading its values (".item() on a Tensor"); jax.vmap
+    # worked. Batched values are not known, so the kernels clamp them, as under jax.jit.
+    c = _case(fw, rng, 2, 6, "float32", head_dim=8)
+    n_pads = np.array([[0, 2], [1, 6], [3, 9]], np.int32)
+    if fw.name == "jax":
+        import jax
+
+        vmap = lambda f, in_dims: jax.vmap(f, in_axes=in_dims)  # noqa: E731
+    else:
+        import torch
+
+        vmap = torch.func.vmap
+    probs = vmap(fw.ops.padded_softmax, in_dims=(None, 0))(c["scores"], fw.asarray(n_pads))
+    outs = vmap(fw.ops.padded_softmax_v, in_dims=(None, None, 0))(c["scores"], c["v"], fw.asarray(n_pads))
+    for i, n_pad in enumerate(np.minimum(n_pads, 6)):
+        expected = ref.forward(ref.padded_softmax, c["scores_np"], n_pad)
+        assert rel_error(fw.to_numpy(probs)[i], expected) < TOLERANCE["float32"]
+        expected = ref.forward(ref.padded_softmax_v, c["scores_np"], c["v_np"], n_pad)
+        assert rel_error(fw.to_numpy(outs)[i], expected) < TOLERANCE["float32"]

@@ -38,13 +38,14 @@ def static_shape(x: torch.Tensor) -> tuple[int, ...]:
 def n_pad_arg(n_pad, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
     """Validate ``n_pad`` (values too: a host sync on CUDA) and return it as int32 on ``device``.
 
-    Under ``torch.compile`` the values are not known (as under ``jax.jit``): the kernels clamp them.
+    Under ``torch.compile`` and for an n_pad batched by ``torch.func.vmap`` the values are not
+    known (as under ``jax.jit``): the kernels clamp them.
     """
     n_pad = tensor_arg("n_pad", n_pad)
     checks.n_pad(tuple(n_pad.shape), name_of(n_pad), batch)
     if n_pad.device != device:
         raise ValueError(f"n_pad is on {n_pad.device} but the other inputs are on {device}")
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch._C._functorch.is_batchedtensor(n_pad):
         # Unchecked: clamp before the int32 cast, which would wrap int64 values (2**32 + 2 -> 2).
         # Bounds in n_pad's dtype (a uint8 n_pad cannot hold seq 300, nor need clamping to it).
         info = torch.iinfo(n_pad.dtype)
