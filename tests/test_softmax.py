@@ -117,3 +117,18 @@ def test_torch_compile_fullgraph(torch_fw, rng, dynamic):
         (dx_ref,) = ref.vjp(lambda a: ref.softmax(a, 1), [x_np], dy_np, n_diff=1)
         assert rel_error(fn(x).detach().numpy(), ref.forward(ref.softmax, x_np, 1)) < TOLERANCE["float32"]
         assert rel_error(x.grad.numpy(), dx_ref) < GRAD_TOLERANCE["float32"]
+
+
+def test_vmap(fw, rng):
+    # torch.func.vmap failed inside the launcher ("Cannot access storage of BatchedTensorImpl").
+    x_np = rng.standard_normal((3, 4, 5)).astype(np.float32)
+    if fw.name == "jax":
+        import jax
+
+        y = jax.vmap(lambda a: fw.ops.softmax(a, axis=0), in_axes=1)(fw.asarray(x_np))
+    else:
+        import torch
+
+        y = torch.func.vmap(lambda a: fw.ops.softmax(a, axis=0), in_dims=1)(fw.asarray(x_np))
+    expected = np.moveaxis(ref.forward(ref.softmax, x_np, 0), 1, 0)
+    assert rel_error(fw.to_numpy(y), expected) < TOLERANCE["float32"]
