@@ -136,3 +136,18 @@ def test_torch_compile_fullgraph(torch_fw, rng, dynamic):
         expected = ref.vjp(ref.padded_attention, [*qkv_np, n_pad_np], dout, n_diff=3)
         for name, t, want in zip("qkv", qkv, expected):
             assert rel_error(t.grad.numpy(), want) < GRAD_TOLERANCE["float32"], name
+
+
+def test_double_backward_raises(torch_fw, rng):
+    # The backward kernels have no derivative: a create_graph=True gradient had no graph through
+    # them, so a second derivative silently dropped their terms (off by ~5 on this case).
+    import torch
+
+    import ejkernel_torch as ejk
+
+    qkv, _, n_pad, _ = _case(torch_fw, rng, 2, 5, 8, "float32")
+    q = qkv[0].requires_grad_()
+    loss = ejk.padded_attention(q, q, q, n_pad).pow(2).sum() + q.pow(3).sum()
+    (grad,) = torch.autograd.grad(loss, q, create_graph=True)
+    with pytest.raises(NotImplementedError, match="no second derivative"):
+        torch.autograd.grad(grad.sum(), q)

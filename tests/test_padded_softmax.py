@@ -230,3 +230,20 @@ def test_vmap_over_n_pad(fw, rng):
         assert rel_error(fw.to_numpy(probs)[i], expected) < TOLERANCE["float32"]
         expected = ref.forward(ref.padded_softmax_v, c["scores_np"], c["v_np"], n_pad)
         assert rel_error(fw.to_numpy(outs)[i], expected) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("op", ["padded_softmax", "padded_softmax_v"])
+def test_double_backward_raises(torch_fw, rng, op):
+    # The backward kernels have no derivative: a second derivative silently dropped their terms.
+    import torch
+
+    import ejkernel_torch as ejk
+
+    c = _case(torch_fw, rng, 2, 5, "float32", head_dim=4)
+    scores = c["scores"].requires_grad_()
+    args = (scores, c["n_pad"]) if op == "padded_softmax" else (scores, c["v"], c["n_pad"])
+    loss = (getattr(ejk, op)(*args) * torch.arange(4.0).repeat(2)[:args[0].shape[-1]]).pow(2).sum() \
+        if op == "padded_softmax" else getattr(ejk, op)(*args).pow(2).sum()
+    (grad,) = torch.autograd.grad(loss + scores.pow(3).sum(), scores, create_graph=True)
+    with pytest.raises(NotImplementedError, match="no second derivative"):
+        torch.autograd.grad(grad.sum(), scores)

@@ -132,3 +132,16 @@ def test_vmap(fw, rng):
         y = torch.func.vmap(lambda a: fw.ops.softmax(a, axis=0), in_dims=1)(fw.asarray(x_np))
     expected = np.moveaxis(ref.forward(ref.softmax, x_np, 0), 1, 0)
     assert rel_error(fw.to_numpy(y), expected) < TOLERANCE["float32"]
+
+
+def test_double_backward_raises(torch_fw, rng):
+    # The backward kernel has no derivative: a second derivative silently dropped its terms.
+    import torch
+
+    import ejkernel_torch as ejk
+
+    x = torch.from_numpy(rng.standard_normal((3, 5)).astype(np.float32)).requires_grad_()
+    loss = (ejk.softmax(x) * torch.arange(5.0)).pow(2).sum() + x.pow(3).sum()
+    (grad,) = torch.autograd.grad(loss, x, create_graph=True)
+    with pytest.raises(NotImplementedError, match="no second derivative"):
+        torch.autograd.grad(grad.sum(), x)

@@ -70,6 +70,33 @@ def kernel_op(name: str, body):
     return call
 
 
+class _NoDoubleBackward(torch.autograd.Function):
+    """Passes an op's gradients through; differentiating them raises. The backward kernels have
+    no derivative: a create_graph=True gradient had no graph through them, so a second derivative
+    silently dropped their terms. (``once_differentiable`` does not help: its error node has no
+    edge to the inputs, and ``torch.autograd.grad`` never reaches it.)"""
+
+    @staticmethod
+    def forward(ctx, name, n_grads, *tensors):
+        ctx.name = name
+        return tuple(g.view_as(g) for g in tensors[:n_grads])
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise NotImplementedError(f"{ctx.name} has no second derivative (its backward kernels are not differentiable)")
+
+
+def first_order(name: str, grads: tuple, inputs: tuple) -> tuple:
+    """An autograd backward's ``grads``, linked to ``inputs`` so that differentiating them raises.
+    A no-op outside ``create_graph=True`` (grad mode is off in a backward then)."""
+    inputs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not torch.is_grad_enabled() or not inputs:
+        return grads
+    live = [i for i, g in enumerate(grads) if g is not None]
+    linked = iter(_NoDoubleBackward.apply(name, len(live), *(grads[i] for i in live), *inputs))
+    return tuple(next(linked) if g is not None else None for g in grads)
+
+
 class _Context:
     """Stands in for an autograd ctx when nothing needs a gradient: saves nothing."""
 

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import apply, kernel_op, n_pad_arg, name_of, same_device, static_shape, tensor_arg
+from ejkernel_torch.ops._common import apply, first_order, kernel_op, n_pad_arg, name_of, same_device, static_shape, tensor_arg
 from triton_kernels import checks
 from triton_kernels.tuning import PADDED_BWD, PADDED_FWD
 from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan
@@ -53,7 +53,7 @@ class _PaddedAttention(torch.autograd.Function):
         q, k, v, out, lse2, n_pad = ctx.saved_tensors
         dq, dk, dv = _backward_op(q, k, v, out, lse2, n_pad, dout.to(q.dtype).contiguous(), ctx.softmax_scale,
                                   encode_params(ctx.bwd_params))
-        return dq, dk, dv, None, None, None, None
+        return first_order("padded_attention", (dq, dk, dv, None, None, None, None), (q, k, v, out, dout))
 
 
 def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_pad: torch.Tensor,

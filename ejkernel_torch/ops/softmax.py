@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable
-from ejkernel_torch.ops._common import apply, kernel_op, n_pad_arg, name_of, same_device, static_shape, tensor_arg
+from ejkernel_torch.ops._common import apply, first_order, kernel_op, n_pad_arg, name_of, same_device, static_shape, tensor_arg
 from triton_kernels import checks
 from triton_kernels.padded_attention import scores_v_bwd_plans, scores_v_fwd_plan
 from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
@@ -69,7 +69,7 @@ class _SoftmaxRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
-        return _softmax_rows_backward(y, dy)
+        return first_order("softmax", (_softmax_rows_backward(y, dy),), (y, dy))
 
 
 class _PaddedSoftmax(torch.autograd.Function):
@@ -86,7 +86,8 @@ class _PaddedSoftmax(torch.autograd.Function):
         seq_len = y.shape[-1]
         if seq_len == 0:  # no rows to view as [-1, 0]
             return torch.zeros_like(y), None
-        return _softmax_rows_backward(y.view(-1, seq_len), dy.reshape(-1, seq_len)).view_as(y), None
+        dscores = _softmax_rows_backward(y.view(-1, seq_len), dy.reshape(-1, seq_len)).view_as(y)
+        return first_order("padded_softmax", (dscores, None), (y, dy))
 
 
 class _PaddedSoftmaxV(torch.autograd.Function):
@@ -100,7 +101,7 @@ class _PaddedSoftmaxV(torch.autograd.Function):
     def backward(ctx, dout):
         scores, v, n_pad, out, lse = ctx.saved_tensors
         dscores, dv = _scores_v_backward_op(scores, v, n_pad, out, lse, dout.to(v.dtype).contiguous())
-        return dscores, dv, None
+        return first_order("padded_softmax_v", (dscores, dv, None), (scores, v, out, dout))
 
 
 def softmax(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
