@@ -354,7 +354,11 @@ def _bad_cases():
         (dict(q_segment_ids=np.zeros((2, 5), f32), kv_segment_ids=np.zeros((2, 5), f32)), TypeError,
          "q_segment_ids must be an integer"),
         (dict(causal=1), TypeError, "causal must be a bool"),
-        (dict(softmax_scale=True), TypeError, "softmax_scale must be a Python float"),
+        (dict(softmax_scale=True), TypeError, "softmax_scale must be a float or None, got True"),
+        (dict(softmax_scale=np.True_), TypeError, "softmax_scale must be a float or None"),
+        (dict(logits_soft_cap="5"), TypeError, "logits_soft_cap must be a float or None"),
+        (dict(dropout_p=np.bool_(False)), TypeError, "dropout_p must be a float"),
+        (dict(sliding_window=np.float32(2)), TypeError, r"sliding_window \(left\) must be an int"),
         (dict(sliding_window=(True, 2)), TypeError, r"sliding_window \(left\) must be an int"),
         (dict(softmax_scale=float("inf")), ValueError, "softmax_scale must be finite"),
         (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
@@ -373,6 +377,28 @@ def test_bad_input(fw, kwargs, error, match):
     options = {n: fw.asarray(a) if isinstance(a, np.ndarray) else a for n, a in kwargs.items() if n not in "qkv"}
     with pytest.raises(error, match=match):
         fw.ops.flash_attention(*(fw.asarray(args[n]) for n in "qkv"), **options)
+
+
+@pytest.mark.parametrize("numpy_options, python_options", [
+    (dict(causal=np.True_), dict(causal=True)),
+    (dict(softmax_scale=np.float32(0.5)), dict(softmax_scale=0.5)),
+    (dict(softmax_scale=np.int64(1)), dict(softmax_scale=1)),
+    (dict(logits_soft_cap=np.float32(2.0)), dict(logits_soft_cap=2.0)),
+    (dict(sliding_window=np.int64(1)), dict(sliding_window=1)),
+    (dict(sliding_window=(np.int32(2), np.int64(0))), dict(sliding_window=(2, 0))),
+    (dict(dropout_p=np.float32(0.5), dropout_seed=3), dict(dropout_p=0.5, dropout_seed=3)),
+    (dict(autotune=np.False_), dict(autotune=False)),
+])
+def test_numpy_scalar_options(fw, numpy_options, python_options):
+    # numpy scalars (from np.linspace, a config array, np.float32 arithmetic) are what Python's
+    # are: np.float32(0.5) as softmax_scale or np.int64(1) as a window side was a TypeError.
+    x = fw.asarray(np.random.default_rng(0).standard_normal((1, 6, 2, 16)), "float32")
+    expected = fw.to_numpy(fw.ops.flash_attention(x, x, x, **python_options))
+    np.testing.assert_array_equal(fw.to_numpy(fw.ops.flash_attention(x, x, x, **numpy_options)), expected)
+    packed, cu = x[0], fw.asarray(np.array([0, 2, 6], np.int32))
+    expected = fw.to_numpy(fw.ops.flash_attention_varlen(packed, packed, packed, cu, cu, 4, 4, **python_options))
+    np.testing.assert_array_equal(
+        fw.to_numpy(fw.ops.flash_attention_varlen(packed, packed, packed, cu, cu, 4, 4, **numpy_options)), expected)
 
 
 def test_checks_do_not_depend_on_earlier_calls(fw):

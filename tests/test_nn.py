@@ -46,6 +46,20 @@ def test_torch_dropout_only_in_training():
     assert not torch.equal(train, layer(x)) and torch.equal(layer(x), layer(x))
 
 
+def test_numpy_dropout_is_a_probability():
+    # dropout=np.float32(0.1) (from a config array) was "must be a probability" in both fronts
+    import jax
+    import jax.numpy as jnp
+
+    import ejkernel_jax.nn
+    from ejkernel_torch.nn import MultiHeadAttention
+
+    MultiHeadAttention(32, 2, dropout=np.float32(0.1))(torch.zeros(1, 4, 32))
+    layer = ejkernel_jax.nn.MultiHeadAttention(32, 2, dropout=np.float32(0.1))
+    params = layer.init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 32)))
+    layer.apply(params, jnp.zeros((1, 4, 32)), deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)})
+
+
 def test_flax_module_with_torch_weights_gives_torch_outputs():
     import jax
     import jax.numpy as jnp

@@ -40,6 +40,10 @@ def test_softmax_scale(fw, rng):
     out = fw.to_numpy(fw.ops.padded_attention(*qkv, n_pad, softmax_scale=0.7))
     expected = ref.forward(ref.padded_attention, *qkv_np, n_pad_np, softmax_scale=0.7)
     assert rel_error(out, expected) < TOLERANCE["float32"]
+    # numpy's scalars are scales too (np.float32(0.7) was a TypeError); np.int64(1) is 1
+    for numpy_scale, python_scale in ((np.float32(0.7), float(np.float32(0.7))), (np.int64(1), 1)):
+        np.testing.assert_array_equal(fw.to_numpy(fw.ops.padded_attention(*qkv, n_pad, softmax_scale=numpy_scale)),
+                                      fw.to_numpy(fw.ops.padded_attention(*qkv, n_pad, softmax_scale=python_scale)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -105,12 +105,7 @@ def single_head_qkv(shapes: Sequence[Sequence[int]], dtypes: Sequence[str]) -> t
 def softmax_scale(value, d: int) -> float:
     if value is None:
         return d ** -0.5
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"softmax_scale must be a Python float or None, got {value!r}")
-    try:
-        scale = float(value)
-    except OverflowError:  # a Python int beyond float64
-        scale = math.inf
+    scale = float_arg("softmax_scale", value, "a float or None")
     # The kernels multiply by scale * log2(e) in float32: beyond its range that is inf, and NaN out.
     if not abs(scale) * _LOG2E <= FLOAT32_MAX:
         raise ValueError(f"softmax_scale must be finite with |softmax_scale| <= {FLOAT32_MAX / _LOG2E:.4g} "
@@ -127,6 +122,18 @@ def int_arg(name: str, value) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+def float_arg(name: str, value, expected: str = "a float") -> float:
+    """A real number (Python's or numpy's: np.float32 or np.int64 as well as float or int) as
+    a Python float; bools and strings are refused, not read as 0/1. An int beyond float64
+    becomes inf, for the caller's range check to refuse."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be {expected}, got {value!r}")
+    try:
+        return float(value)
+    except OverflowError:  # a Python int beyond float64
+        return math.inf
 
 
 def flag(name: str, value) -> bool:
@@ -159,7 +166,8 @@ def attention_layer(embed_dim, num_heads, num_kv_heads, head_dim, dropout) -> tu
                              "or pass head_dim")
         head_dim = embed_dim // num_heads
     _positive_int("head_dim", head_dim)
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+    valid = not isinstance(dropout, (bool, np.bool_)) and isinstance(dropout, (int, float, np.integer, np.floating))
+    if not (valid and 0.0 <= dropout < 1.0):
         raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
     return kv_heads, head_dim
 

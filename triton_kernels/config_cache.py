@@ -30,6 +30,7 @@ import math
 import os
 import platform
 import stat
+import sys
 import tempfile
 import threading
 import time
@@ -334,9 +335,16 @@ def get_cache(path: str | os.PathLike | None = None) -> ConfigCache:
 # --------------------------------------------------------------------------------------------
 
 
+def _is_bool(value: Any) -> bool:
+    """A bool, numpy's too, without importing numpy here (this module stays framework-free):
+    a numpy bool exists only once numpy is loaded."""
+    np = sys.modules.get("numpy")
+    return isinstance(value, bool) or (np is not None and isinstance(value, np.bool_))
+
+
 def check_autotune(autotune: Any) -> None:
     """``autotune=`` must be True, False or None: ``bool("no")`` would turn tuning on."""
-    if autotune is not None and not isinstance(autotune, bool):
+    if autotune is not None and not _is_bool(autotune):
         raise TypeError(f"autotune must be True, False or None, got {autotune!r}")
 
 
@@ -344,7 +352,7 @@ def autotune_enabled(autotune: bool | None = None) -> bool:
     """The explicit argument if given, else ``EJKERNEL_AUTOTUNE`` (1/true/yes/on)."""
     check_autotune(autotune)
     if autotune is not None:
-        return autotune
+        return bool(autotune)
     return os.environ.get(AUTOTUNE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 

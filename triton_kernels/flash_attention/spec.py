@@ -82,8 +82,7 @@ class FlashSpec:
 
 def _window(causal, sliding_window) -> tuple[int | None, int | None] | None:
     """(left, right) with None for unbounded, or None when nothing is masked by position."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    causal = checks.flag("causal", causal)
     if sliding_window is None:
         return (None, 0) if causal else None
     if isinstance(sliding_window, (tuple, list)):
@@ -92,16 +91,21 @@ def _window(causal, sliding_window) -> tuple[int | None, int | None] | None:
         left, right = sliding_window
     else:
         left = right = sliding_window
+    left, right = _window_side("left", left), _window_side("right", right)
     for side, w in (("left", left), ("right", right)):
-        _window_side(side, w)
         if w is not None and w < 0:
             raise ValueError(f"sliding_window must be >= 0, got {side}={w}")
     return (left, 0 if causal else right)
 
 
-def _window_side(side: str, w) -> None:
-    if w is not None and (isinstance(w, bool) or not isinstance(w, int)):
-        raise TypeError(f"sliding_window ({side}) must be an int or None, got {w!r}")
+def _window_side(side: str, w) -> int | None:
+    """One side as a Python int (numpy ints too) or None; bools and floats are refused."""
+    if w is None:
+        return None
+    try:
+        return checks.int_arg(f"sliding_window ({side})", w)
+    except TypeError:
+        raise TypeError(f"sliding_window ({side}) must be an int or None, got {w!r}") from None
 
 
 def window_arg(sliding_window):
@@ -127,16 +131,14 @@ def _clamped_window(window, seq_q: int, seq_k: int) -> tuple[int, int] | None:
 def _positive_float(name: str, value) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a Python float or None, got {value!r}")
+    value = checks.float_arg(name, value, "a float or None")
     if not (math.isfinite(value) and 0 < value <= FLOAT32_MAX):
         raise ValueError(f"{name} must be a finite number > 0 (and float32-representable), got {value}")
     return float(value)
 
 
 def dropout(dropout_p) -> float:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a Python float, got {dropout_p!r}")
+    dropout_p = checks.float_arg("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     return float(dropout_p)
