@@ -44,7 +44,7 @@ class TorchLinear(nn.Module):
         dtype = self.dtype or x.dtype
         y = jax.lax.dot_general(x.astype(dtype), weight.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())),
                                 precision=self.precision, preferred_element_type=jnp.float32)
-        if self.use_bias:
+        if checks.flag("use_bias", self.use_bias):  # use_bias="no" built a bias
             y = y + self.param("bias", _torch_uniform(fan_in), (self.features,), self.param_dtype).astype(dtype)
         return y.astype(dtype)
 
@@ -77,6 +77,7 @@ class MultiHeadAttention(nn.Module):
         kv_heads, head_dim = checks.attention_layer(self.embed_dim, self.num_heads, self.num_kv_heads,
                                                     self.head_dim, self.dropout)
         checks.attention_layer_input(tuple(x.shape), self.embed_dim)
+        checks.flag("use_bias", self.use_bias), checks.flag("causal", self.causal)  # before any weight
         batch, seq, _ = x.shape
         linear = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)
         qkv = TorchLinear((self.num_heads + 2 * kv_heads) * head_dim, name="qkv", **linear)(x)

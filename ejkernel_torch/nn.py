@@ -25,6 +25,8 @@ class MultiHeadAttention(nn.Module):
                  attention_fn=flash_attention, device=None, dtype=None):
         super().__init__()
         self.num_kv_heads, self.head_dim = checks.attention_layer(embed_dim, num_heads, num_kv_heads, head_dim, dropout)
+        # checked here, not read by truthiness: bias="no" built biased projections
+        bias, causal = checks.flag("bias", bias), checks.flag("causal", causal)
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.causal, self.dropout, self.attention_fn = causal, dropout, attention_fn
         self.options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale)

@@ -130,6 +130,29 @@ def test_bad_layer_arguments(kwargs, error, match):
         ejkernel_jax.nn.MultiHeadAttention(**kwargs).init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 32)))
 
 
+@pytest.mark.parametrize("torch_kwargs, flax_kwargs, match", [
+    (dict(bias="no"), dict(use_bias="no"), "bias must be a bool, got 'no'"),  # built biased layers
+    (dict(bias=0), dict(use_bias=0), "bias must be a bool, got 0"),
+    (dict(causal="false"), dict(causal="false"), "causal must be a bool, got 'false'"),
+])
+def test_layer_flags_must_be_bools(torch_kwargs, flax_kwargs, match):
+    import jax
+    import jax.numpy as jnp
+
+    import ejkernel_jax.nn
+    import ejkernel_torch.nn
+
+    with pytest.raises(TypeError, match=match):
+        ejkernel_torch.nn.MultiHeadAttention(32, 4, **torch_kwargs)
+    with pytest.raises(TypeError, match=match):
+        ejkernel_jax.nn.MultiHeadAttention(32, 4, **flax_kwargs).init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 32)))
+    if "use_bias" in flax_kwargs:
+        with pytest.raises(TypeError, match=match):
+            ejkernel_jax.nn.TorchLinear(8, **flax_kwargs).init(jax.random.PRNGKey(0), jnp.zeros((1, 4)))
+    layer = ejkernel_torch.nn.MultiHeadAttention(32, 4, bias=np.False_)  # numpy's bools are bools
+    assert layer.qkv.bias is None
+
+
 def test_bad_layer_inputs():
     import jax
     import jax.numpy as jnp
