@@ -284,14 +284,14 @@ def blocksparse_attention(
     return _attention(
         q, k, v, dynamic_mask, q_seg, kv_seg,
         mask=static_mask,
-        causal=_hashable(fn, "causal", causal),
+        causal=_gmm.check_flag(f"{fn}: argument 'causal'", causal),  # 1 == True for the bridge's cache
         sliding_window=_hashable(fn, "sliding_window", sliding_window),
         chunk_size=_hashable(fn, "chunk_size", chunk_size),
         softmax_scale=_scalar(fn, "softmax_scale", softmax_scale),
         logits_soft_cap=_scalar(fn, "logits_soft_cap", logits_soft_cap),
         block_sizes=_hashable(fn, "block_sizes", block_sizes),
         interpret=_hashable(fn, "interpret", _interpret(interpret, device)),
-        return_lse=bool(return_lse),
+        return_lse=_gmm.check_flag(f"{fn}: argument 'return_lse'", return_lse),  # "no" was truthy
     )
 
 

@@ -654,3 +654,27 @@ def test_argument_types_are_checked(rng):
         call(k=k.tolist())
     with pytest.raises(TypeError, match="block_sizes must be a BlockSizes"):
         call(block_sizes=(16, 16))  # once an AttributeError
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(causal="no"), TypeError, "causal must be a bool, got 'no'"),  # was causal
+    (dict(causal=1), TypeError, "causal must be a bool, got 1"),
+    (dict(return_lse="no"), TypeError, "return_lse must be a bool, got 'no'"),  # returned the lse
+    (dict(softmax_scale="1"), TypeError, "softmax_scale must be a float or None, got '1'"),  # float("1")
+    (dict(softmax_scale=True), TypeError, "softmax_scale must be a float or None, got True"),
+    (dict(logits_soft_cap=True), TypeError, "logits_soft_cap must be a float or None, got True"),
+    (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite, got nan"),  # all-NaN output
+    (dict(softmax_scale=float("inf")), ValueError, "softmax_scale must be finite"),
+    (dict(logits_soft_cap=float("inf")), ValueError, "logits_soft_cap must be finite"),
+])
+def test_scalar_options_are_checked(rng, kwargs, error, match):
+    q, k, v, _, _ = make_inputs(rng, 1, 32, 32, 4, 2, 16)
+    with pytest.raises(error, match=match):
+        blocksparse_attention(q, k, v, **kwargs)
+
+
+def test_numpy_scalar_options(rng):
+    q, k, v, _, _ = make_inputs(rng, 1, 32, 32, 4, 2, 16)
+    expected = blocksparse_attention(q, k, v, causal=True, softmax_scale=0.5, return_lse=True)
+    out = blocksparse_attention(q, k, v, causal=np.True_, softmax_scale=np.float32(0.5), return_lse=np.True_)
+    np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(expected[0]))

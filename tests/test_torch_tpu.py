@@ -300,6 +300,10 @@ BAD = {
                                ValueError, r"'mask' is on meta but 'q' is on cpu"),
     "tensor softmax_scale": (lambda: tpu.blocksparse_attention(_q, _q, _q, softmax_scale=torch.tensor(0.5)),
                              TypeError, r"'softmax_scale' must be a float"),
+    "string causal": (lambda: tpu.blocksparse_attention(_q, _q, _q, causal="no"), TypeError,
+                      r"'causal' must be a bool, got 'no'"),  # "no" was causal
+    "int return_lse": (lambda: tpu.blocksparse_attention(_q, _q, _q, return_lse=0), TypeError,
+                       r"'return_lse' must be a bool, got 0"),
     "lhs float64": (lambda: tpu.grouped_matmul(_lhs.double(), _rhs, _gs), TypeError, r"'lhs' must be bfloat16"),
     "group_sizes int64": (lambda: tpu.grouped_matmul(_lhs, _rhs, _gs.long()), TypeError,
                           r"'group_sizes' must be int32, got torch.int64"),
@@ -364,6 +368,8 @@ JAX_CHECKED = {  # shape/dtype rules that jax checks while tracing: still before
                     r"k must have heads >= 1"),
     "string sliding_window": (lambda: tpu.blocksparse_attention(_q, _q, _q, sliding_window="ab"), TypeError,
                               r"sliding_window must be an int or a \(left, right\) pair"),
+    "nan softmax_scale": (lambda: tpu.blocksparse_attention(_q, _q, _q, softmax_scale=float("nan")), ValueError,
+                          r"softmax_scale must be finite, got nan"),  # an all-NaN output
     "float chunk_size": (lambda: tpu.blocksparse_attention(_q, _q, _q, chunk_size=2.5), TypeError,
                          r"chunk_size must be an int"),
     "float head_shards": (lambda: tpu.process_dynamic_mask(torch.ones(2, 8, 8, dtype=torch.bool), (8, 8),

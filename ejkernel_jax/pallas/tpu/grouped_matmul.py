@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ._dot import dot as _dot
+from .blocksparse_attention.masks import check_flag
 from .blocksparse_attention.masks import check_int as _check_int
 
 __all__ = [
@@ -222,13 +223,6 @@ def _check_group_offset(group_offset, num_groups: int, num_selected: int) -> jax
         # Read before narrowing to int32: an int64 / uint32 offset of 2**32 would wrap to 0.
         _check_offset_range(int(np.asarray(group_offset).reshape(())), num_groups, num_selected)
     return jnp.reshape(group_offset, ()).astype(jnp.int32)
-
-
-def check_flag(name: str, value) -> bool:
-    """A bool (numpy's too), not read by truthiness: "false" would transpose."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return bool(value)
 
 
 def _is_int(x) -> bool:

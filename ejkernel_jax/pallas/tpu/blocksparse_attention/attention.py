@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -127,6 +128,17 @@ def _default(name: str, length: int, inherited: int | None, tpu: bool) -> int:
 
 def _default_block(length: int) -> int:
     return next((b for b in _BLOCK_LADDER if length % b == 0), length)
+
+
+def _finite_real(name: str, value) -> float | None:
+    """None, or a finite real number (numpy's too) as a Python float; bools and strings refused."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a float or None, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
 
 
 def _window_sides(sliding_window) -> tuple[int | None, int | None]:
@@ -334,6 +346,11 @@ def blocksparse_attention(
             raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    # Checked, not read loosely: causal="no" or return_lse=1 were truthy, softmax_scale="1"
+    # went through float(), and a NaN/inf scale gave an all-NaN output.
+    causal, return_lse = mask_lib.check_flag("causal", causal), mask_lib.check_flag("return_lse", return_lse)
+    softmax_scale = _finite_real("softmax_scale", softmax_scale)
+    logits_soft_cap = _finite_real("logits_soft_cap", logits_soft_cap)
     if logits_soft_cap is not None and not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
 

@@ -113,6 +113,14 @@ def check_int(name: str, value: Any) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
 
 
+def check_flag(name: str, value: Any) -> bool:
+    """A bool (numpy's too), not read by truthiness: "false" would transpose (grouped matmul),
+    "no" would be causal (attention)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
 def _check_shape(shape: Any) -> tuple[int, int]:
     try:
         entries = tuple(shape)
