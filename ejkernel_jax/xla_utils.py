@@ -241,6 +241,7 @@ def segment_ids_to_mask(segment_ids, dtype=jnp.bool_, return_separate_masks: boo
         kv = _int_array(segment_ids[1], "kv_segment_ids")
     else:
         q = kv = _int_array(segment_ids, "segment_ids")
+    return_separate_masks = checks.flag("return_separate_masks", return_separate_masks)  # "no" was truthy
     if q.ndim < 1 or kv.ndim < 1:
         raise ValueError("segment_ids must have a sequence axis (ndim >= 1)")
     if q.shape[:-1] != kv.shape[:-1]:
@@ -281,6 +282,7 @@ def mask_to_segment_ids(mask, per_head: bool = False) -> tuple[jax.Array, jax.Ar
     not meant to reproduce the mask. Costs ``O(Q^2)`` memory per mask.
     """
     m = _mask_array(mask, "mask")
+    per_head = checks.flag("per_head", per_head)  # "no" was truthy
     if m.ndim not in (2, 3, 4):
         raise ValueError(f"mask must be [Q, K], [B, Q, K] or [B, H, Q, K], got shape {m.shape}")
     if per_head and m.ndim != 4:

@@ -328,11 +328,11 @@ def process_dynamic_mask(
     arrays = _mask_info(
         mask,
         block_shape=_hashable(fn, "block_shape", block_shape),
-        is_dkv=bool(is_dkv),
-        downcast_smem_data=bool(downcast_smem_data),
+        is_dkv=_gmm.check_flag(f"{fn}: argument 'is_dkv'", is_dkv),  # bool("no") is True
+        downcast_smem_data=_gmm.check_flag(f"{fn}: argument 'downcast_smem_data'", downcast_smem_data),  # bool("no") is True
         head_shards=_hashable(fn, "head_shards", head_shards),
         q_seq_shards=_hashable(fn, "q_seq_shards", q_seq_shards),
-        shrink_grid=bool(shrink_grid),
+        shrink_grid=_gmm.check_flag(f"{fn}: argument 'shrink_grid'", shrink_grid),  # bool("no") is True
     )
     return MaskInfo(*arrays, True), None
 

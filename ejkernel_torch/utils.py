@@ -215,6 +215,7 @@ def unchunk_array(x: torch.Tensor, original_length: int, axis: int = 0) -> torch
 def log_sum_exp(x: torch.Tensor, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> torch.Tensor:
     """``log(sum(exp(x)))`` without overflow; an all ``-inf`` slice gives ``-inf``, not NaN."""
     x = _as_tensor(x, "x")
+    keepdims = checks.flag("keepdims", keepdims)  # "no" was truthy
     if axis is None:
         out = log_sum_exp(x.reshape(-1), 0)
         return out.reshape((1,) * x.ndim) if keepdims else out

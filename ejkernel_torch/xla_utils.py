@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from triton_kernels import checks
+
 from .utils import _as_tensor, _dtype, _int_arg
 
 __all__ = [
@@ -221,6 +223,7 @@ def segment_ids_to_mask(segment_ids, dtype=torch.bool, return_separate_masks: bo
         kv = _int_tensor(segment_ids[1], "kv_segment_ids")
     else:
         q = kv = _int_tensor(segment_ids, "segment_ids")
+    return_separate_masks = checks.flag("return_separate_masks", return_separate_masks)  # "no" was truthy
     if q.ndim < 1 or kv.ndim < 1:
         raise ValueError("segment_ids must have a sequence axis (ndim >= 1)")
     if q.shape[:-1] != kv.shape[:-1]:
@@ -262,6 +265,7 @@ def mask_to_segment_ids(mask, per_head: bool = False) -> tuple[torch.Tensor, tor
     not meant to reproduce the mask. Costs ``O(Q^2)`` memory per mask.
     """
     m = _mask_tensor(mask, "mask")
+    per_head = checks.flag("per_head", per_head)  # "no" was truthy
     if m.ndim not in (2, 3, 4):
         raise ValueError(f"mask must be [Q, K], [B, Q, K] or [B, H, Q, K], got shape {tuple(m.shape)}")
     if per_head and m.ndim != 4:

@@ -17,6 +17,8 @@ from ejkernel_jax.pallas.tpu.blocksparse_attention import (
     blocksparse_attention,
     make_causal_mask,
     make_random_mask,
+    process_dynamic_mask,
+    process_mask,
 )
 from tests.pallas_precision import hlo_dot_precisions, kernel_dots, mosaic_matmuls
 
@@ -671,6 +673,20 @@ def test_scalar_options_are_checked(rng, kwargs, error, match):
     q, k, v, _, _ = make_inputs(rng, 1, 32, 32, 4, 2, 16)
     with pytest.raises(error, match=match):
         blocksparse_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("process", ["static", "dynamic"])
+@pytest.mark.parametrize("flag", ["is_dkv", "downcast_smem_data", "shrink_grid"])
+def test_process_mask_flags_must_be_bools(process, flag):
+    # bool() of them: is_dkv="no" gave the dK/dV schedule
+    causal = np.tril(np.ones((8, 8), bool))
+    if process == "static":
+        call = lambda **kw: process_mask(MultiHeadMask([NumpyMask(causal)]), (4, 4), **kw)
+    else:
+        call = lambda **kw: process_dynamic_mask(jnp.asarray(causal)[None], (4, 4), **kw)
+    with pytest.raises(TypeError, match=f"{flag} must be a bool, got 'no'"):
+        call(**{flag: "no"})
+    call(**{flag: np.False_})
 
 
 def test_numpy_scalar_options(rng):

@@ -342,6 +342,10 @@ BAD = {
                 TypeError, r"'m' must be an int, got float 8.0"),
     "dynamic mask not bool": (lambda: tpu.process_dynamic_mask(torch.ones(1, 8, 8), (8, 8)), TypeError,
                               r"'mask' must be a bool tensor"),
+    "string is_dkv": (lambda: tpu.process_dynamic_mask(torch.ones(1, 8, 8, dtype=torch.bool), (8, 8), is_dkv="no"),
+                      TypeError, r"'is_dkv' must be a bool, got 'no'"),  # "no" was the dK/dV schedule
+    "int shrink_grid": (lambda: tpu.process_dynamic_mask(torch.ones(1, 8, 8, dtype=torch.bool), (8, 8),
+                                                         shrink_grid=0), TypeError, r"'shrink_grid' must be a bool"),
     "bool block size": (lambda: tpu.blocksparse_attention(_q, _q, _q, block_sizes={"block_q": True}), TypeError,
                         r"block_sizes.block_q must be an int, got True"),
 }

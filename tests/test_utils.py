@@ -284,6 +284,13 @@ def test_log_sum_exp(fw):
     assert whole.shape == () and np.isclose(whole, np.log(np.exp(x[::2] - 1002).sum()) + 1002, rtol=rtol)
 
 
+def test_log_sum_exp_keepdims_must_be_a_bool(fw):
+    x = fw.asarray(np.zeros((2, 3)))
+    with pytest.raises(TypeError, match="keepdims must be a bool, got 'no'"):  # "no" kept the dims
+        utils(fw).log_sum_exp(x, axis=1, keepdims="no")
+    assert fw.to_numpy(utils(fw).log_sum_exp(x, axis=1, keepdims=np.True_)).shape == (2, 1)
+
+
 def test_safe_divide(fw):
     u = utils(fw)
     den = np.array([0.0, -1e-12, 1e-12, 2.0, -4.0])

@@ -195,6 +195,18 @@ def test_segment_ids_to_mask_dtype_and_self_attention(fw):
     assert np_of(fw, mask).tolist() == np.array(expected, dtype=float).tolist()
 
 
+def test_flags_must_be_bools(fw):
+    # read by truthiness: return_separate_masks="no" returned the three masks, per_head="no"
+    # asked for per-head ids (and then refused a 3-D mask)
+    x = xu(fw)
+    ids = ints(fw, [[1, 1, 2, 0]])
+    with pytest.raises(TypeError, match="return_separate_masks must be a bool, got 'no'"):
+        x.segment_ids_to_mask(ids, return_separate_masks="no")
+    with pytest.raises(TypeError, match="per_head must be a bool, got 'no'"):
+        x.mask_to_segment_ids(fw.asarray(np.ones((1, 4, 4), bool)), per_head="no")
+    assert len(x.segment_ids_to_mask(ids, return_separate_masks=np.True_)) == 3
+
+
 def test_identity_dtype_convert(fw):
     x = xu(fw)
     identity = x.identity_dtype_convert(fw.dtype("bfloat16"))

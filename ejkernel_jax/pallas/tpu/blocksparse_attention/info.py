@@ -322,11 +322,11 @@ def process_mask(
     return _process_mask_cached(
         mask,
         _check_block_shape(block_shape),
-        bool(is_dkv),
-        bool(downcast_smem_data),
+        mask_lib.check_flag("is_dkv", is_dkv),  # not bool(): "no" was the dK/dV schedule
+        mask_lib.check_flag("downcast_smem_data", downcast_smem_data),
         mask_lib.check_int("head_shards", head_shards),
         mask_lib.check_int("q_seq_shards", q_seq_shards),
-        bool(shrink_grid),
+        mask_lib.check_flag("shrink_grid", shrink_grid),
     )
 
 
@@ -357,6 +357,8 @@ def process_dynamic_mask(
     Empty blocks are still skipped; the grid is never shrunk (``shrink_grid`` is
     accepted for signature parity) and there is no per-shard deduplication.
     """
+    is_dkv = mask_lib.check_flag("is_dkv", is_dkv)  # "no" was the dK/dV schedule
+    mask_lib.check_flag("downcast_smem_data", downcast_smem_data), mask_lib.check_flag("shrink_grid", shrink_grid)
     del shrink_grid  # output shapes may not depend on the mask's contents
     shape = tuple(getattr(mask, "shape", ()))
     if len(shape) != 3:
