@@ -174,16 +174,16 @@ def test_torch_compile_fullgraph(torch_fw, rng, dynamic):
         scores = c["scores"].clone().requires_grad_()
         v = c["v"].clone().requires_grad_()
         y = probs(scores, c["n_pad"])
-        assert rel_error(y.detach().numpy(), ref.forward(ref.padded_softmax, c["scores_np"], c["n_pad_np"])) \
+        assert rel_error(torch_fw.to_numpy(y), ref.forward(ref.padded_softmax, c["scores_np"], c["n_pad_np"])) \
             < TOLERANCE["float32"]
         out = probs_v(scores, v, c["n_pad"])
         dout = rng.standard_normal(out.shape).astype(np.float32)
-        out.backward(torch.from_numpy(dout))
+        out.backward(torch_fw.asarray(dout))
         args = [c["scores_np"], c["v_np"], c["n_pad_np"]]
-        assert rel_error(out.detach().numpy(), ref.forward(ref.padded_softmax_v, *args)) < TOLERANCE["float32"]
+        assert rel_error(torch_fw.to_numpy(out), ref.forward(ref.padded_softmax_v, *args)) < TOLERANCE["float32"]
         ds_ref, dv_ref = ref.vjp(ref.padded_softmax_v, args, dout, n_diff=2)
-        assert rel_error(scores.grad.numpy(), ds_ref) < GRAD_TOLERANCE["float32"]
-        assert rel_error(v.grad.numpy(), dv_ref) < GRAD_TOLERANCE["float32"]
+        assert rel_error(torch_fw.to_numpy(scores.grad), ds_ref) < GRAD_TOLERANCE["float32"]
+        assert rel_error(torch_fw.to_numpy(v.grad), dv_ref) < GRAD_TOLERANCE["float32"]
 
 
 def test_traced_n_pad_wider_than_int32_is_clamped(fw, rng):
@@ -242,7 +242,7 @@ def test_double_backward_raises(torch_fw, rng, op):
     c = _case(torch_fw, rng, 2, 5, "float32", head_dim=4)
     scores = c["scores"].requires_grad_()
     args = (scores, c["n_pad"]) if op == "padded_softmax" else (scores, c["v"], c["n_pad"])
-    loss = (getattr(ejk, op)(*args) * torch.arange(4.0).repeat(2)[:args[0].shape[-1]]).pow(2).sum() \
+    loss = (getattr(ejk, op)(*args) * torch.arange(4.0, device=scores.device).repeat(2)[:args[0].shape[-1]]).pow(2).sum() \
         if op == "padded_softmax" else getattr(ejk, op)(*args).pow(2).sum()
     (grad,) = torch.autograd.grad(loss + scores.pow(3).sum(), scores, create_graph=True)
     with pytest.raises(NotImplementedError, match="no second derivative"):
