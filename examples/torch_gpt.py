@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import math
 import os
 import sys
 
@@ -21,10 +20,10 @@ from torch import nn
 
 from ejkernel_torch import flash_attention
 from ejkernel_torch.nn import MultiHeadAttention
+from examples.loss_curves import TOLERANCE, judge
 
 # Small on purpose: on CPU every kernel program runs in the (slow) Triton interpreter.
 VOCAB, SEQ, BATCH, EMBED, HEADS, KV_HEADS, LAYERS = 32, 32, 4, 32, 2, 1, 2
-TOLERANCE = 2e-3  # max |loss difference| over the run (float32)
 
 
 def plain_attention(q, k, v, *, causal, dropout_p, **_):
@@ -88,17 +87,6 @@ def train(model: GPT, data: torch.Tensor, steps: int, device) -> list[float]:
         opt.step()
         losses.append(loss.item())
     return losses
-
-
-def judge(curves: dict[str, list[float]], steps: int) -> tuple[float, bool]:
-    """(max |loss difference|, whether the run passes). A NaN difference counts as the max:
-    ``max()`` skipped one after the first step, so a NaN loss passed runs too short to check
-    learning (``steps < 20``)."""
-    diffs = [abs(a - b) for a, b in zip(*curves.values())]
-    diff = math.nan if any(math.isnan(d) for d in diffs) else max(diffs, default=0.0)
-    ours = curves["ejkernel"]
-    learned = steps < 20 or ours[-1] < ours[0] - 0.5
-    return diff, diff <= TOLERANCE and learned
 
 
 def main():
