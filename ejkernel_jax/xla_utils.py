@@ -93,10 +93,7 @@ def _cu_seqlens(cu_seqlens) -> jax.Array:
 def _chunk_size(chunk_size) -> int:
     if _traced(chunk_size):
         raise TypeError("chunk_size must be a static Python int, got a traced value")
-    chunk_size = checks.int_arg("chunk_size", chunk_size)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    return chunk_size
+    return checks.chunk_size(chunk_size)
 
 
 def _static_size(size, bounds: jax.Array, arg: str, fn: str) -> int:

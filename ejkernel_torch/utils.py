@@ -137,13 +137,6 @@ def _as_tensor(x, name: str) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-def _int_arg(value, name: str) -> int:
-    """``checks.int_arg``, also refusing a bool tensor (which ``__index__`` reads as 0/1)."""
-    if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
-        raise TypeError(f"{name} must be an int, got a bool")
-    return checks.int_arg(name, value)
-
-
 # -- structures -------------------------------------------------------------------------------
 
 
@@ -179,15 +172,7 @@ def abstractify(tree: Any) -> Any:
 def chunk_array(x: torch.Tensor, chunk_size: int, axis: int = 0, pad_value: float = 0) -> torch.Tensor:
     """Split ``axis`` into ``[num_chunks, chunk_size]``, padding its end with ``pad_value``."""
     x = _as_tensor(x, "x")
-    chunk_size = _int_arg(chunk_size, "chunk_size")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if x.ndim < 1:
-        raise ValueError("x must have at least one axis to chunk, got a scalar")
-    axis = checks.axis("axis", axis, x.ndim)
-    length = x.shape[axis]
-    num_chunks = -(-length // chunk_size)
-    pad = num_chunks * chunk_size - length
+    axis, num_chunks, chunk_size, pad = checks.chunking(tuple(x.shape), chunk_size, axis)
     if pad:
         fill = x.new_full(x.shape[:axis] + (pad,) + x.shape[axis + 1:], pad_value)
         x = torch.cat([x, fill], dim=axis)
@@ -201,14 +186,8 @@ def unchunk_array(x: torch.Tensor, original_length: int, axis: int = 0) -> torch
     ``0 <= original_length <= num_chunks * chunk_size``.
     """
     x = _as_tensor(x, "x")
-    if x.ndim < 2:
-        raise ValueError(f"x must have the two axes chunk_array made, got shape {tuple(x.shape)}")
-    axis = checks.axis("axis", axis, x.ndim - 1)  # the rank before chunking
+    axis, original_length = checks.unchunking(tuple(x.shape), original_length, axis)
     merged = x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
-    original_length = _int_arg(original_length, "original_length")
-    if not 0 <= original_length <= merged.shape[axis]:
-        raise ValueError(f"original_length must lie in [0, {merged.shape[axis]}] (the chunked length), "
-                         f"got {original_length}")
     return merged.narrow(axis, 0, original_length)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from triton_kernels import checks
 
-from .utils import _as_tensor, _dtype, _int_arg
+from .utils import _as_tensor, _dtype
 
 __all__ = [
     "cdiv", "identity_dtype_convert", "mask_to_segment_ids", "prepare_chunk_indices",
@@ -74,20 +74,13 @@ def _cu_seqlens(cu_seqlens) -> torch.Tensor:
     return cu
 
 
-def _chunk_size(chunk_size) -> int:
-    chunk_size = _int_arg(chunk_size, "chunk_size")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    return chunk_size
-
-
 def _static_size(size, bounds: torch.Tensor, arg: str, fn: str) -> int:
     """The output length: ``size`` if given (checked when possible), else ``bounds[-1]``."""
     if size is None:
         return int(bounds[-1])
     if isinstance(size, torch.Tensor):
         raise TypeError(f"{fn}: {arg} must be a Python int, got a tensor")
-    size = _int_arg(size, f"{fn}: {arg}")
+    size = checks.int_arg(f"{fn}: {arg}", size)
     if size < 0:
         raise ValueError(f"{fn}: {arg} must be >= 0, got {size}")
     if not _compiling() and size < int(bounds[-1]):
@@ -164,7 +157,7 @@ def prepare_token_indices(cu_seqlens, total_tokens: int | None = None) -> torch.
 def prepare_chunk_offsets(cu_seqlens, chunk_size: int) -> torch.Tensor:
     """``[0, cumsum(ceil(len / chunk_size))]``: where each sequence's chunks start."""
     cu = _cu_seqlens(cu_seqlens)
-    chunks = cdiv(cu[1:] - cu[:-1], _chunk_size(chunk_size))
+    chunks = cdiv(cu[1:] - cu[:-1], checks.chunk_size(chunk_size))
     zero = torch.zeros(1, dtype=cu.dtype, device=cu.device)
     return torch.cat([zero, torch.cumsum(chunks, dim=0, dtype=cu.dtype)])
 

@@ -232,8 +232,9 @@ def test_chunk_array_bad_input(fw):
             u.chunk_array(x, 2, axis=axis)
     with pytest.raises(ValueError, match="x must have at least one axis"):
         u.chunk_array(fw.asarray(np.float32(1.0)), 2)
-    with pytest.raises(TypeError, match="chunk_size must be an int, got a bool"):
-        u.chunk_array(x, True)
+    for flag in (True, fw.asarray(np.bool_(True))):  # a bool scalar tensor/array read as 1 before
+        with pytest.raises(TypeError, match="chunk_size must be an int, got a bool"):
+            u.chunk_array(x, flag)
     with pytest.raises(TypeError, match="axis must be an int"):
         u.chunk_array(x, 2, axis=1.0)
     chunked = u.chunk_array(x, 2, axis=1)  # (2, 2, 2): 3 columns padded to 4

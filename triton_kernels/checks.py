@@ -114,9 +114,11 @@ def softmax_scale(value, d: int) -> float:
 
 
 def int_arg(name: str, value) -> int:
-    """A Python int (or integer scalar) as an int; bools are refused, not read as 0/1, and
-    floats are refused, not truncated."""
-    if isinstance(value, (bool, np.bool_)):
+    """A Python int (or integer scalar) as an int; bools are refused, not read as 0/1 (bool
+    scalar tensors and arrays of either framework too), and floats are refused, not truncated."""
+    if type(value) is int:  # the usual case
+        return value
+    if isinstance(value, (bool, np.bool_)) or str(getattr(value, "dtype", "")).endswith("bool"):
         raise TypeError(f"{name} must be an int, got a bool")
     try:
         return operator.index(value)
@@ -142,6 +144,37 @@ def flag(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return bool(value)
+
+
+def chunk_size(value) -> int:
+    value = int_arg("chunk_size", value)
+    if value < 1:
+        raise ValueError(f"chunk_size must be positive, got {value}")
+    return value
+
+
+def chunking(shape: Sequence[int], size, axis_value) -> tuple[int, int, int, int]:
+    """``chunk_array``'s arguments for an array of ``shape``: (axis, num_chunks, chunk_size,
+    padding)."""
+    size = chunk_size(size)
+    if len(shape) < 1:
+        raise ValueError("x must have at least one axis to chunk, got a scalar")
+    axis_value = axis("axis", axis_value, len(shape))
+    num_chunks = -(-shape[axis_value] // size)
+    return axis_value, num_chunks, size, num_chunks * size - shape[axis_value]
+
+
+def unchunking(shape: Sequence[int], original_length, axis_value) -> tuple[int, int]:
+    """``unchunk_array``'s arguments for an array of ``shape``: (axis, original_length);
+    ``axis`` as ``chunk_array`` was given it (the rank before chunking)."""
+    if len(shape) < 2:
+        raise ValueError(f"x must have the two axes chunk_array made, got shape {tuple(shape)}")
+    axis_value = axis("axis", axis_value, len(shape) - 1)
+    chunked = shape[axis_value] * shape[axis_value + 1]
+    original_length = int_arg("original_length", original_length)
+    if not 0 <= original_length <= chunked:
+        raise ValueError(f"original_length must lie in [0, {chunked}] (the chunked length), got {original_length}")
+    return axis_value, original_length
 
 
 def _positive_int(name: str, value) -> int:

@@ -45,16 +45,9 @@ def _to_jax(x, name: str) -> jax.Array:
 def chunk_array(x: jax.Array, chunk_size: int, axis: int = 0, pad_value: float = 0) -> jax.Array:
     """Split ``axis`` into ``[num_chunks, chunk_size]``, padding its end with ``pad_value``."""
     x = _to_jax(x, "x")
-    chunk_size = checks.int_arg("chunk_size", chunk_size)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if x.ndim < 1:
-        raise ValueError("x must have at least one axis to chunk, got a scalar")
-    axis = checks.axis("axis", axis, x.ndim)
-    length = x.shape[axis]
-    num_chunks = -(-length // chunk_size)
+    axis, num_chunks, chunk_size, padding = checks.chunking(x.shape, chunk_size, axis)
     pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, num_chunks * chunk_size - length)
+    pad[axis] = (0, padding)
     x = jnp.pad(x, pad, constant_values=pad_value)
     return x.reshape(x.shape[:axis] + (num_chunks, chunk_size) + x.shape[axis + 1:])
 
@@ -66,14 +59,8 @@ def unchunk_array(x: jax.Array, original_length: int, axis: int = 0) -> jax.Arra
     ``0 <= original_length <= num_chunks * chunk_size``.
     """
     x = _to_jax(x, "x")
-    if x.ndim < 2:
-        raise ValueError(f"x must have the two axes chunk_array made, got shape {x.shape}")
-    axis = checks.axis("axis", axis, x.ndim - 1)  # the rank before chunking
+    axis, original_length = checks.unchunking(x.shape, original_length, axis)
     merged = x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
-    original_length = checks.int_arg("original_length", original_length)
-    if not 0 <= original_length <= merged.shape[axis]:
-        raise ValueError(f"original_length must lie in [0, {merged.shape[axis]}] (the chunked length), "
-                         f"got {original_length}")
     return jax.lax.slice_in_dim(merged, 0, original_length, axis=axis)
 
 
