@@ -219,21 +219,14 @@ def safe_divide(numerator, denominator, min_denominator: float = 1e-10):
     if not dtype.is_floating_point:
         dtype = torch.get_default_dtype()  # what / gives for integers
     den = torch.as_tensor(den, dtype=dtype)
-    floor = torch.tensor(_floor(min_denominator, torch.finfo(dtype).tiny), dtype=dtype, device=den.device)
+    floor = checks.min_denominator(min_denominator, torch.finfo(dtype).tiny)
+    floor = torch.tensor(floor, dtype=dtype, device=den.device)
     return num / torch.where(den.abs() < floor, torch.where(den < 0, -floor, floor), den)
 
 
 def _operand(x, name: str):
     # Python numbers stay numbers: they promote weakly (1.0 / float16 is float16), as in jax.
     return x if isinstance(x, (bool, int, float)) else _as_tensor(x, name)
-
-
-def _floor(min_denominator, tiny: float) -> float:
-    if isinstance(min_denominator, bool) or not isinstance(min_denominator, (int, float, np.integer, np.floating)):
-        raise TypeError(f"min_denominator must be a real number, got {type(min_denominator).__name__}")
-    if not min_denominator > 0:
-        raise ValueError(f"min_denominator must be positive, got {min_denominator}")
-    return max(float(min_denominator), tiny)
 
 
 def _to_numpy(x) -> np.ndarray:

@@ -138,6 +138,14 @@ def float_arg(name: str, value, expected: str = "a float") -> float:
         return math.inf
 
 
+def min_denominator(value, tiny: float) -> float:
+    """``safe_divide``'s floor: a positive real, at least the dtype's smallest normal ``tiny``."""
+    value = float_arg("min_denominator", value, "a real number")
+    if not value > 0:
+        raise ValueError(f"min_denominator must be positive, got {value}")
+    return max(value, tiny)
+
+
 def flag(name: str, value) -> bool:
     """A bool (numpy's too) as a bool; anything else is refused, not read by truthiness: a
     string such as "false" would be True, and a traced jax value fails inside bool()."""

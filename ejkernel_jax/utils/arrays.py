@@ -87,16 +87,8 @@ def safe_divide(numerator, denominator, min_denominator: float = 1e-10):
     if not jnp.issubdtype(dtype, jnp.floating):
         dtype = jnp.result_type(float)  # what / gives for integers
     den = jnp.asarray(denominator).astype(dtype)
-    floor = jnp.asarray(_floor(min_denominator, float(jnp.finfo(dtype).tiny)), dtype)
+    floor = jnp.asarray(checks.min_denominator(min_denominator, float(jnp.finfo(dtype).tiny)), dtype)
     return numerator / jnp.where(jnp.abs(den) < floor, jnp.where(den < 0, -floor, floor), den)
-
-
-def _floor(min_denominator, tiny: float) -> float:
-    if isinstance(min_denominator, bool) or not isinstance(min_denominator, (int, float, np.integer, np.floating)):
-        raise TypeError(f"min_denominator must be a real number, got {type(min_denominator).__name__}")
-    if not min_denominator > 0:
-        raise ValueError(f"min_denominator must be positive, got {min_denominator}")
-    return max(float(min_denominator), tiny)
 
 
 def _to_numpy(x) -> np.ndarray:
