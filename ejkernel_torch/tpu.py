@@ -38,6 +38,7 @@ import torch
 from ejkernel_jax.pallas.tpu import blocksparse_attention as _bsa
 from ejkernel_jax.pallas.tpu import grouped_matmul as _gmm
 from ejkernel_jax.pallas.tpu.blocksparse_attention import attention as _bsa_attention
+from ejkernel_torch.ops._common import autocast
 
 # Host-side objects: the jax module's own (numpy masks and schedules, no device arrays).
 from ejkernel_jax.pallas.tpu.blocksparse_attention import (
@@ -274,7 +275,7 @@ def blocksparse_attention(
     float32 ``lse [batch, heads, q_len]`` with ``return_lse``); differentiable in q, k, v.
     """
     fn = "blocksparse_attention"
-    q, k, v = (_float(fn, n, t) for n, t in (("q", q), ("k", k), ("v", v)))
+    q, k, v = autocast(*(_float(fn, n, t) for n, t in (("q", q), ("k", k), ("v", v))))
     q_seg = _int_ids(fn, "q_segment_ids", q_segment_ids)
     kv_seg = _int_ids(fn, "kv_segment_ids", kv_segment_ids)
     static_mask, dynamic_mask = _static_mask(fn, mask)
@@ -372,7 +373,7 @@ def _group_args(fn: str, lhs, rhs, group_sizes, group_offset, m_axis: int, num_s
     An int ``group_offset`` is static; a tensor one is traced. Both ranges are checked here,
     before anything is traced (the tensor's with ``group_sizes``' values, in one host sync).
     """
-    lhs, rhs = _float(fn, "lhs", lhs), _float(fn, "rhs", rhs)
+    lhs, rhs = autocast(_float(fn, "lhs", lhs), _float(fn, "rhs", rhs))
     group_sizes = _int32(fn, "group_sizes", group_sizes)
     offset_tensor = static_offset = None
     if isinstance(group_offset, torch.Tensor):

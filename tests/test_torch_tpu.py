@@ -541,3 +541,21 @@ def test_gmm_bf16_transposed_static_offset(rng):
     rout.backward(torch.ones_like(rout))
     for name, got, want in (("out", out, rout), ("d_lhs", lhs.grad, rl.grad), ("d_rhs", rhs.grad, rr.grad)):
         _check_ref(got, want, torch.bfloat16, name)
+
+
+def test_autocast_casts_operands_as_matmul_does(rng):
+    """Under torch.autocast the bridged kernels take bf16 tokens with fp32 weights (and fp32 q/k/v)
+    in the autocast dtype, as matmul and SDPA do: the same bits as on explicitly cast operands."""
+    tokens = torch.from_numpy(rng.standard_normal((24, 16)).astype(np.float32)).bfloat16()
+    weights = torch.from_numpy(rng.standard_normal((2, 16, 8)).astype(np.float32))
+    sizes = torch.tensor([10, 14], dtype=torch.int32)
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 16, 2, 8)).astype(np.float32)) for _ in range(3))
+    calls = {
+        "grouped_matmul": (lambda a, b: tpu.grouped_matmul(a, b, sizes, tiling=(8, 8, 8)), (tokens, weights)),
+        "blocksparse_attention": (lambda *t: tpu.blocksparse_attention(*t, causal=True), (q, k, v)),
+    }
+    for name, (fn, args) in calls.items():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = fn(*args)
+        want = fn(*(a.bfloat16() for a in args))
+        assert torch.equal(got, want) and not torch.isnan(got).any(), name

@@ -13,6 +13,26 @@ def tensor_arg(name: str, x) -> torch.Tensor:
     return x
 
 
+def autocast(*tensors):
+    """``tensors`` as ``torch.autocast`` hands them to matmul and SDPA: a float16, bfloat16 or
+    float32 tensor in the autocast dtype of its device type while autocast is on there; anything
+    else (None, integer, float64) as given. The attention ops and grouped matmuls call this on
+    their operands, so fp32 weights meet bf16 activations under AMP as they would in a matmul."""
+    return tuple(_autocast_one(t) for t in tensors)
+
+
+def _autocast_one(t):
+    if not isinstance(t, torch.Tensor) or t.dtype not in _AUTOCAST_ELIGIBLE:
+        return t
+    device_type = t.device.type  # asking about a type without autocast (meta) raises
+    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+        return t
+    return t.to(torch.get_autocast_dtype(device_type))
+
+
+_AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)  # as torch's own: float64 is never cast
+
+
 def same_device(**tensors: torch.Tensor) -> torch.device:
     items = list(tensors.items())
     device = items[0][1].device

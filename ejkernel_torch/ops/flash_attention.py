@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ejkernel_torch.launch import device_facts, dtype_name, launch, launch_traceable, plain_eager, reject_forward_ad, torch_dtype
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import name_of, same_device, tensor_arg
+from ejkernel_torch.ops._common import autocast, name_of, same_device, tensor_arg
 from triton_kernels import checks, flash_attention as fa
 from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
 from triton_kernels.params import BwdParams, FwdParams, decode_params, encode_params, op_params
@@ -253,7 +253,7 @@ def _checked(spec_fn):
 
 
 def _qkv(q, k, v):
-    q, k, v = tensor_arg("q", q), tensor_arg("k", k), tensor_arg("v", v)
+    q, k, v = autocast(tensor_arg("q", q), tensor_arg("k", k), tensor_arg("v", v))
     device = same_device(q=q, k=k, v=v)
     return q, k, v, device
 

@@ -22,7 +22,7 @@ import torch
 
 from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable, plain_eager, reject_forward_ad
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import name_of, same_device, tensor_arg
+from ejkernel_torch.ops._common import autocast, name_of, same_device, tensor_arg
 from triton_kernels import checks
 from triton_kernels import grouped_matmul as gm
 from triton_kernels.config_cache import check_autotune
@@ -241,6 +241,7 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     Differentiable in lhs and rhs.
     """
     lhs, rhs, group_sizes = (tensor_arg(n, t) for n, t in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)))
+    lhs, rhs = autocast(lhs, rhs)
     m, k, n, num_groups, num_selected = gm.check_gmm(
         tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
         tuple(group_sizes.shape), name_of(group_sizes), transpose_rhs)
@@ -273,6 +274,7 @@ def transposed_grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes:
     Differentiable in lhs and rhs.
     """
     lhs, rhs, group_sizes = (tensor_arg(n, t) for n, t in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)))
+    lhs, rhs = autocast(lhs, rhs)
     m, k, n, num_groups, num_selected = gm.check_tgmm(
         tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
         tuple(group_sizes.shape), name_of(group_sizes), num_actual_groups)

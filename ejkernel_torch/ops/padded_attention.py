@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import apply, first_order, kernel_op, n_pad_arg, name_of, same_device, static_shape, tensor_arg
+from ejkernel_torch.ops._common import apply, autocast, first_order, kernel_op, n_pad_arg, name_of, same_device, static_shape, tensor_arg
 from triton_kernels import checks
 from triton_kernels.tuning import PADDED_BWD, PADDED_FWD
 from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan
@@ -70,7 +70,7 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_pad: t
     (default: ``EJKERNEL_AUTOTUNE``) times candidates on a cache miss and stores the fastest
     (the backward's too when an input requires grad). See ``triton_kernels.tuning``.
     """
-    q, k, v = (tensor_arg(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
+    q, k, v = autocast(*(tensor_arg(n, t) for n, t in (("q", q), ("k", k), ("v", v))))
     batch, seq_len, head_dim = checks.single_head_qkv(
         [tuple(t.shape) for t in (q, k, v)], [name_of(t) for t in (q, k, v)]
     )
