@@ -38,7 +38,7 @@ import torch
 from ejkernel_jax.pallas.tpu import blocksparse_attention as _bsa
 from ejkernel_jax.pallas.tpu import grouped_matmul as _gmm
 from ejkernel_jax.pallas.tpu.blocksparse_attention import attention as _bsa_attention
-from ejkernel_torch.ops._common import autocast
+from ejkernel_torch.ops._common import autocast, values_readable
 
 # Host-side objects: the jax module's own (numpy masks and schedules, no device arrays).
 from ejkernel_jax.pallas.tpu.blocksparse_attention import (
@@ -121,7 +121,7 @@ def _int_ids(fn: str, name: str, x) -> torch.Tensor | None:
     if x is None:
         return None
     x = _tensor(fn, name, x, _INT_DTYPES, "an integer tensor")
-    if x.dtype == torch.int64 and x.numel() and _checking_values():
+    if x.dtype == torch.int64 and x.numel() and values_readable():
         lo, hi = torch.aminmax(x)
         try:
             _bsa_attention.check_segment_id_range(name, int(lo), int(hi))
@@ -166,11 +166,6 @@ def _interpret(interpret, device: torch.device):
     if interpret is not None:
         return interpret
     return not (device.type == "xla" and _xla_is_tpu(device))
-
-
-def _checking_values() -> bool:
-    """Value checks (host syncs) are skipped while a CUDA graph is being captured."""
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _jax_dtype(fn: str, name: str, dtype):
@@ -390,7 +385,7 @@ def _group_args(fn: str, lhs, rhs, group_sizes, group_offset, m_axis: int, num_s
     n_sel = num_selected if num_selected is not None else group_sizes.shape[0]
     if static_offset is not None:
         _check_offset_range(fn, static_offset, group_sizes.shape[0], n_sel)
-    if _checking_values() and (group_sizes.numel() or offset_tensor is not None):
+    if values_readable() and (group_sizes.numel() or offset_tensor is not None):
         # Also with no groups: an offset tensor must then be 0, as jax checks a concrete one.
         m = lhs.shape[m_axis] if lhs.ndim == 2 else None
         checks = [(group_sizes < 0).any().to(torch.int64), group_sizes.sum(dtype=torch.int64)]

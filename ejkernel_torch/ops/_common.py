@@ -24,8 +24,12 @@ def autocast(*tensors):
 def _autocast_one(t):
     if not isinstance(t, torch.Tensor) or t.dtype not in _AUTOCAST_ELIGIBLE:
         return t
-    device_type = t.device.type  # asking about a type without autocast (meta) raises
-    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+    device_type = t.device.type
+    # Asking about a type without autocast (meta) raises; dynamo in torch 2.11 cannot trace this
+    # check, and tensors being traced are on real device types.
+    if not torch.compiler.is_compiling() and not torch.amp.is_autocast_available(device_type):
+        return t
+    if not torch.is_autocast_enabled(device_type):
         return t
     return t.to(torch.get_autocast_dtype(device_type))
 
@@ -55,17 +59,26 @@ def static_shape(x: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(n) for n in x.shape)
 
 
+def values_readable() -> bool:
+    """Whether argument checks may read tensor values (a host sync on CUDA) now: not while
+    torch.compile traces (the values are unknown) nor while a CUDA graph is captured (a sync
+    is illegal then). The kernels clamp what goes unchecked, as under ``jax.jit``."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def n_pad_arg(n_pad, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
     """Validate ``n_pad`` (values too: a host sync on CUDA) and return it as int32 on ``device``.
 
-    Under ``torch.compile`` and for an n_pad batched by ``torch.func.vmap`` the values are not
-    known (as under ``jax.jit``): the kernels clamp them.
+    Under ``torch.compile``, during CUDA graph capture and for an n_pad batched by
+    ``torch.func.vmap`` the values are not read (as under ``jax.jit``): the kernels clamp them.
     """
     n_pad = tensor_arg("n_pad", n_pad)
     checks.n_pad(tuple(n_pad.shape), name_of(n_pad), batch)
     if n_pad.device != device:
         raise ValueError(f"n_pad is on {n_pad.device} but the other inputs are on {device}")
-    if torch.compiler.is_compiling() or torch._C._functorch.is_batchedtensor(n_pad):
+    if not values_readable() or torch._C._functorch.is_batchedtensor(n_pad):
         # Unchecked: clamp before the int32 cast, which would wrap int64 values (2**32 + 2 -> 2).
         # Bounds in n_pad's dtype (a uint8 n_pad cannot hold seq 300, nor need clamping to it).
         info = torch.iinfo(n_pad.dtype)

@@ -11,6 +11,7 @@ from typing import Any, Hashable, Sequence
 import torch
 
 from ejkernel_torch.launch import device_facts, launch
+from ejkernel_torch.ops._common import values_readable
 from ejkernel_torch.utils import device_fingerprint
 from triton_kernels import tuning
 from triton_kernels.config_cache import check_autotune
@@ -47,7 +48,7 @@ def autotune(tunable: tuning.Tunable, problem: Hashable, device: torch.device, a
     """With autotuning enabled and no ``explicit`` params: tune ``problem`` on a cache miss,
     timing the candidates on ``arrays`` (contiguous, as the plan's launch takes them)."""
     check_autotune(autotune)  # also when it is not read: explicit params, tracing
-    if explicit is not None or not tuning.autotune_enabled(autotune) or torch.compiler.is_compiling():
+    if explicit is not None or not tuning.autotune_enabled(autotune) or not values_readable():  # tracing, capture
         return
     facts = device_facts(device)
     with torch.no_grad():

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ejkernel_torch.launch import device_facts, dtype_name, launch, launch_traceable, plain_eager, reject_forward_ad, torch_dtype
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import autocast, name_of, same_device, tensor_arg
+from ejkernel_torch.ops._common import autocast, name_of, same_device, tensor_arg, values_readable
 from triton_kernels import checks, flash_attention as fa
 from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
 from triton_kernels.params import BwdParams, FwdParams, decode_params, encode_params, op_params
@@ -298,7 +298,7 @@ def _autotune(spec, arrays, params, autotune, device) -> None:
     """On a cache miss with autotuning enabled, tune the forward, and the backward when a
     gradient will be taken (``arrays``: the op's nine array arguments)."""
     check_autotune(autotune)  # also while compiling, where it is not read
-    if torch.compiler.is_compiling() or not autotune_enabled(autotune):
+    if not autotune_enabled(autotune) or not values_readable():  # no timing while tracing or capturing
         return
     features = _features(*arrays)
     _tuning.autotune(FLASH_FWD, spec, device, features, autotune, params[0])
@@ -375,7 +375,8 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     """``flash_attention`` over packed sequences: q ``[total_q, heads_q, head_dim]``, k/v
     ``[total_k, heads_kv, head_dim]``; sequence i is tokens ``cu_seqlens[i]:cu_seqlens[i+1]``
     (int32, ``[n_seq + 1]``, starting at 0, non-decreasing; checked on the host, a sync on
-    CUDA; not checked under torch.compile, where the kernels clamp them as under jax.jit). ``max_seqlen_*`` bound the lengths. lse is ``[heads_q, total_q]``; tokens past
+    CUDA; not checked under torch.compile or CUDA graph capture, where the kernels clamp them as under
+    jax.jit). ``max_seqlen_*`` bound the lengths. lse is ``[heads_q, total_q]``; tokens past
     ``cu_seqlens[-1]`` give 0. Dropout offsets are those of the padded ``[n_seq, heads_q,
     max_seqlen_q, max_seqlen_k]`` problem. Bias and segment ids are not supported here.
     ``fwd_params``/``bwd_params``/``autotune`` as in ``flash_attention`` (cache keys count the
@@ -391,7 +392,7 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         *shapes, dtypes, tuple(cu_q.shape), name_of(cu_q), tuple(cu_k.shape), name_of(cu_k), max_seqlen_q,
         max_seqlen_k, causal=causal, softmax_scale=softmax_scale, sliding_window=fa.window_arg(sliding_window),
         logits_soft_cap=logits_soft_cap, dropout_p=dropout_p)
-    if not torch.compiler.is_compiling():
+    if values_readable():
         fa.cu_seqlens_values("cu_seqlens_q", cu_q.tolist(), spec.total_q, max_seqlen_q)
         fa.cu_seqlens_values("cu_seqlens_k", cu_k.tolist(), spec.total_k, max_seqlen_k)
     return_lse = checks.flag("return_lse", return_lse)  # "no" is truthy

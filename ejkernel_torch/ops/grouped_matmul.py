@@ -22,7 +22,7 @@ import torch
 
 from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable, plain_eager, reject_forward_ad
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import autocast, name_of, same_device, tensor_arg
+from ejkernel_torch.ops._common import autocast, name_of, same_device, tensor_arg, values_readable
 from triton_kernels import checks
 from triton_kernels import grouped_matmul as gm
 from triton_kernels.config_cache import check_autotune
@@ -169,17 +169,10 @@ def _call_tgmm(*args) -> torch.Tensor:
 # argument handling
 
 
-def _checking_values() -> bool:
-    """Whether value checks (host syncs) may run now."""
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
 def _group_args(group_sizes, group_offset, m: int, num_groups: int, num_selected: int,
                 device: torch.device, check_values: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """group_sizes as given (int32, checked) and group_offset as an int32 [1] tensor on ``device``.
-    Values are read (one host sync) only if ``check_values`` and ``_checking_values()``."""
+    Values are read (one host sync) only if ``check_values`` and ``values_readable()``."""
     if group_sizes.device != device:
         raise ValueError(f"group_sizes is on {group_sizes.device} but lhs is on {device}")
     if group_offset is None:
@@ -196,7 +189,7 @@ def _group_args(group_sizes, group_offset, m: int, num_groups: int, num_selected
         offset_value = group_offset
     else:
         raise TypeError(f"group_offset must be an int or an integer scalar tensor, got {group_offset!r}")
-    if check_values and _checking_values():
+    if check_values and values_readable():
         values = [group_sizes.min(), group_sizes.sum(dtype=torch.int64)] if num_groups else []
         if offset_value is None:
             values.append(group_offset.reshape(()).to(device))
