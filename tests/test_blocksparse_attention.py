@@ -138,6 +138,14 @@ CASES = {
         lambda q, kv: (q // 24 == kv // 24) & (q >= kv),
         BlockSizes(16, 16),
     ),
+    # Beyond every position, a window side or chunk is unbounded (was numpy's OverflowError).
+    "huge-window-chunk": (
+        2,
+        1,
+        dict(causal=True, sliding_window=2**40, chunk_size=2**40),
+        lambda q, kv: q >= kv,
+        BlockSizes(32, 32),
+    ),
     "full-mqa": (2, 1, dict(), lambda q, kv: np.ones(np.broadcast(q, kv).shape, bool), BlockSizes(32, 32)),
 }
 

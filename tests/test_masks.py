@@ -92,6 +92,61 @@ def test_mask_functions_agree_on_jax_arrays():
         )
 
 
+def test_huge_windows_and_chunks_are_unbounded():
+    """A window side or chunk beyond every position is unbounded (as flash attention's
+    sliding_window): numpy raised an OverflowError naming no argument, on int32 token ids."""
+    shape, huge = (24, 40), 2**40
+    q, kv = np.arange(24)[:, None] + 16, np.arange(40)[None, :]  # offset 16: bottom-right
+    causal, window = q >= kv, (q - 3 <= kv) & (kv <= q)
+    cases = [
+        (M.LocalMask(shape, (huge, 0), 16), M.make_local_attention_mask(shape, (huge, 0), offset=16), causal),
+        (M.LocalMask(shape, (3, huge), 16), M.make_local_attention_mask(shape, (3, huge), offset=16), q - 3 <= kv),
+        (M.ChunkedCausalMask(shape, huge, offset=16), M.make_chunk_attention_mask(shape, huge, offset=16), causal),
+        (M.LocalMask(shape, (3, 0), 16) & M.ChunkedCausalMask(shape, huge, offset=16), None, window),
+        # Just reaching every key / holding every position is the same mask as beyond it.
+        (
+            M.LocalMask(shape, (39, 23), 16),
+            M.make_local_attention_mask(shape, (39, 23), offset=16),
+            np.ones(shape, bool),
+        ),
+        (M.ChunkedCausalMask(shape, 40, offset=16), M.make_chunk_attention_mask(shape, 40, offset=16), causal),
+    ]
+    q_ids, kv_ids = np.broadcast_arrays(q - 16, kv)
+    for mask, dense, want in cases:
+        np.testing.assert_array_equal(mask[:, :], want, err_msg=repr(mask))
+        on_jax = mask.mask_function(jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32))
+        np.testing.assert_array_equal(on_jax, want, err_msg=repr(mask))
+        if dense is not None:
+            np.testing.assert_array_equal(dense, want, err_msg=repr(mask))
+    assert M.LocalMask(shape, (huge, 0), 16) == M.LocalMask(shape, (None, 0), 16)
+    assert M.LocalMask(shape, (huge, 0), 16).window_size == (huge, 0)  # as given
+
+
+@pytest.mark.parametrize("offset", [2**40, 2**31 - 5, -(2**31) - 1, -(2**40)])
+def test_offsets_beyond_int32_positions_raise(offset):
+    """Query positions i + offset are int32 token ids: an offset past that raised numpy's
+    OverflowError naming no argument, or (2**31 - 5) wrapped into a wrong mask."""
+    shape = (8, 8)
+    calls = [
+        lambda: M.CausalMask(shape, offset),
+        lambda: M.LocalMask(shape, (2, 0), offset),
+        lambda: M.ChunkedCausalMask(shape, 4, offset=offset),
+        lambda: M.make_causal_mask(shape, offset),
+        lambda: M.make_local_attention_mask(shape, (2, 0), offset=offset),
+        lambda: M.make_chunk_attention_mask(shape, 4, offset=offset),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="offset"):
+            call()
+    # The extremes that keep every position an int32 still work.
+    assert M.CausalMask(shape, 2**31 - 8)[:, :].all()
+    assert not M.CausalMask(shape, -(2**31))[:, :].any()
+    with pytest.raises(ValueError, match="shape"):
+        M.CausalMask((8, 2**31))
+    with pytest.raises(ValueError, match="window_size"):
+        M.LocalMask(shape, (0, 2**31 + 3), -(2**31))  # binding for query 0, yet not an int32
+
+
 def test_computable_flags():
     shape = (32, 32)
     cases = dense_cases(shape)

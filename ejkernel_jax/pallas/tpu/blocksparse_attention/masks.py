@@ -27,6 +27,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+_INT32_MAX = 2**31 - 1
+
 __all__ = [
     "Mask",
     "LogicalOr",
@@ -54,7 +56,7 @@ def _grid(shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
 
 def make_causal_mask(shape: tuple[int, int], offset: int = 0) -> np.ndarray:
     """Dense causal mask: query ``i`` sees keys ``j <= i + offset``."""
-    offset = check_int("offset", offset)
+    offset = _check_offset(offset, _check_shape(shape))
     q, kv = _grid(shape)
     return q + offset >= kv
 
@@ -69,8 +71,9 @@ def make_local_attention_mask(
 
     ``None`` on a side means no limit on that side.
     """
-    left, right = _check_window(window_size)
-    offset = check_int("offset", offset)
+    shape = _check_shape(shape)
+    offset = _check_offset(offset, shape)
+    left, right = _reaching_sides(_check_window(window_size), shape, offset)
     q, kv = _grid(shape)
     out = np.ones((q.shape[0], kv.shape[1]), dtype=np.bool_)
     if left is not None:
@@ -82,8 +85,9 @@ def make_local_attention_mask(
 
 def make_chunk_attention_mask(shape: tuple[int, int], chunk_size: int, *, offset: int = 0) -> np.ndarray:
     """Dense chunked-causal mask: causal inside chunks of ``chunk_size`` tokens, nothing across."""
-    chunk_size = _check_chunk(chunk_size)
-    offset = check_int("offset", offset)
+    shape = _check_shape(shape)
+    offset = _check_offset(offset, shape)
+    chunk_size = _reaching_chunk(_check_chunk(chunk_size), shape, offset)
     q, kv = _grid(shape)
     pos = q + offset
     return (pos // chunk_size == kv // chunk_size) & (pos >= kv)
@@ -129,7 +133,22 @@ def _check_shape(shape: Any) -> tuple[int, int]:
     shape = tuple(check_int("shape entries", s) for s in entries)
     if len(shape) != 2 or min(shape) <= 0:
         raise ValueError(f"shape must be a (q_len, kv_len) tuple of positive ints, got {shape}")
+    if max(shape) > _INT32_MAX:  # token ids are int32
+        raise ValueError(f"shape entries must be at most {_INT32_MAX} (int32 token ids), got {shape}")
     return shape
+
+
+def _check_offset(offset: Any, shape: tuple[int, int]) -> int:
+    """An offset that keeps every query position ``i + offset`` an int32: the mask functions
+    run on int32 token ids (numpy raised an OverflowError naming no argument, or wrapped)."""
+    offset = check_int("offset", offset)
+    lowest, highest = -_INT32_MAX - 1, _INT32_MAX - (shape[0] - 1)
+    if not lowest <= offset <= highest:
+        raise ValueError(
+            f"offset must lie in [{lowest}, {highest}] (query positions i + offset are int32 "
+            f"for q_len={shape[0]}), got {offset}"
+        )
+    return offset
 
 
 def _check_window(window_size: Any) -> tuple[int | None, int | None]:
@@ -148,6 +167,28 @@ def _check_chunk(chunk_size: Any) -> int:
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     return chunk_size
+
+
+# A window side or chunk reaching past every position is unbounded, as flash attention's
+# sliding_window is: the mask is the same, and a huge value (2**40) stays out of the int32
+# sums of token ids (it raised numpy's OverflowError naming no argument).
+def _reaching_sides(sides, shape: tuple[int, int], offset: int) -> tuple[int | None, int | None]:
+    """``(left, right)`` with a side that covers every key for every query made ``None``."""
+    (left, right), (q_len, kv_len) = sides, shape
+    if left is not None and left >= offset + q_len - 1:  # the last query reaches key 0
+        left = None
+    if right is not None and right >= kv_len - 1 - offset:  # the first query reaches the last key
+        right = None
+    if right is not None and right > _INT32_MAX:  # only with an offset near -2**31
+        raise ValueError(f"window_size entries must be at most {_INT32_MAX} unless they reach every key, "
+                         f"got {sides}")
+    return left, right
+
+
+def _reaching_chunk(chunk_size: int, shape: tuple[int, int], offset: int) -> int:
+    """``chunk_size`` capped at one chunk holding every position (negative positions are
+    masked by the causal term, whatever their chunk)."""
+    return min(chunk_size, max(offset + shape[0], shape[1]))
 
 
 def _axis_range(index: Any, size: int) -> tuple[int, int, bool]:
@@ -357,7 +398,7 @@ class CausalMask(_Computable):
     """
 
     def __init__(self, shape: tuple[int, int], offset: int = 0, shard_count: int = 1):
-        self.offset = check_int("offset", offset)
+        self.offset = _check_offset(offset, _check_shape(shape))
         super().__init__(shape, _Causal(self.offset), shard_count)
 
 
@@ -375,9 +416,11 @@ class LocalMask(_Computable):
         offset: int = 0,
         shard_count: int = 1,
     ):
+        shape = _check_shape(shape)
         self.window_size = _check_window(window_size)
-        self.offset = check_int("offset", offset)
-        super().__init__(shape, _Local(*self.window_size, self.offset), shard_count)
+        self.offset = _check_offset(offset, shape)
+        sides = _reaching_sides(self.window_size, shape, self.offset)
+        super().__init__(shape, _Local(*sides, self.offset), shard_count)
 
 
 class ChunkedCausalMask(_Computable):
@@ -385,9 +428,11 @@ class ChunkedCausalMask(_Computable):
     (Llama-4 style); query ``i`` sits at key position ``i + offset``."""
 
     def __init__(self, shape: tuple[int, int], chunk_size: int, shard_count: int = 1, *, offset: int = 0):
+        shape = _check_shape(shape)
         self.chunk_size = _check_chunk(chunk_size)
-        self.offset = check_int("offset", offset)
-        super().__init__(shape, _ChunkedCausal(self.chunk_size, self.offset), shard_count)
+        self.offset = _check_offset(offset, shape)
+        chunk = _reaching_chunk(self.chunk_size, shape, self.offset)
+        super().__init__(shape, _ChunkedCausal(chunk, self.offset), shard_count)
 
 
 class _Binary(Mask):
