@@ -195,13 +195,16 @@ def log_sum_exp(x: torch.Tensor, axis: int | tuple[int, ...] | None = None, keep
     """``log(sum(exp(x)))`` without overflow; an all ``-inf`` slice gives ``-inf``, not NaN."""
     x = _as_tensor(x, "x")
     keepdims = checks.flag("keepdims", keepdims)  # "no" was truthy
-    if axis is None:
-        out = log_sum_exp(x.reshape(-1), 0)
-        return out.reshape((1,) * x.ndim) if keepdims else out
-    m = torch.amax(x, dim=axis, keepdim=True)
+    # Checked as jax checks them (torch raised IndexError for a bad axis, jax ValueError, and jax
+    # read axis=True as 1).
+    axes = checks.axes("axis", axis, x.ndim)
+    if not axes:  # torch reads dim=() as every axis; numpy and jax reduce none
+        m, reduce = x, lambda y: y
+    else:
+        m, reduce = torch.amax(x, dim=axes, keepdim=True), lambda y: torch.sum(y, dim=axes, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # -inf/inf max: shift by 0 instead
-    out = torch.log(torch.sum(torch.exp(x - m), dim=axis, keepdim=True)) + m
-    return out if keepdims else out.squeeze(axis)
+    out = torch.log(reduce(torch.exp(x - m))) + m
+    return out if keepdims or not axes else out.squeeze(axes)
 
 
 def safe_divide(numerator, denominator, min_denominator: float = 1e-10):

@@ -292,6 +292,23 @@ def test_log_sum_exp_keepdims_must_be_a_bool(fw):
     assert fw.to_numpy(utils(fw).log_sum_exp(x, axis=1, keepdims=np.True_)).shape == (2, 1)
 
 
+def test_log_sum_exp_axis_is_checked(fw):
+    """torch raised IndexError for an out-of-range axis and jax ValueError; jax read axis=True as
+    1; torch read axis=() as every axis (jax: none). Both fronts now check axes alike."""
+    u, x = utils(fw), np.array([[0.0, 1.0, 2.0], [-np.inf, 3.0, 4.0]], np.float32)
+    for bad in (2, -3, (0, 2)):
+        with pytest.raises(ValueError, match="axis=.* is out of range for an array of rank 2"):
+            u.log_sum_exp(fw.asarray(x), axis=bad)
+    with pytest.raises(ValueError, match="axis must name distinct axes"):
+        u.log_sum_exp(fw.asarray(x), axis=(1, -1))
+    for bad in (True, 1.0, "0"):
+        with pytest.raises(TypeError, match="axis must be an int"):
+            u.log_sum_exp(fw.asarray(x), axis=bad)
+    np.testing.assert_array_equal(fw.to_numpy(u.log_sum_exp(fw.asarray(x), axis=())), x)
+    both = fw.to_numpy(u.log_sum_exp(fw.asarray(x), axis=[0, -1], keepdims=True))
+    assert both.shape == (1, 1) and np.isclose(both, np.log(np.exp(x).sum()), rtol=1e-6)
+
+
 def test_safe_divide(fw):
     u = utils(fw)
     den = np.array([0.0, -1e-12, 1e-12, 2.0, -4.0])

@@ -47,6 +47,19 @@ def axis(name: str, axis_value, rank: int) -> int:
     return axis_value % rank
 
 
+def axes(name: str, value, rank: int) -> tuple[int, ...]:
+    """A reduction's axes: ``None`` (every axis), one axis, or a tuple/list of distinct axes, each
+    as ``axis`` takes it; returned as a tuple of non-negative ints."""
+    if value is None:
+        return tuple(range(rank))
+    if not isinstance(value, (tuple, list)):
+        return (axis(name, value, rank),)
+    out = tuple(axis(name, a, rank) for a in value)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name} must name distinct axes, got {value!r}")
+    return out
+
+
 def softmax(x_shape: Sequence[int], x_dtype: str, axis_value) -> int:
     float_input("x", x_dtype)
     if len(x_shape) == 0:

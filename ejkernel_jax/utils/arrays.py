@@ -67,6 +67,7 @@ def unchunk_array(x: jax.Array, original_length: int, axis: int = 0) -> jax.Arra
 def log_sum_exp(x: jax.Array, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> jax.Array:
     """``log(sum(exp(x)))`` without overflow; an all ``-inf`` slice gives ``-inf``, not NaN."""
     keepdims = checks.flag("keepdims", keepdims)  # "no" was truthy
+    axis = checks.axes("axis", axis, jnp.ndim(x))  # as torch checks it (True was axis 1)
     m = jnp.max(x, axis=axis, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))  # -inf/inf max: shift by 0 instead
     out = jnp.log(jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True)) + m
