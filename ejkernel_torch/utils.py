@@ -257,12 +257,10 @@ def generate_attention_inputs(batch_size: int = 2, seq_len: int = 128, num_heads
     Drawn with numpy from ``seed``, so the jax front's function gives the same values: a
     ready-made input for torch-vs-jax parity checks.
     """
+    sizes = dict(batch_size=batch_size, seq_len=seq_len, num_heads=num_heads, head_dim=head_dim,
+                 kv_seq_len=kv_seq_len, num_kv_heads=num_kv_heads)
+    shapes, seed, scale = checks.attention_inputs(sizes, seed, scale)
     rng = np.random.default_rng(seed)
-    kv_seq_len = seq_len if kv_seq_len is None else kv_seq_len
-    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    shapes = {"query": (batch_size, seq_len, num_heads, head_dim),
-              "key": (batch_size, kv_seq_len, num_kv_heads, head_dim),
-              "value": (batch_size, kv_seq_len, num_kv_heads, head_dim)}
     dev = _device(device)
     dtype = _dtype(dtype)
     return {name: torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).to(dev, dtype)

@@ -191,6 +191,29 @@ def test_generate_attention_inputs_identical_across_fronts(torch_fw, jax_fw):
     assert not np.array_equal(jax_fw.to_numpy(other["query"]), jax_fw.to_numpy(j["query"]))
 
 
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(scale=True), TypeError, "scale must be a float, got True"),  # was scale 1.0
+    (dict(scale="2"), TypeError, "scale must be a float"),  # was parsed as 2.0
+    (dict(scale=1e40), ValueError, "scale must be finite in float32"),  # was inf inputs
+    (dict(scale=float("nan")), ValueError, "scale must be finite"),
+    (dict(seq_len=True), TypeError, "seq_len must be an int, got a bool"),
+    (dict(head_dim=2.0), TypeError, "head_dim must be an int"),
+    (dict(num_kv_heads=-1), ValueError, "num_kv_heads must be >= 0"),
+    (dict(seed=True), TypeError, "seed must be an int, got a bool"),  # was seed 1
+    (dict(seed=-1), ValueError, "seed must be >= 0"),
+])
+def test_generate_attention_inputs_arguments_are_checked(fw, kwargs, error, match):
+    sizes = dict(batch_size=1, seq_len=2, num_heads=1, head_dim=2)
+    with pytest.raises(error, match=match):
+        utils(fw).generate_attention_inputs(**{**sizes, **kwargs})
+
+
+def test_generate_attention_inputs_numpy_scalars(fw):
+    got = utils(fw).generate_attention_inputs(np.int64(1), 2, 1, 2, seed=np.int32(3), scale=np.float32(2))
+    want = utils(fw).generate_attention_inputs(1, 2, 1, 2, seed=3, scale=2.0)
+    assert all(np.array_equal(fw.to_numpy(got[n]), fw.to_numpy(want[n])) for n in want)
+
+
 def test_abstractify(fw):
     u = utils(fw)
     tree = {"q": fw.asarray(np.ones((2, 3)), "bfloat16"), "rest": [fw.asarray(np.arange(4)), 5, "x"]}

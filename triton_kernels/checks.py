@@ -198,6 +198,27 @@ def unchunking(shape: Sequence[int], original_length, axis_value) -> tuple[int, 
     return axis_value, original_length
 
 
+def attention_inputs(sizes: dict, seed, scale) -> tuple[dict[str, tuple[int, ...]], int, float]:
+    """``generate_attention_inputs``' arguments (both fronts): ``sizes`` maps each size argument
+    (``kv_seq_len`` and ``num_kv_heads`` may be None) to its value. Returns the query/key/value
+    shapes, the seed and the scale; bools are refused (scale=True was 1.0, a string was parsed)."""
+    size = {name: None if value is None else int_arg(name, value) for name, value in sizes.items()}
+    for name, value in size.items():
+        if value is not None and value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    seed = int_arg("seed", seed)
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    scale = float_arg("scale", scale)
+    if not abs(scale) <= FLOAT32_MAX:  # the inputs are drawn in float32: inf or NaN otherwise
+        raise ValueError(f"scale must be finite in float32, got {scale}")
+    kv_len = size["seq_len"] if size["kv_seq_len"] is None else size["kv_seq_len"]
+    kv_heads = size["num_heads"] if size["num_kv_heads"] is None else size["num_kv_heads"]
+    kv_shape = (size["batch_size"], kv_len, kv_heads, size["head_dim"])
+    query = (size["batch_size"], size["seq_len"], size["num_heads"], size["head_dim"])
+    return {"query": query, "key": kv_shape, "value": kv_shape}, seed, scale
+
+
 def _positive_int(name: str, value) -> int:
     value = int_arg(name, value)
     if value < 1:

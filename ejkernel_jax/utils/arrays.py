@@ -114,11 +114,9 @@ def generate_attention_inputs(batch_size: int = 2, seq_len: int = 128, num_heads
     Drawn with numpy from ``seed``, so the torch front's function gives the same values: a
     ready-made input for torch-vs-jax parity checks.
     """
+    sizes = dict(batch_size=batch_size, seq_len=seq_len, num_heads=num_heads, head_dim=head_dim,
+                 kv_seq_len=kv_seq_len, num_kv_heads=num_kv_heads)
+    shapes, seed, scale = checks.attention_inputs(sizes, seed, scale)
     rng = np.random.default_rng(seed)
-    kv_seq_len = seq_len if kv_seq_len is None else kv_seq_len
-    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    shapes = {"query": (batch_size, seq_len, num_heads, head_dim),
-              "key": (batch_size, kv_seq_len, num_kv_heads, head_dim),
-              "value": (batch_size, kv_seq_len, num_kv_heads, head_dim)}
     return {name: jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(dtype)
             for name, shape in shapes.items()}
