@@ -296,6 +296,25 @@ def test_numpy_inputs(fw):
     assert str(inputs["query"].dtype).endswith("float16")
 
 
+def test_chunk_array_pad_value_is_checked(fw):
+    """A string pad_value failed deep inside torch's new_full / jax's pad (and passed in torch when
+    nothing was padded); for an integer array jax padded with 0 for NaN where torch raised, and a
+    value past the dtype failed differently in each."""
+    u = utils(fw)
+    x, ints = fw.asarray(np.arange(3.0)), fw.asarray(np.arange(3, dtype=np.int32))
+    for bad in ("1", None, [1], 1 + 2j, True):
+        for size in (2, 3):  # padded or not
+            with pytest.raises(TypeError, match="pad_value must be a"):
+                u.chunk_array(x, size, pad_value=bad)
+    for bad in (float("nan"), 1.5, 2**40):
+        with pytest.raises(ValueError, match=r"pad_value must be an integer in \[-2147483648, 2147483647\]"):
+            u.chunk_array(ints, 2, pad_value=bad)
+    assert fw.to_numpy(u.chunk_array(ints, 2, pad_value=np.float32(-2.0))).ravel().tolist() == [0, 1, 2, -2]
+    assert fw.to_numpy(u.chunk_array(x, 2, pad_value=fw.asarray(np.float32(7)))).ravel().tolist() == [0, 1, 2, 7]
+    flags = u.chunk_array(fw.asarray(np.ones(3, bool)), 2, pad_value=False)
+    assert fw.to_numpy(flags).ravel().tolist() == [True, True, True, False]
+
+
 def test_log_sum_exp(fw):
     u = utils(fw)
     x = np.array([[1000.0, 1001.0, 1002.0], [-np.inf, -np.inf, -np.inf], [0.5, -np.inf, 2.0]])

@@ -6,6 +6,7 @@ the two fronts reject the same inputs with the same messages.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from typing import Sequence
 
@@ -183,6 +184,34 @@ def chunking(shape: Sequence[int], size, axis_value) -> tuple[int, int, int, int
     axis_value = axis("axis", axis_value, len(shape))
     num_chunks = -(-shape[axis_value] // size)
     return axis_value, num_chunks, size, num_chunks * size - shape[axis_value]
+
+
+def pad_value(value, dtype: str):
+    """``chunk_array``'s ``pad_value`` for an array of dtype name ``dtype``, returned as given: a
+    real number (numpy's too; a bool only for a bool array), or a 0-d real array/tensor (a traced
+    jax scalar too). For an integer array, an integer the dtype holds: jax padded with 0 for NaN
+    where torch raised, and the two failed differently past the range. A string failed deep
+    inside torch's new_full or jax's pad."""
+    shape = getattr(value, "shape", None)
+    if shape is not None:  # an array or tensor of either framework
+        kind = str(getattr(value, "dtype", "")).removeprefix("torch.")
+        if tuple(shape) != () or not (kind == "bool" or kind.startswith(("int", "uint", "float", "bfloat"))):
+            raise TypeError(f"pad_value must be a real number or a 0-d real array, got {kind} of shape "
+                            f"{tuple(shape)}")
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        if dtype != "bool":
+            raise TypeError(f"pad_value must be a number for {dtype} arrays, got {value!r}")
+        return value
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"pad_value must be a real number, got {value!r}")
+    if dtype.startswith(("int", "uint")):
+        info = np.iinfo(dtype)
+        whole = isinstance(value, numbers.Integral) or float(value).is_integer()
+        if not (whole and info.min <= int(value) <= info.max):
+            raise ValueError(f"pad_value must be an integer in [{info.min}, {info.max}] for {dtype} "
+                             f"arrays, got {value!r}")
+    return value
 
 
 def unchunking(shape: Sequence[int], original_length, axis_value) -> tuple[int, int]:
