@@ -278,6 +278,21 @@ def test_integer_arguments_are_not_truncated(bad):
         M.CausalMask(shape)[2.5, :]  # a float index, not row 2
 
 
+@pytest.mark.parametrize("sparsity, seed, error, match", [
+    (True, 0, TypeError, "sparsity must be a float, got True"),  # was 1.0: an empty mask
+    (np.False_, 0, TypeError, "sparsity must be a float"),
+    ("0.5", 0, TypeError, "sparsity must be a float, got '0.5'"),
+    (0.5, True, TypeError, "seed must be an int"),  # was seed 1
+    (0.5, 1.5, TypeError, "seed must be an int"),
+    (0.5, -1, ValueError, "seed must be >= 0"),
+])
+def test_make_random_mask_arguments_are_checked(sparsity, seed, error, match):
+    with pytest.raises(error, match=match):
+        M.make_random_mask((4, 4), sparsity, seed)
+    assert M.make_random_mask((4, 4), np.float32(0.5), np.int64(2)).shape == (4, 4)
+    assert M.make_random_mask((4, 4), 1, 0).sum() == 0
+
+
 def test_numpy_integers_are_ints():
     mask = M.ChunkedCausalMask((8, 8), np.int64(4), np.int32(2), offset=np.int16(0))
     assert mask == M.ChunkedCausalMask((np.int64(8), 8), 4)

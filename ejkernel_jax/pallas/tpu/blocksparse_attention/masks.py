@@ -95,8 +95,14 @@ def make_chunk_attention_mask(shape: tuple[int, int], chunk_size: int, *, offset
 
 def make_random_mask(shape: tuple[int, int], sparsity: float, seed: int) -> np.ndarray:
     """Dense random mask; each entry is False with probability ``sparsity``."""
+    # Not read as numbers: sparsity=True was 1 (an empty mask), seed=True seed 1.
+    if isinstance(sparsity, (bool, np.bool_)) or not isinstance(sparsity, (int, float, np.integer, np.floating)):
+        raise TypeError(f"sparsity must be a float, got {sparsity!r}")
     if not 0.0 <= sparsity <= 1.0:
         raise ValueError(f"sparsity must be in [0, 1], got {sparsity}")
+    seed = check_int("seed", seed)
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
     q_len, kv_len = _check_shape(shape)
     rng = np.random.default_rng(seed)  # local generator: no global numpy state touched
     return rng.random((q_len, kv_len)) >= sparsity
