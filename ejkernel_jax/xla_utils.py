@@ -104,7 +104,7 @@ def _static_size(size, bounds: jax.Array, arg: str, fn: str) -> int:
                 f"{fn}: the output length depends on the values of cu_seqlens, which jax.jit does "
                 f"not know; pass {arg}=<int> (a static Python int)"
             )
-        return int(bounds[-1])
+        return checks.layout_length(fn, arg, int(bounds[-1]), given=False)
     if _traced(size):
         raise TypeError(f"{fn}: {arg} must be a static Python int, got a traced value")
     size = checks.int_arg(f"{fn}: {arg}", size)
@@ -112,7 +112,7 @@ def _static_size(size, bounds: jax.Array, arg: str, fn: str) -> int:
         raise ValueError(f"{fn}: {arg} must be >= 0, got {size}")
     if not _traced(bounds) and size < int(bounds[-1]):
         raise ValueError(f"{fn}: {arg}={size} is smaller than the {int(bounds[-1])} cu_seqlens needs")
-    return size
+    return checks.layout_length(fn, arg, size, given=True)
 
 
 def _layout(bounds: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:

@@ -77,7 +77,7 @@ def _cu_seqlens(cu_seqlens) -> torch.Tensor:
 def _static_size(size, bounds: torch.Tensor, arg: str, fn: str) -> int:
     """The output length: ``size`` if given (checked when possible), else ``bounds[-1]``."""
     if size is None:
-        return int(bounds[-1])
+        return checks.layout_length(fn, arg, int(bounds[-1]), given=False)
     if isinstance(size, torch.Tensor):
         raise TypeError(f"{fn}: {arg} must be a Python int, got a tensor")
     size = checks.int_arg(f"{fn}: {arg}", size)
@@ -85,7 +85,7 @@ def _static_size(size, bounds: torch.Tensor, arg: str, fn: str) -> int:
         raise ValueError(f"{fn}: {arg} must be >= 0, got {size}")
     if not _compiling() and size < int(bounds[-1]):
         raise ValueError(f"{fn}: {arg}={size} is smaller than the {int(bounds[-1])} cu_seqlens needs")
-    return size
+    return checks.layout_length(fn, arg, size, given=True)
 
 
 def _layout(bounds: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:

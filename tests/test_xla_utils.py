@@ -400,6 +400,22 @@ def test_int64_values_beyond_int32(fw):
     assert np_of(fw, x.prepare_lens_from_mask(np.array([[2**32, 1, 0]], np.int64))).tolist() == [2]
 
 
+def test_output_lengths_past_int32_raise(fw):
+    """total_tokens=2**40 ran out of memory (jax allocated int32 ids that would wrap); the ids
+    are int32-range token indices, as the varlen kernels read them."""
+    x = xu(fw)
+    cu = ints(fw, [0, 3, 5])
+    for fn in (x.prepare_position_ids, x.prepare_sequence_ids, x.prepare_token_indices):
+        with pytest.raises(ValueError, match=r"total_tokens must be at most 2147483647 \(int32"):
+            fn(cu, total_tokens=2**40)
+    with pytest.raises(ValueError, match=r"total_chunks must be at most 2147483647"):
+        x.prepare_chunk_indices(cu, 2, total_chunks=2**40)
+    with x64(fw):  # a boundary past int32 needs 64-bit cu_seqlens
+        with pytest.raises(ValueError, match="the last cu_seqlens boundary .* at most 2147483647"):
+            x.prepare_position_ids(ints(fw, [0, 2**40], "int64"))
+    assert np_of(fw, x.prepare_position_ids(cu, total_tokens=6)).tolist() == [0, 1, 2, 0, 1, -1]
+
+
 def test_sizes_must_be_ints_not_bools(fw):
     """True was read as chunk_size=1 / total_tokens=1."""
     x = xu(fw)

@@ -16,6 +16,7 @@ from .plan import FLOAT_DTYPES
 
 INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8")
 FLOAT32_MAX = 3.4028234663852886e38
+INT32_MAX = 2**31 - 1
 _LOG2E = 1.4426950408889634  # kernels fold it into the scale for exp2
 
 
@@ -246,6 +247,17 @@ def attention_inputs(sizes: dict, seed, scale) -> tuple[dict[str, tuple[int, ...
     kv_shape = (size["batch_size"], kv_len, kv_heads, size["head_dim"])
     query = (size["batch_size"], size["seq_len"], size["num_heads"], size["head_dim"])
     return {"query": query, "key": kv_shape, "value": kv_shape}, seed, scale
+
+
+def layout_length(fn: str, arg: str, size: int, given: bool) -> int:
+    """The output length of the packed-sequence helpers: ``arg`` (``total_tokens`` /
+    ``total_chunks``) if ``given``, else the last cu_seqlens boundary. Their ids are token
+    indices in the int32 range the varlen kernels read (jax keeps them as int32): a longer
+    output ran out of memory (2**40) or wrapped, so it is refused up front."""
+    if size > INT32_MAX:
+        source = arg if given else f"the last cu_seqlens boundary (the default {arg})"
+        raise ValueError(f"{fn}: {source} must be at most {INT32_MAX} (int32 token indices), got {size}")
+    return size
 
 
 def _positive_int(name: str, value) -> int:
