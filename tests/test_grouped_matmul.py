@@ -631,6 +631,10 @@ def test_bad_platform(jax_fw):
     with pytest.raises(ValueError, match="platform must be one of"):
         ejk.grouped_matmul(np.zeros((2, 2), np.float32), np.zeros((1, 2, 2), np.float32), np.array([2], np.int32),
                            platform="rocm")
+    for bad in (True, ["tpu"]):  # a wrong type was a ValueError (the fronts' TypeError for types)
+        for fn, rhs in ((ejk.grouped_matmul, (1, 2, 2)), (ejk.transposed_grouped_matmul, (2, 2))):
+            with pytest.raises(TypeError, match="platform must be a str or None"):
+                fn(np.zeros((2, 2), np.float32), np.zeros(rhs, np.float32), np.array([2], np.int32), platform=bad)
 
 
 @pytest.mark.slow

@@ -141,6 +141,8 @@ def _out_dtype(preferred_element_type, default: str) -> str:
 def _platform(platform) -> str:
     if platform is None:
         return jax.default_backend()
+    if not isinstance(platform, str):  # True was a ValueError, a wrong type a TypeError as elsewhere
+        raise TypeError(f"platform must be a str or None, got {platform!r}")
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS} or None, got {platform!r}")
     return platform
