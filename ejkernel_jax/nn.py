@@ -78,6 +78,7 @@ class MultiHeadAttention(nn.Module):
                                                     self.head_dim, self.dropout)
         checks.attention_layer_input(tuple(x.shape), self.embed_dim)
         checks.flag("use_bias", self.use_bias), checks.flag("causal", self.causal)  # before any weight
+        deterministic = checks.flag("deterministic", deterministic)  # "no" was truthy: ran without dropout
         batch, seq, _ = x.shape
         linear = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)
         qkv = TorchLinear((self.num_heads + 2 * kv_heads) * head_dim, name="qkv", **linear)(x)

@@ -207,3 +207,20 @@ def test_zero_kv_heads_is_an_error():
     module = ejkernel_jax.nn.MultiHeadAttention(embed_dim=32, num_heads=4, num_kv_heads=0)
     with pytest.raises(ValueError, match="num_kv_heads must be >= 1"):
         module.init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 32)))
+
+
+@pytest.mark.parametrize("value", ["no", "false", 0, None])
+def test_flax_deterministic_must_be_a_bool(value):
+    # deterministic="no" (or 0/None) was read by truthiness: the string ran without dropout, 0 and
+    # None ran with it, and a traced value failed inside bool() with a TracerBoolConversionError.
+    import jax
+    import jax.numpy as jnp
+
+    import ejkernel_jax.nn
+
+    layer = ejkernel_jax.nn.MultiHeadAttention(32, 4, dropout=0.5)
+    x = jnp.ones((1, 4, 32))
+    params = layer.init(jax.random.PRNGKey(0), x)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        layer.apply(params, x, deterministic=value, rngs={"dropout": jax.random.PRNGKey(1)})
+    layer.apply(params, x, deterministic=np.True_)  # numpy's bools are bools
