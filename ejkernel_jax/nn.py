@@ -95,12 +95,23 @@ class MultiHeadAttention(nn.Module):
         return TorchLinear(self.embed_dim, name="out", **linear)(out.reshape(batch, seq, self.num_heads * head_dim))
 
 
+def _numpy_of_tensor(tensor) -> np.ndarray:
+    """A torch tensor's values in its own dtype (params keep the torch layer's dtype, as the
+    Flax layer's ``param_dtype`` would give them). bf16 and float8 have no numpy twin in torch:
+    they go through float32, which holds their values exactly, and back."""
+    tensor = tensor.detach().cpu()
+    try:
+        return tensor.numpy()
+    except TypeError:
+        return tensor.float().numpy().astype(jnp.dtype(str(tensor.dtype).removeprefix("torch.")))
+
+
 def params_from_torch(state_dict: Mapping[str, Any]) -> dict:
     """A torch ``state_dict`` ("a.b.weight" -> tensor) as nested Flax params ({"a": {"b": {"weight": ...}}})."""
     params: dict = {}
     for name, value in state_dict.items():
-        if hasattr(value, "detach"):  # a torch tensor; bf16 has no numpy twin, so go through float32
-            value = value.detach().cpu().float().numpy()
+        if hasattr(value, "detach"):  # a torch tensor
+            value = _numpy_of_tensor(value)
         *path, leaf = name.split(".")
         node = params
         for part in path:

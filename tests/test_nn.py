@@ -224,3 +224,25 @@ def test_flax_deterministic_must_be_a_bool(value):
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         layer.apply(params, x, deterministic=value, rngs={"dropout": jax.random.PRNGKey(1)})
     layer.apply(params, x, deterministic=np.True_)  # numpy's bools are bools
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
+def test_params_from_torch_keeps_dtypes(dtype):
+    # Every weight went through .float(): a bf16/fp16 torch layer gave float32 Flax params (not the
+    # param_dtype=bf16 tree the Flax layer inits, so optimizer state and checkpoints differed), and
+    # float64 weights lost precision under jax's x64 mode.
+    import jax
+    import jax.numpy as jnp
+
+    import ejkernel_jax.nn
+    import ejkernel_torch.nn
+
+    torch.manual_seed(0)
+    layer = ejkernel_torch.nn.MultiHeadAttention(32, 4, dtype=getattr(torch, dtype))
+    with jax.enable_x64(dtype == "float64"):
+        params = {"params": ejkernel_jax.nn.params_from_torch(layer.state_dict())}
+        init = ejkernel_jax.nn.MultiHeadAttention(32, 4, param_dtype=dtype).init(jax.random.PRNGKey(0),
+                                                                                  jnp.zeros((1, 4, 32), "float32"))
+        assert jax.tree.map(lambda a: (a.shape, a.dtype), params) == jax.tree.map(lambda a: (a.shape, a.dtype), init)
+        got = np.asarray(params["params"]["qkv"]["weight"].astype(jnp.float64 if dtype == "float64" else jnp.float32))
+    np.testing.assert_array_equal(got, layer.qkv.weight.detach().to(torch.float64).cpu().numpy())
