@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel_jax.ops.flash_attention import flash_attention
-from triton_kernels import checks
+from triton_kernels import checks, flash_attention as fa
 
 
 def _torch_uniform(fan_in: int):
@@ -78,6 +78,7 @@ class MultiHeadAttention(nn.Module):
                                                     self.head_dim, self.dropout)
         checks.attention_layer_input(tuple(x.shape), self.embed_dim)
         checks.flag("use_bias", self.use_bias), checks.flag("causal", self.causal)  # before any weight
+        fa.layer_options(head_dim, self.causal, self.sliding_window, self.logits_soft_cap, self.softmax_scale)
         deterministic = checks.flag("deterministic", deterministic)  # "no" was truthy: ran without dropout
         batch, seq, _ = x.shape
         linear = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)

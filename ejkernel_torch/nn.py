@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ejkernel_torch.ops.flash_attention import flash_attention
-from triton_kernels import checks
+from triton_kernels import checks, flash_attention as fa
 
 
 class MultiHeadAttention(nn.Module):
@@ -27,6 +27,7 @@ class MultiHeadAttention(nn.Module):
         self.num_kv_heads, self.head_dim = checks.attention_layer(embed_dim, num_heads, num_kv_heads, head_dim, dropout)
         # checked here, not read by truthiness: bias="no" built biased projections
         bias, causal = checks.flag("bias", bias), checks.flag("causal", causal)
+        fa.layer_options(self.head_dim, causal, sliding_window, logits_soft_cap, softmax_scale)  # not at forward
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.causal, self.dropout, self.attention_fn = causal, dropout, attention_fn
         self.options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale)

@@ -246,3 +246,26 @@ def test_params_from_torch_keeps_dtypes(dtype):
         assert jax.tree.map(lambda a: (a.shape, a.dtype), params) == jax.tree.map(lambda a: (a.shape, a.dtype), init)
         got = np.asarray(params["params"]["qkv"]["weight"].astype(jnp.float64 if dtype == "float64" else jnp.float32))
     np.testing.assert_array_equal(got, layer.qkv.weight.detach().to(torch.float64).cpu().numpy())
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(sliding_window=-3), ValueError, "sliding_window must be >= 0"),
+    (dict(sliding_window=(1, 2, 3)), ValueError, "sliding_window must be an int or a"),
+    (dict(sliding_window=1.5), TypeError, r"sliding_window \(left\) must be an int"),
+    (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap must be a finite number > 0"),
+    (dict(softmax_scale="0.5"), TypeError, "softmax_scale must be a float or None"),
+    (dict(softmax_scale=float("inf")), ValueError, "softmax_scale must be finite"),
+])
+def test_bad_attention_options_fail_when_the_layer_is_built(kwargs, error, match):
+    # The torch layer took these and failed only at its first forward (as causal='false' did);
+    # the Flax layer checks them at init, before any weight.
+    import jax
+    import jax.numpy as jnp
+
+    import ejkernel_jax.nn
+    import ejkernel_torch.nn
+
+    with pytest.raises(error, match=match):
+        ejkernel_torch.nn.MultiHeadAttention(32, 4, **kwargs)
+    with pytest.raises(error, match=match):
+        ejkernel_jax.nn.MultiHeadAttention(32, 4, **kwargs).init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 32)))

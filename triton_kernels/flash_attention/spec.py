@@ -137,6 +137,14 @@ def _positive_float(name: str, value) -> float | None:
     return float(value)
 
 
+def layer_options(head_dim: int, causal, sliding_window, logits_soft_cap, softmax_scale) -> None:
+    """A ``MultiHeadAttention`` layer's attention options, checked when the layer is built (not
+    at its first call) with the messages ``flash_attention`` gives."""
+    _window(causal, window_arg(sliding_window))
+    _positive_float("logits_soft_cap", logits_soft_cap)
+    checks.softmax_scale(softmax_scale, head_dim)
+
+
 def dropout(dropout_p) -> float:
     dropout_p = checks.float_arg("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
