@@ -202,7 +202,10 @@ def log_sum_exp(x: torch.Tensor, axis: int | tuple[int, ...] | None = None, keep
     if not axes:  # torch reads dim=() as every axis; numpy and jax reduce none
         m, reduce = x, lambda y: y
     else:
-        m, reduce = torch.amax(x, dim=axes, keepdim=True), lambda y: torch.sum(y, dim=axes, keepdim=True)
+        reduce = lambda y: torch.sum(y, dim=axes, keepdim=True)  # noqa: E731
+        # amax of nothing fails; the empty sum is 0, its log -inf (as torch.logsumexp gives)
+        empty = any(x.shape[a] == 0 for a in axes)
+        m = reduce(torch.zeros_like(x)) if empty else torch.amax(x, dim=axes, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # -inf/inf max: shift by 0 instead
     out = torch.log(reduce(torch.exp(x - m))) + m
     return out if keepdims or not axes else out.squeeze(axes)

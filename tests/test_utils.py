@@ -313,6 +313,10 @@ def test_chunk_array_pad_value_is_checked(fw):
     assert fw.to_numpy(u.chunk_array(x, 2, pad_value=fw.asarray(np.float32(7)))).ravel().tolist() == [0, 1, 2, 7]
     flags = u.chunk_array(fw.asarray(np.ones(3, bool)), 2, pad_value=False)
     assert fw.to_numpy(flags).ravel().tolist() == [True, True, True, False]
+    assert fw.to_numpy(u.chunk_array(fw.asarray(np.zeros(3, bool)), 2, pad_value=1)).ravel().tolist()[-1]
+    for bad in (2, 0.5):  # became True silently
+        with pytest.raises(ValueError, match="pad_value must be a bool, 0 or 1 for bool arrays"):
+            u.chunk_array(fw.asarray(np.ones(3, bool)), 2, pad_value=bad)
 
 
 def test_log_sum_exp(fw):
@@ -408,3 +412,15 @@ def test_timer_and_memory(fw, capsys):
     mem = u.get_memory_usage()
     assert set(mem) == {"allocated", "reserved", "limit"} and mem["limit"] > mem["allocated"] >= 0
     json.dumps(mem)  # plain ints
+
+
+def test_log_sum_exp_over_an_empty_axis_is_minus_inf(fw):
+    # The empty sum is 0, its log -inf, as torch.logsumexp and jax.nn.logsumexp give; torch raised
+    # IndexError (amax of nothing), jax ValueError (max of nothing).
+    u = utils(fw)
+    x = fw.asarray(np.zeros((2, 0, 3), np.float32))
+    for axis, shape in [(1, (2, 3)), (-2, (2, 3)), ((0, 1), (3,)), (None, ())]:
+        got = fw.to_numpy(u.log_sum_exp(x, axis=axis))
+        assert got.shape == shape and (got == -np.inf).all(), (axis, got)
+    assert fw.to_numpy(u.log_sum_exp(x, axis=1, keepdims=True)).shape == (2, 1, 3)
+    assert fw.to_numpy(u.log_sum_exp(x, axis=2)).shape == (2, 0)  # no rows: nothing to reduce

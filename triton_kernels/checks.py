@@ -189,10 +189,10 @@ def chunking(shape: Sequence[int], size, axis_value) -> tuple[int, int, int, int
 
 def pad_value(value, dtype: str):
     """``chunk_array``'s ``pad_value`` for an array of dtype name ``dtype``, returned as given: a
-    real number (numpy's too; a bool only for a bool array), or a 0-d real array/tensor (a traced
-    jax scalar too). For an integer array, an integer the dtype holds: jax padded with 0 for NaN
-    where torch raised, and the two failed differently past the range. A string failed deep
-    inside torch's new_full or jax's pad."""
+    real number (numpy's too; a bool only for a bool array, which takes only bools, 0 and 1),
+    or a 0-d real array/tensor (a traced jax scalar too). For an integer array, an integer the
+    dtype holds: jax padded with 0 for NaN where torch raised, and the two failed differently
+    past the range. A string failed deep inside torch's new_full or jax's pad."""
     shape = getattr(value, "shape", None)
     if shape is not None:  # an array or tensor of either framework
         kind = str(getattr(value, "dtype", "")).removeprefix("torch.")
@@ -206,6 +206,8 @@ def pad_value(value, dtype: str):
         return value
     if not isinstance(value, numbers.Real):
         raise TypeError(f"pad_value must be a real number, got {value!r}")
+    if dtype == "bool" and value not in (0, 1):  # 2 or 0.5 became True silently
+        raise ValueError(f"pad_value must be a bool, 0 or 1 for bool arrays, got {value!r}")
     if dtype.startswith(("int", "uint")):
         info = np.iinfo(dtype)
         whole = isinstance(value, numbers.Integral) or float(value).is_integer()
