@@ -38,6 +38,10 @@ def _cases(rng):
         "padded_attention": (ejk.padded_attention, [*single(), _ints([0, 5, 199])], [*single(), _ints([3, 0, 200])]),
         "padded_softmax": (ejk.padded_softmax, [_rand(rng, 3, 200, 200), _ints([0, 5, 199])],
                            [_rand(rng, 3, 200, 200), _ints([7, 200, 0])]),
+        "padded_softmax_v": (ejk.padded_softmax_v,
+                             [_rand(rng, 3, 200, 200), _rand(rng, 3, 200, 64), _ints([0, 5, 199])],
+                             [_rand(rng, 3, 200, 200), _rand(rng, 3, 200, 64), _ints([7, 200, 0])]),
+        "softmax": (ejk.softmax, [_rand(rng, 37, 1000)], [_rand(rng, 37, 1000)]),
         "grouped_matmul": (ejk.grouped_matmul, [*gmm(), _ints([100, 0, 350, 200])],
                            [*gmm(), _ints([300, 300, 0, 17])]),
         "transposed_grouped_matmul": (ejk.transposed_grouped_matmul,
@@ -52,8 +56,8 @@ def _run(fn, args, cotangent):
     return [out.detach().clone(), *(g.clone() for g in grads)]
 
 
-@pytest.mark.parametrize("name", ["flash_attention", "flash_attention_varlen", "padded_attention",
-                                  "padded_softmax", "grouped_matmul", "transposed_grouped_matmul"])
+@pytest.mark.parametrize("name", ["flash_attention", "flash_attention_varlen", "padded_attention", "padded_softmax",
+                                  "padded_softmax_v", "softmax", "grouped_matmul", "transposed_grouped_matmul"])
 def test_graphed_forward_and_backward_match_eager(name):
     rng = np.random.default_rng(0)
     fn, sample, new = _cases(rng)[name]
@@ -65,3 +69,14 @@ def test_graphed_forward_and_backward_match_eager(name):
         for i, (g, w) in enumerate(zip(got, want)):
             assert not torch.isnan(g).any(), f"{name}: output {i} has NaN"
             assert torch.equal(g, w), f"{name}: output {i} differs from eager"
+
+
+def test_default_dropout_seed_is_drawn_anew_on_each_replay():
+    """Without a seed, flash attention draws one from torch's CUDA generator: a captured draw
+    advances with each replay (as torch's own dropout does), so replays drop different elements."""
+    rng = np.random.default_rng(1)
+    q, k, v = _rand(rng, 1, 128, 2, 64), _rand(rng, 1, 128, 2, 64), _rand(rng, 1, 128, 2, 64)
+    graphed = torch.cuda.make_graphed_callables(lambda *t: ejk.flash_attention(*t, dropout_p=0.5), (q, k, v))
+    first, second = (graphed(q, k, v).detach().clone() for _ in range(2))
+    assert torch.isfinite(first).all() and torch.isfinite(second).all()
+    assert not torch.equal(first, second)
