@@ -586,6 +586,20 @@ def test_retain_graph_and_double_backward():
         torch.autograd.grad((g**2).sum() + x.sum(), x)
 
 
+def test_double_backward_through_the_incoming_grads_fails_loudly():
+    """A Hessian-vector-product style second derivative w.r.t. the grad_outputs ``v``: the
+    gradient is linear in ``v``, so differentiating it w.r.t. ``v`` alone must not see a
+    graph-less (None / zero) result."""
+    b = jax_to_torch(jnp.sin)
+    x, v = _f64(4), _f64(4, seed=1)
+    (g,) = torch.autograd.grad(b(x), x, grad_outputs=v, create_graph=True)
+    torch.testing.assert_close(g, torch.cos(x.detach()) * v.detach())
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(g.sum(), v, allow_unused=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        g.sum().backward(inputs=[v])
+
+
 def test_in_place_write_after_forward_fails_loudly():
     """Residuals live on the jax side and may alias torch memory: torch's check must fire."""
     b = jax_to_torch(lambda x, y: x * y)

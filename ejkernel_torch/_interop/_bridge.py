@@ -355,7 +355,10 @@ class _BridgeFunction(torch.autograd.Function):
         with torch.no_grad():
             result = _backward(ctx, grads)
         saved = ctx.saved_tensors
-        return (None, *_poison_for_double_backward(result, [saved[k] for k in ctx.call.diff_k]))
+        # The gradients depend on the inputs *and* on the incoming grads (a Hessian-vector
+        # product differentiates w.r.t. the latter): wire both to the error node.
+        anchors = [saved[k] for k in ctx.call.diff_k] + [g for g in grads if g is not None]
+        return (None, *_poison_for_double_backward(result, anchors))
 
 
 def _run(use_x64: bool, fn, leaves):
@@ -406,10 +409,11 @@ _DOUBLE_BACKWARD = (
 
 def _poison_for_double_backward(result, anchors):
     """Like torch's @once_differentiable, but the error node is also wired to the function's
-    inputs (``anchors``): once_differentiable returns graph-less gradients when the incoming
-    grads are constants (the usual create_graph=True case), and even its error node is
-    pruned by ``torch.autograd.grad(..., inputs=x)`` -- second-order terms would silently
-    vanish. Here any differentiation of these gradients back to the inputs raises."""
+    inputs and incoming grads (``anchors``): once_differentiable returns graph-less gradients
+    when the incoming grads are constants (the usual create_graph=True case), and even its
+    error node is pruned by ``torch.autograd.grad(..., inputs=x)`` -- second-order terms would
+    silently vanish. Here any differentiation of these gradients back to the inputs or to the
+    incoming grads raises."""
     present = [i for i, g in enumerate(result) if g is not None]
     anchors = [a for a in anchors if a.requires_grad]
     if not present:
