@@ -736,6 +736,10 @@ def test_bridge_bad_input_names_the_argument():
         jax_to_torch(fn, static_argnames=("nope",))
     with pytest.raises(TypeError, match="must be callable"):
         jax_to_torch(3)
+    for x64 in ("no", 0, 1):  # read by truthiness, "no" turned 64-bit mode on
+        with pytest.raises(TypeError, match="x64 must be None, True or False"):
+            jax_to_torch(fn, x64=x64)
+    assert jax_to_torch(fn, x64=np.False_).x64 is False
 
 
 # =====================================================================================

@@ -103,11 +103,14 @@ class BridgedFunction:
     def __init__(self, fn: Callable, *, static_argnames: Iterable[str] = (), x64: bool | None = None):
         if not callable(fn):
             raise TypeError(f"jax_to_torch: fn must be callable, got {type(fn).__name__}")
+        # not `in`: 1 == True and 0 == False; a string such as "no" would read as True
+        if not (x64 is None or isinstance(x64, (bool, np.bool_))):
+            raise TypeError(f"jax_to_torch: x64 must be None, True or False, got {x64!r}")
         if isinstance(static_argnames, str):
             static_argnames = (static_argnames,)
         self.fn = fn
         self.static_argnames = tuple(static_argnames)
-        self.x64 = x64
+        self.x64 = None if x64 is None else bool(x64)
         functools.update_wrapper(self, fn, updated=())
         try:
             params = list(inspect.signature(fn).parameters.values())
