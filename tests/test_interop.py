@@ -684,6 +684,20 @@ def test_torch_func_transforms_fail_loudly():
         torch.func.grad(lambda x: b(x).sum())(x)
 
 
+def test_forward_mode_dual_tensors_fail_loudly():
+    """A dual tensor's tangent used to vanish (None) without requires_grad; with it torch's
+    generic 'implement the jvp function' error came. Constants under a dual level still work."""
+    import torch.autograd.forward_ad as fwd
+
+    b = jax_to_torch(lambda c, x: jnp.sin(x) * c)
+    c, x = _f64(3, requires_grad=False), _f64(3, seed=1, requires_grad=False)
+    for requires_grad in (False, True):
+        with fwd.dual_level(), pytest.raises(NotImplementedError, match=r"argument 'x' is a forward-mode"):
+            b(c, fwd.make_dual(x.clone().requires_grad_(requires_grad), torch.ones_like(x)))
+    with fwd.dual_level():
+        torch.testing.assert_close(b(c, x), torch.sin(x) * c)
+
+
 # -- torch.compile --------------------------------------------------------------------------
 
 

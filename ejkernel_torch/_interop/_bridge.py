@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from . import _convert as cv
 from ._convert import ConversionError
@@ -445,6 +446,18 @@ def _compiler_disable(fn, reason: str):
         return torch.compiler.disable(fn)
 
 
+def _reject_tangents(b, args, kwargs, tpos, tensors) -> None:
+    """A forward-AD dual tensor would lose its tangent silently (DLPack carries the primal),
+    and with requires_grad torch's own error does not say what to do instead."""
+    for k, t in enumerate(tensors):
+        if _forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(
+                f"{b._describe(args, kwargs, tpos[k])} is a forward-mode AD dual tensor "
+                "(torch.autograd.forward_ad); jax_to_torch differentiates in reverse mode only -- "
+                "use backward / torch.autograd.grad, or jax.jvp inside the JAX function"
+            )
+
+
 def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
     """The hot path. torch.compile graph-breaks here (documented; never traced by dynamo)."""
     b.calls += 1
@@ -467,6 +480,8 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
 
     need_grad = False
     wide = False
+    if tensors and _forward_ad._current_level >= 0:
+        _reject_tangents(b, args, kwargs, tpos, tensors)
     if tensors:
         device = tensors[0].device
         grad_on = torch.is_grad_enabled()
