@@ -654,8 +654,25 @@ def test_x64_policy():
     assert ox.dtype == torch.float64 and ox[0].item() == 1 + 1e-10
     assert not jax.config.jax_enable_x64  # enabled for the call only
     narrow = jax_to_torch(lambda i: i * 2, x64=False)
-    with pytest.warns(UserWarning, match="int64.*truncated to dtype int32"):
-        assert narrow(torch.tensor([3])).dtype == torch.int32  # jax's canonicalization
+    assert narrow(torch.tensor([3])).dtype == torch.int32  # jax's canonicalization
+
+
+def test_x64_false_canonicalizes_64_bit_inputs_with_gradients():
+    """x64=False used to hand jax 64-bit arrays with x64 off: x * y came back float64 and the
+    backward of x[i] failed ('lax.scatter requires arguments to have the same dtypes')."""
+    b = jax_to_torch(lambda x, y, i: (x * y, x[i], i + 1), x64=False)
+    x, y = _f64(4), _f64(4, seed=1)
+    i = torch.tensor([1, 1, 3], device=x.device)
+    prod, picked, shifted = b(x, y, i)
+    assert (prod.dtype, picked.dtype, shifted.dtype) == (torch.float32, torch.float32, torch.int32)
+    torch.testing.assert_close(prod, (x * y).float())
+    assert torch.equal(shifted, (i + 1).int())
+    (prod.sum() + picked.sum()).backward()
+    assert x.grad.dtype == torch.float64
+    torch.testing.assert_close(x.grad, y.detach().float().double() + torch.tensor([0.0, 2, 0, 1], dtype=torch.float64))
+    torch.testing.assert_close(y.grad, x.detach().float().double())
+    z = torch.ones(2, dtype=torch.complex128, device=x.device)
+    assert b(z, z, i)[0].dtype == torch.complex64
 
 
 def test_decorator_forms_and_metadata():

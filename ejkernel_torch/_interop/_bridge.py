@@ -501,6 +501,12 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
         use_x64 = wide and not cv.x64_enabled()
     else:
         use_x64 = b.x64 and not cv.x64_enabled()
+    if wide and not use_x64 and not cv.x64_enabled():
+        # x64=False: canonicalize as jax does for numpy inputs. The import keeps 64-bit dtypes,
+        # and jax mishandles 64-bit arrays with x64 off (a * b stays float64, a[i]'s backward
+        # fails in scatter). A torch cast, so autograd carries gradients back to the input.
+        tensors = [t.to(cv.NARROW_TORCH_DTYPE[t.dtype]) if t.dtype in cv.WIDE_TORCH_DTYPES else t
+                   for t in tensors]
 
     # tpos is in the key: whether a leaf is a tensor or a number changes what is traced. Static
     # values carry their type, as in jax.jit: 1 == True and 2 == 2.0, but they may trace apart.

@@ -60,6 +60,12 @@ _FP8_JAX = frozenset(TORCH_TO_JAX_DTYPE[d] for d in _FP8_TORCH)
 WIDE_TORCH_DTYPES = frozenset(
     d for d in (torch.int64, torch.float64, torch.complex128, getattr(torch, "uint64", None)) if d is not None
 )
+# What jax's 64-bit canonicalization makes of each wide dtype when x64 is off.
+NARROW_TORCH_DTYPE = {
+    d: n for d, n in ((torch.int64, torch.int32), (torch.float64, torch.float32),
+                      (torch.complex128, torch.complex64), (getattr(torch, "uint64", None), getattr(torch, "uint32", None)))
+    if d is not None and n is not None
+}
 INEXACT_JAX_DTYPES = frozenset(d for d in JAX_TO_TORCH_DTYPE if jnp.issubdtype(d, jnp.inexact))
 
 
