@@ -763,6 +763,9 @@ def test_bridge_bad_input_names_the_argument():
     with pytest.raises(TypeError, match=r"static argument 'opts' must be hashable"):
         s(x, x, opts={"mode": "fast"})
     assert torch.equal(s(x, x, opts=("mode", "fast")), 2 * x)
+    # was "argument 'opts' is a str ... list the argument in static_argnames" (it is listed)
+    with pytest.raises(TypeError, match=r"multiple values for argument 'opts'"):
+        s(x, x, "slow", opts="fast")
     with pytest.raises(ValueError, match="static_argnames names 'nope'"):
         jax_to_torch(fn, static_argnames=("nope",))
     with pytest.raises(TypeError, match="must be callable"):

@@ -165,6 +165,8 @@ class BridgedFunction:
         kwargs = dict(kwargs)
         for name, pos in self._static_specs:
             if pos is not None and pos < len(args):
+                if name in kwargs:  # else the keyword is refused as a non-static leaf
+                    raise TypeError(f"{self!r}: got multiple values for argument {name!r}")
                 if args_l is None:
                     args_l = list(args)
                 statics.append((name, pos, args_l[pos]))
