@@ -768,6 +768,11 @@ def test_bridge_bad_input_names_the_argument():
         s(x, x, "slow", opts="fast")
     with pytest.raises(ValueError, match="static_argnames names 'nope'"):
         jax_to_torch(fn, static_argnames=("nope",))
+    # [0] was accepted for a function taking **kwargs (and ignored), 3 was "'int' object is not iterable"
+    for names in ([0], 3):
+        with pytest.raises(TypeError, match="static_argnames must be a string or strings"):
+            jax_to_torch(lambda x, **kw: x, static_argnames=names)
+    assert jax_to_torch(fn, static_argnames=None).static_argnames == ()
     with pytest.raises(TypeError, match="must be callable"):
         jax_to_torch(3)
     for x64 in ("no", 0, 1):  # read by truthiness, "no" turned 64-bit mode on

@@ -98,6 +98,22 @@ class _Entry:
         self.vjp_bwd: dict[tuple[int, ...], Callable] = {}
 
 
+def _argnames(static_argnames) -> tuple[str, ...]:
+    """static_argnames as a tuple of names (a lone string or None as jax.jit takes them)."""
+    if static_argnames is None:
+        return ()
+    if isinstance(static_argnames, str):
+        return (static_argnames,)
+    try:
+        names = tuple(static_argnames)
+    except TypeError:
+        names = None
+    # a non-string name never matches a keyword: it would be ignored, its argument traced
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"jax_to_torch: static_argnames must be a string or strings, got {static_argnames!r}")
+    return names
+
+
 class BridgedFunction:
     """A torch-callable wrapping a JAX function; see :func:`jax_to_torch`."""
 
@@ -107,10 +123,8 @@ class BridgedFunction:
         # not `in`: 1 == True and 0 == False; a string such as "no" would read as True
         if not (x64 is None or isinstance(x64, (bool, np.bool_))):
             raise TypeError(f"jax_to_torch: x64 must be None, True or False, got {x64!r}")
-        if isinstance(static_argnames, str):
-            static_argnames = (static_argnames,)
         self.fn = fn
-        self.static_argnames = tuple(static_argnames)
+        self.static_argnames = _argnames(static_argnames)
         self.x64 = None if x64 is None else bool(x64)
         functools.update_wrapper(self, fn, updated=())
         try:
