@@ -741,6 +741,16 @@ def test_torch_compile_graph_breaks_and_stays_correct():
     torch._dynamo.reset()
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_torch_jit_trace_is_refused_not_baked_in():
+    # The trace used to hold the JAX call's outputs as constants: sin(0) for any input.
+    bridged = jax_to_torch(jnp.sin)
+    x = _f64(3, requires_grad=False)
+    with pytest.raises(RuntimeError, match="cannot be recorded by torch.jit.trace"):
+        torch.jit.trace(lambda x: bridged(x) * 2, torch.zeros_like(x))
+    torch.testing.assert_close(bridged(x), torch.sin(x))
+
+
 # -- bad input ------------------------------------------------------------------------------
 
 

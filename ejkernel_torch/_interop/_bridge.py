@@ -476,6 +476,13 @@ def _reject_tangents(b, args, kwargs, tpos, tensors) -> None:
 
 def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
     """The hot path. torch.compile graph-breaks here (documented; never traced by dynamo)."""
+    if torch._C._get_tracing_state() is not None:
+        # torch.jit.trace records no DLPack exchange: the outputs would be baked into the
+        # trace as constants, and the traced function would return them for any input.
+        raise RuntimeError(
+            f"{b!r} cannot be recorded by torch.jit.trace (or a tracing exporter): the JAX call "
+            "would become a constant; use torch.compile, which runs it eagerly between graphs"
+        )
     b.calls += 1
     statics = ()
     if b._static_specs:
