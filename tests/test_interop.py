@@ -692,6 +692,30 @@ def test_decorator_forms_and_metadata():
     assert isinstance(rep, interop.BridgedFunction)
 
 
+def test_modules_holding_a_bridged_function_can_be_deep_copied():
+    # copy.deepcopy (EMA weights, model clones) failed: "cannot pickle '_thread.lock' object".
+    import copy
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(_f64(3, requires_grad=False))
+            self.f = jax_to_torch(lambda x, w: jnp.sin(x) * w)
+
+        def forward(self, x):
+            return self.f(x, self.w)
+
+    model = Scale()
+    twin = copy.deepcopy(model)
+    assert twin.w is not model.w and twin.f is model.f
+    with torch.no_grad():
+        twin.w.mul_(2)
+    x = _f64(3, seed=1, requires_grad=False)
+    torch.testing.assert_close(twin(x), 2 * model(x))
+    twin(x).sum().backward()
+    torch.testing.assert_close(twin.w.grad, torch.sin(x))
+
+
 def test_torch_func_transforms_fail_loudly():
     b = jax_to_torch(lambda x: jnp.sin(x) * 2)
     x = torch.randn(4, 3)

@@ -157,6 +157,11 @@ class BridgedFunction:
     def __call__(self, *args, **kwargs):
         return _bridge_call(self, args, kwargs)
 
+    def __deepcopy__(self, memo):
+        # Like a Python function or a jax.jit: nothing to copy (the lock could not be copied, so
+        # copy.deepcopy of a torch module holding a bridged function failed).
+        return self
+
     def cache_info(self) -> dict[str, int]:
         """Calls so far, forward traces (compilations) and backward traces."""
         return {
