@@ -327,6 +327,14 @@ def test_bad_input_errors_name_the_argument():
         to_torch(jnp.zeros(4, jnp.int4))
 
 
+def test_to_torch_of_a_deleted_array_is_a_clear_error():
+    # was "TypeError: object of type 'NoneType' has no len()" from inside jax
+    a = jnp.ones(3) + 1
+    a.delete()
+    with pytest.raises(ValueError, match=r"to_torch: argument 'array': the array has been deleted"):
+        to_torch(a)
+
+
 def test_to_torch_inside_jit_is_a_clear_error():
     @jax.jit
     def f(x):

@@ -459,6 +459,12 @@ def array_to_torch(array, copy: bool | None, fp8_route: str | None = None,
             f"array lives on {next(iter(array.devices()))}, which torch cannot address through "
             f"DLPack ({err}); jax.device_put it onto a cpu or cuda device first",
         ) from None
+    except Exception:
+        if array.is_deleted():  # jax's own error here is "'NoneType' has no len()"
+            raise ConversionError(
+                ValueError, "the array has been deleted (array.delete(), or donated to a jitted call)"
+            ) from None
+        raise
     if dl_type == _kDLCUDA:
         try:
             stream = _torch_stream_ptr(dl_id)
