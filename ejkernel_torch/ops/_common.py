@@ -18,20 +18,24 @@ def autocast(*tensors):
     float32 tensor in the autocast dtype of its device type while autocast is on there; anything
     else (None, integer, float64) as given. The attention ops and grouped matmuls call this on
     their operands, so fp32 weights meet bf16 activations under AMP as they would in a matmul."""
+    device_type = next((t.device.type for t in tensors if isinstance(t, torch.Tensor)), None)
+    if device_type is None or not _autocasting(device_type):  # the usual call: one query, no cast
+        return tensors
     return tuple(_autocast_one(t) for t in tensors)
 
 
-def _autocast_one(t):
-    if not isinstance(t, torch.Tensor) or t.dtype not in _AUTOCAST_ELIGIBLE:
-        return t
-    device_type = t.device.type
-    # Asking about a type without autocast (meta) raises; dynamo in torch 2.11 cannot trace this
-    # check, and tensors being traced are on real device types.
+def _autocasting(device_type: str) -> bool:
+    # Asking about a type without autocast (meta) raises; dynamo in torch 2.11 cannot trace the
+    # availability check, and tensors being traced are on real device types.
     if not torch.compiler.is_compiling() and not torch.amp.is_autocast_available(device_type):
+        return False
+    return torch.is_autocast_enabled(device_type)
+
+
+def _autocast_one(t):
+    if not isinstance(t, torch.Tensor) or t.dtype not in _AUTOCAST_ELIGIBLE or not _autocasting(t.device.type):
         return t
-    if not torch.is_autocast_enabled(device_type):
-        return t
-    return t.to(torch.get_autocast_dtype(device_type))
+    return t.to(torch.get_autocast_dtype(t.device.type))
 
 
 _AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)  # as torch's own: float64 is never cast
