@@ -628,7 +628,7 @@ def test_residuals_that_are_inputs_are_not_copied():
     b = jax_to_torch(lambda x, y: x * y)
     x, y = _f64(64), _f64(64, seed=1)
     out = b(x, y)
-    leaves = jax.tree_util.tree_leaves(out.grad_fn.pullback)
+    leaves = jax.tree_util.tree_leaves(out.grad_fn.kept.pullback)
     ptrs = {_ptr(leaf) for leaf in leaves if isinstance(leaf, jax.Array)}
     assert {x.data_ptr(), y.data_ptr()} <= ptrs  # d(x*y) keeps x and y: the torch buffers
     out.sum().backward()
@@ -906,3 +906,56 @@ def test_interop_benchmark_runs_and_meets_its_copy_and_cache_goals(tmp_path):
     for run in result["copies"].values():
         assert run["conversions"] > 0 and run["bytes_moved"] > 0 and run["bytes_copied"] == 0
     assert result["jit_cache"]["new_traces"] == 0 and result["jit_cache"]["hit_rate"] == 1.0
+
+
+def _residual_count(shape) -> int:
+    """Live jax float16 arrays of ``shape``: the residuals of ``_half_sin_sum`` below (its input,
+    gradient and output are float32)."""
+    import gc
+
+    gc.collect()
+    return sum(1 for a in jax.live_arrays() if a.shape == shape and a.dtype == jnp.float16)
+
+
+def _half_sin_sum(x):
+    return jnp.sum(jnp.sin(x.astype(jnp.float16)).astype(jnp.float32))
+
+
+def test_residuals_are_freed_by_backward_not_by_the_outputs():
+    """Torch frees saved tensors at backward; the jax residuals lived until the outputs died (in
+    a training loop, through the next step's forward). retain_graph keeps them for a second
+    backward, and a third backward gets torch's own error."""
+    shape = (37, 53)
+    f = jax_to_torch(_half_sin_sum)
+    x = torch.randn(shape, requires_grad=True)
+    before = _residual_count(shape)
+    y = f(x)
+    assert _residual_count(shape) > before
+    y.backward(retain_graph=True)
+    first = x.grad.clone()
+    assert _residual_count(shape) > before  # kept for the second backward
+    x.grad = None
+    y.backward()
+    assert torch.equal(x.grad, first)
+    assert _residual_count(shape) == before  # while y is still alive
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.backward()
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "checkpoint-reentrant", "save_on_cpu"])
+def test_saved_tensor_hooks_keep_the_backward_working(wrap):
+    """Activation checkpointing and save_on_cpu replace saved tensors as they are saved: the
+    state the backward needs must not be tied to them."""
+    import torch.utils.checkpoint as ckpt
+
+    f = jax_to_torch(lambda x, w: jnp.tanh(x @ w) * 2.0)
+    x, w = torch.randn(6, 5, requires_grad=True), torch.randn(5, 4, requires_grad=True)
+    want = torch.autograd.grad(f(x, w).square().sum(), [x, w])
+    if wrap == "save_on_cpu":
+        with torch.autograd.graph.save_on_cpu():
+            loss = f(x, w).square().sum()
+    else:
+        loss = ckpt.checkpoint(lambda a, b: f(a, b).square().sum(), x, w, use_reentrant=wrap.endswith("reentrant"))
+    loss.backward()  # reentrant checkpointing refuses torch.autograd.grad
+    for g, e in zip((x.grad, w.grad), want):
+        assert torch.equal(g, e)

@@ -7,13 +7,16 @@ static args, shapes, dtypes)), export the outputs zero-copy.
 
 With grad: a ``torch.autograd.Function`` whose forward runs a jitted ``jax.vjp`` that returns
 the outputs *and* the VJP object (a pytree whose leaves are the residuals, still jax arrays
-on the device), and whose backward runs one shared jitted ``vjp(cotangents)``.
+on the device), and whose backward runs one shared jitted ``vjp(cotangents)``. The residuals
+are dropped when torch frees the call's saved tensors (after a backward without
+``retain_graph``), not when the outputs die.
 """
 from __future__ import annotations
 
 import functools
 import inspect
 import threading
+import weakref
 from typing import Any, Callable, Iterable
 
 import jax
@@ -341,6 +344,33 @@ class _Call:
                  "diff_k", "diff_pos", "use_x64", "out_tree", "ct_idx")
 
 
+class _Kept:
+    """What a backward needs besides torch's saved tensors: the call (it holds the inputs) and
+    the pullback (the jax residuals). Cleared when torch frees the saved tensors after a
+    backward without ``retain_graph``: on ctx alone they lived as long as the outputs (in a
+    training loop, into the next step's forward)."""
+
+    __slots__ = ("call", "pullback")
+
+    def __init__(self, call, pullback):
+        self.call, self.pullback = call, pullback
+
+    def clear(self):
+        self.call = self.pullback = None
+
+    def tie_to(self) -> torch.Tensor:
+        """An empty tensor to save for backward: torch drops it with the other saved tensors,
+        and that clears this."""
+        token = torch.empty(0)
+        weakref.finalize(token, self.clear)
+        return token
+
+
+def _saved_tensor_hooks_active() -> bool:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
 class _BridgeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, *tensors):
@@ -367,9 +397,13 @@ class _BridgeFunction(torch.autograd.Function):
             ctx.mark_non_differentiable(*[t for j, t in enumerate(touts) if j not in keep])
         # Saving inputs and outputs arms torch's in-place-modification check: the residuals on
         # the jax side may alias their memory (zero-copy), so a later in-place write must fail.
-        ctx.save_for_backward(*tensors, *touts)
-        ctx.call = call
-        ctx.pullback = pullback
+        ctx.kept = _Kept(call, pullback)
+        if _saved_tensor_hooks_active():
+            # Hooks (activation checkpointing, save_on_cpu) replace saved tensors at once: a tied
+            # token would be dropped now. Then the state lives with ctx, as the outputs do.
+            ctx.save_for_backward(*tensors, *touts)
+        else:
+            ctx.save_for_backward(*tensors, *touts, ctx.kept.tie_to())
         return tuple(touts)
 
     @staticmethod
@@ -382,7 +416,7 @@ class _BridgeFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         # The gradients depend on the inputs *and* on the incoming grads (a Hessian-vector
         # product differentiates w.r.t. the latter): wire both to the error node.
-        anchors = [saved[k] for k in ctx.call.diff_k] + [g for g in grads if g is not None]
+        anchors = [saved[k] for k in ctx.kept.call.diff_k] + [g for g in grads if g is not None]
         return (None, *_poison_for_double_backward(result, anchors))
 
 
@@ -394,9 +428,9 @@ def _run(use_x64: bool, fn, leaves):
 
 
 def _backward(ctx, grads):
-    call: _Call = ctx.call
+    saved = ctx.saved_tensors  # raises if an input/output was modified in place, or freed (a 2nd backward)
+    call: _Call = ctx.kept.call
     b = call.bridged
-    saved = ctx.saved_tensors  # raises if an input/output was modified in place
     n_in = len(call.tpos)
     cts = []
     for j in call.ct_idx:
@@ -409,8 +443,8 @@ def _backward(ctx, grads):
             cts.append(cv.tensor_to_jax(g, None))
         except ConversionError as err:
             err.reraise(f"{b!r}: gradient of output leaf {j}")
-    if ctx.pullback is not None:
-        grads_in = _run(call.use_x64, b._bwd, (ctx.pullback, cts))
+    if ctx.kept.pullback is not None:
+        grads_in = _run(call.use_x64, b._bwd, (ctx.kept.pullback, cts))
     else:
         jleaves = _import_leaves(b, call.args, call.kwargs, call.leaves, call.tpos, saved[:n_in])
         bwd = call.entry.vjp_bwd.get(call.diff_pos)
