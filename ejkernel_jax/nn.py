@@ -1,5 +1,6 @@
 """Flax linen layers over the shared kernels, mirroring ``ejkernel_torch.nn`` parameter for
-parameter (torch layouts: ``weight [out, in]``), so weights move across with ``params_from_torch``."""
+parameter (torch layouts: ``weight [out, in]``), so weights move across with ``params_from_torch``
+and back with ``params_to_torch``."""
 from __future__ import annotations
 
 import math
@@ -119,3 +120,23 @@ def params_from_torch(state_dict: Mapping[str, Any]) -> dict:
             node = node.setdefault(part, {})
         node[leaf] = jnp.asarray(np.asarray(value))
     return params
+
+
+def params_to_torch(params: Mapping[str, Any]) -> dict:
+    """Nested Flax params (``variables["params"]``) as a torch ``state_dict``: the inverse of
+    ``params_from_torch``, for ``load_state_dict`` of the torch twin. Values keep their dtype
+    (bf16 crosses through float32, which holds it exactly); tensors are on the CPU."""
+    import torch  # only this direction needs torch
+
+    state: dict = {}
+    for path, value in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = ".".join(str(getattr(key, "key", key)) for key in path)
+        array = np.asarray(value)
+        dtype = getattr(torch, array.dtype.name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"params_to_torch: {name} has dtype {array.dtype}, which torch does not have")
+        if array.dtype.kind == "V":  # bf16/fp8 (numpy's ml_dtypes): torch cannot take them from numpy
+            state[name] = torch.from_numpy(array.astype(np.float32)).to(dtype)
+        else:
+            state[name] = torch.from_numpy(np.array(array))  # a copy: jax's buffer is read-only
+    return state

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ejkernel_torch.ops._common import autocasting
 from ejkernel_torch.ops.flash_attention import flash_attention
 from triton_kernels import checks, flash_attention as fa
 
@@ -38,7 +39,7 @@ class MultiHeadAttention(nn.Module):
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``segment_ids [batch, seq]``: attend within equal ids only; ids <= 0 are padding."""
         checks.attention_layer_input(tuple(x.shape), self.embed_dim)
-        if x.dtype != self.qkv.weight.dtype:
+        if x.dtype != self.qkv.weight.dtype and not autocasting(x.device.type):  # autocast casts both
             raise TypeError(f"x must have the layer's dtype {self.qkv.weight.dtype}, got {x.dtype}")
         batch, seq, _ = x.shape
         qkv = self.qkv(x).view(batch, seq, self.num_heads + 2 * self.num_kv_heads, self.head_dim)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.frameworks import rel_error
+from tests.frameworks import TOLERANCE, rel_error
 
 
 def _plain_attention(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -269,3 +269,45 @@ def test_bad_attention_options_fail_when_the_layer_is_built(kwargs, error, match
         ejkernel_torch.nn.MultiHeadAttention(32, 4, **kwargs)
     with pytest.raises(error, match=match):
         ejkernel_jax.nn.MultiHeadAttention(32, 4, **kwargs).init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 32)))
+
+
+def test_torch_layer_takes_other_dtypes_under_autocast():
+    # The layer refused x whose dtype differs from its weights' (a clearer error than nn.Linear's);
+    # under autocast nn.Linear casts both, so bf16 hidden states with fp32 weights must run.
+    from ejkernel_torch.nn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(32, 4, 2).eval()
+    x = torch.randn(2, 9, 32).bfloat16()
+    with pytest.raises(TypeError, match="x must have the layer's dtype"):
+        layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = layer(x), layer(x.float())  # autocast rounds x.float() back to the same bf16
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_flax_params_load_into_the_torch_layer(dtype):
+    """params_to_torch inverts params_from_torch: a Flax-initialised layer's weights load into the
+    torch twin (strict names and shapes), keep their dtype and give the Flax outputs."""
+    import jax
+    import jax.numpy as jnp
+
+    from ejkernel_jax.nn import MultiHeadAttention as FlaxMHA
+    from ejkernel_jax.nn import params_from_torch, params_to_torch
+    from ejkernel_torch.nn import MultiHeadAttention
+
+    flax_layer = FlaxMHA(32, 4, 2, param_dtype=dtype)
+    x = np.random.default_rng(0).standard_normal((2, 7, 32)).astype(np.float32)
+    with jax.default_device(jax.devices("cpu")[0]):
+        params = flax_layer.init(jax.random.PRNGKey(3), jnp.asarray(x).astype(dtype))["params"]
+        want = np.asarray(flax_layer.apply({"params": params}, jnp.asarray(x).astype(dtype)).astype(jnp.float32))
+    state = params_to_torch(params)
+    layer = MultiHeadAttention(32, 4, 2, dtype=getattr(torch, dtype)).eval()
+    layer.load_state_dict(state)  # strict: every name and shape matches
+    assert all(t.dtype == getattr(torch, dtype) for t in state.values())
+    back = params_from_torch(layer.state_dict())
+    assert all(np.array_equal(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32))
+               for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)))
+    got = layer(torch.from_numpy(x).to(getattr(torch, dtype))).detach().float().numpy()
+    assert rel_error(got, want) < TOLERANCE[dtype]

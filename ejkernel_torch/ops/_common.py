@@ -19,12 +19,13 @@ def autocast(*tensors):
     else (None, integer, float64) as given. The attention ops and grouped matmuls call this on
     their operands, so fp32 weights meet bf16 activations under AMP as they would in a matmul."""
     device_type = next((t.device.type for t in tensors if isinstance(t, torch.Tensor)), None)
-    if device_type is None or not _autocasting(device_type):  # the usual call: one query, no cast
+    if device_type is None or not autocasting(device_type):  # the usual call: one query, no cast
         return tensors
     return tuple(_autocast_one(t) for t in tensors)
 
 
-def _autocasting(device_type: str) -> bool:
+def autocasting(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is on for ``device_type``."""
     # Asking about a type without autocast (meta) raises; dynamo in torch 2.11 cannot trace the
     # availability check, and tensors being traced are on real device types.
     if not torch.compiler.is_compiling() and not torch.amp.is_autocast_available(device_type):
@@ -33,7 +34,7 @@ def _autocasting(device_type: str) -> bool:
 
 
 def _autocast_one(t):
-    if not isinstance(t, torch.Tensor) or t.dtype not in _AUTOCAST_ELIGIBLE or not _autocasting(t.device.type):
+    if not isinstance(t, torch.Tensor) or t.dtype not in _AUTOCAST_ELIGIBLE or not autocasting(t.device.type):
         return t
     return t.to(torch.get_autocast_dtype(t.device.type))
 
