@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 
 
@@ -32,6 +33,20 @@ def bench_jax(fn, *args, calls: int = 50, repeats: int = 9) -> float:
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - start) * 1e3 / calls)
     return statistics.median(samples)
+
+
+def pin_configs(cache_path: str | None) -> dict:
+    """Make a run's tiles known: autotuning off, and the config cache at ``cache_path`` (default:
+    a new empty file, so every launch uses its plan's heuristic). Without this a run read the
+    user's cache (and ``EJKERNEL_AUTOTUNE``), and its JSON could not say which tiles ran.
+    Returns what the JSON records."""
+    os.environ["EJKERNEL_AUTOTUNE"] = "0"
+    given = cache_path is not None
+    if not given:
+        cache_path = os.path.join(tempfile.mkdtemp(prefix="ejkernel-bench-"), "configs.json")
+    os.environ["EJKERNEL_CONFIG_CACHE"] = cache_path
+    return {"configs": {"autotune": False,
+                        "config_cache": cache_path if given else "none: the plans' heuristic tiles"}}
 
 
 def device_name() -> str:

@@ -30,8 +30,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np
 
-from benchmarks.common import (bench_jax, bench_torch, device_name, try_time, value_and_pullback, write_bar_svg,
-                               write_json)
+from benchmarks.common import (bench_jax, bench_torch, device_name, pin_configs, try_time, value_and_pullback,
+                               write_bar_svg, write_json)
 from triton_kernels.params import BwdParams, FwdParams
 
 TOKENS = 16384
@@ -285,8 +285,10 @@ def main() -> None:
     parser.add_argument("--long", action="store_true", help="also run seq 65,536 (batch 1)")
     parser.add_argument("--overhead", action="store_true", help="eager per-call cost vs a direct launch")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script")
+    parser.add_argument("--config-cache", default=None, help="tile config cache to use (default: none)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    configs = pin_configs(args.config_cache)
     if args.smoke:
         return smoke()
 
@@ -295,7 +297,7 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (or --smoke)")
-    extras = _extras(args)  # first: a run cut short still has them
+    extras = {**configs, **_extras(args)}  # first: a run cut short still has them
     rows = []
     for dtype, d, seq, causal in itertools.product(args.dtypes, args.head_dims, args.seqs, args.causal):
         row = run_shape(seq, d, causal == "true", dtype, sweep=args.sweep, with_jax=not args.no_jax)

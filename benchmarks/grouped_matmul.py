@@ -26,8 +26,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.3")
 
 import numpy as np
 
-from benchmarks.common import (bench_jax, bench_torch, device_name, try_time, value_and_pullback, write_bar_svg,
-                               write_json)
+from benchmarks.common import (bench_jax, bench_torch, device_name, pin_configs, try_time, value_and_pullback,
+                               write_bar_svg, write_json)
 from triton_kernels.params import FwdParams
 
 # (experts g, tokens m, k, n): MoE layers from the ranges, largest balanced ones first.
@@ -237,8 +237,10 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time SWEEP_CONFIGS for our forward")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter): checks the script")
     parser.add_argument("--only", nargs="*", type=int, default=None, help="indices into the shape list")
+    parser.add_argument("--config-cache", default=None, help="tile config cache to use (default: none)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    configs = pin_configs(args.config_cache)
 
     import jax
     import torch
@@ -263,10 +265,10 @@ def main() -> None:
               flush=True)
         for name, err in row["errors"].items():
             print(f"    {name}: {err}")
-        _write(args, device, rows)  # after every shape: a run cut short keeps what it measured
+        _write(args, device, rows, configs)  # after every shape: a run cut short keeps what it measured
 
 
-def _write(args, device: str, rows: list[dict]) -> None:
+def _write(args, device: str, rows: list[dict], configs: dict) -> None:
     import jax
     import torch
 
@@ -276,7 +278,7 @@ def _write(args, device: str, rows: list[dict]) -> None:
     for key in {k for r in rows for k in r if " vs " in k}:
         values = [r[key] for r in rows if key in r]
         ratios[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
-    write_json(out, {"device": device, "torch": torch.__version__, "jax": jax.__version__,
+    write_json(out, {"device": device, "torch": torch.__version__, "jax": jax.__version__, **configs,
                      "method": "torch: triton.testing.do_bench median (events, L2 flushed); jax: median of 9 "
                                "batches of 50 pipelined calls; TFLOP/s on 2*sum(group_sizes)*k*n per matmul "
                                "(x3 for fwd+bwd)",
