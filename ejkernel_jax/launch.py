@@ -69,8 +69,34 @@ def launch(plan: LaunchPlan, *inputs: jax.Array) -> tuple[jax.Array, ...]:
         if jnp.dtype(x.dtype).name != dtype:
             raise ValueError(f"{plan.name}: input {name} must be {dtype}, got {x.dtype}")
     if plan.is_empty and not plan.aliases:
-        return tuple(jnp.zeros(o.shape, o.dtype) for o in plan.outputs)
-    return tuple(_batchable(plan)(*inputs))
+        outputs = tuple(jnp.zeros(o.shape, o.dtype) for o in plan.outputs)
+    else:
+        outputs = tuple(_batchable(plan)(*inputs))
+    return _varying_like(outputs, inputs)
+
+
+def _varying_axes(x) -> frozenset:
+    """The manual mesh axes (inside ``shard_map``) over which ``x``'s value varies: the aval's
+    ``mat.varying`` (jax 0.10), ``vma`` before that."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _varying_like(outputs: tuple, inputs) -> tuple:
+    """``outputs`` typed as varying over every manual axis an input varies over. Neither a host
+    callback nor a jax-triton call carries that type through: inside ``shard_map`` the outputs
+    came out invariant, so a gradient failed the custom VJPs' type check and an ``out_specs=P()``
+    for a per-shard result was accepted (keeping one shard's value) instead of refused."""
+    axes = frozenset().union(*map(_varying_axes, inputs))
+    if not axes:
+        return outputs
+    return tuple(_cast_varying(o, axes) for o in outputs)
+
+
+def _cast_varying(x, axes: frozenset):
+    missing = axes - _varying_axes(x)
+    return jax.lax.pcast(x, tuple(missing), to="varying") if missing else x
 
 
 @functools.lru_cache(maxsize=1024)
