@@ -87,6 +87,35 @@ def test_interpreted_launch_leaves_triton_language_intact(fw):
     assert "TRITON_INTERPRET" not in os.environ
 
 
+def test_plans_built_during_another_threads_interpreted_launch(fw):
+    # An interpreted launch swaps interpreted twins into the kernels' modules. A plan built
+    # meanwhile on another thread (jax runs a sharded jit's callbacks on threads of its own
+    # while the caller goes on) read the twin: AttributeError ('params'), or a plan that no
+    # GPU launcher could run. Here a thread holds a launch's interpreter scope open.
+    import threading
+
+    from triton_kernels import interpret
+
+    opened, done = threading.Event(), threading.Event()
+
+    def launch_in_progress():
+        with interpret._lock, interpret._interpreter_scope(kt.write_first_half_kernel.fn):
+            opened.set()
+            done.wait(60)
+
+    thread = threading.Thread(target=launch_in_progress)
+    thread.start()
+    try:
+        assert opened.wait(60)
+        assert not isinstance(kt.write_first_half_kernel, JITFunction)  # the twin, for now
+        plan = kt.half_plan(6)
+    finally:
+        done.set()
+        thread.join()
+    assert plan.kernel is kt.write_first_half_kernel
+    y = fw.to_numpy(_launch(fw, plan, np.arange(6, dtype=np.float32))[0])
+    np.testing.assert_array_equal(y[:3], np.arange(3))
+
 # -- jax transformations -------------------------------------------------------------------------------
 
 

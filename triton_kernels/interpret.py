@@ -13,14 +13,14 @@ compiles kernels for a GPU:
   restored after it, so a later GPU compile in the same process sees pristine modules.
 
 Both steps hold one lock; do not compile GPU kernels from another thread while an interpreted
-launch runs. The interpreter reads and writes memory through torch-style CPU tensors
-(``data_ptr``, ``untyped_storage``); callers pass CPU torch tensors (the jax front wraps its
-numpy buffers without copying).
+launch runs (building plans there is fine: ``LaunchPlan`` swaps a twin back for its kernel).
+The interpreter reads and writes memory through torch-style CPU tensors (``data_ptr``,
+``untyped_storage``); callers pass CPU torch tensors (the jax front wraps its numpy buffers
+without copying).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import sys
 import threading
@@ -41,9 +41,25 @@ except ImportError:
 _lock = threading.RLock()
 
 
-@functools.cache
-def _interpreted(fn) -> InterpretedFunction:
-    return InterpretedFunction(fn)
+class _Twin(InterpretedFunction):
+    """The interpreted stand-in for the JITFunction ``jit_function``, swapped into module
+    namespaces for a launch. It keeps the function it stands in for: a plan built meanwhile on
+    another thread (jax runs callbacks on threads of its own) reads the twin from the kernel's
+    module, and ``LaunchPlan`` puts the original back."""
+
+    def __init__(self, jit_function: JITFunction):
+        super().__init__(jit_function.fn)
+        self.jit_function = jit_function
+
+
+_twins: dict[int, _Twin] = {}  # by id of the JITFunction (hashing one parses its source)
+
+
+def _twin(jit_function: JITFunction) -> _Twin:
+    twin = _twins.get(id(jit_function))
+    if twin is None:  # a twin keeps its JITFunction alive: the id stays its own
+        twin = _twins[id(jit_function)] = _Twin(jit_function)
+    return twin
 
 
 def _language_namespaces() -> list[Any]:
@@ -111,7 +127,7 @@ def _interpreter_scope(fn):
         for namespace in module_dicts:
             for name, value in list(namespace.items()):
                 if isinstance(value, JITFunction):
-                    namespace[name] = _interpreted(value.fn)
+                    namespace[name] = _twin(value)
                     swapped.append((namespace, name, value))
         try:
             yield
@@ -126,4 +142,4 @@ def run_interpreted(plan: LaunchPlan, inputs: Sequence[Any], outputs: Sequence[A
         return
     args = plan.runtime_args(inputs, outputs)
     with _lock, _interpreter_scope(plan.kernel.fn):
-        _interpreted(plan.kernel.fn)[plan.grid](*args, **plan.constexpr_dict)
+        _twin(plan.kernel)[plan.grid](*args, **plan.constexpr_dict)

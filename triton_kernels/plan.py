@@ -102,6 +102,9 @@ class LaunchPlan:
     aliases: tuple[tuple[int, int], ...] = field(default=())
 
     def __post_init__(self):
+        # Built while another thread runs an interpreted launch, a plan function reads that
+        # launch's interpreted twin of its kernel from the module (``interpret``): use the kernel.
+        object.__setattr__(self, "kernel", getattr(self.kernel, "jit_function", self.kernel))
         _check_plan(self)
 
     # -- what the launchers need ------------------------------------------------
