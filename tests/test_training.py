@@ -51,3 +51,158 @@ def test_shard_map_refuses_a_per_shard_result_as_replicated(jax_fw, rng):
     for name, fn, inputs in _jax_cases(jax_fw, rng):
         with pytest.raises(ValueError, match="out_specs"):
             jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("batch"), out_specs=P()))(*inputs)
+
+
+# -- activation checkpointing --------------------------------------------------------------------
+
+
+def _checkpointed(fw, fn, **torch_options):
+    """``fn`` with its forward recomputed in the backward (torch checkpoint / jax.checkpoint)."""
+    if fw.name == "jax":
+        import jax
+
+        return jax.checkpoint(fn)
+    from torch.utils.checkpoint import checkpoint
+
+    return lambda *xs: checkpoint(fn, *xs, **torch_options)
+
+
+def _torch_options(fw):
+    return [{"use_reentrant": False}, {"use_reentrant": True}] if fw.name == "torch" else [{}]
+
+
+@pytest.mark.parametrize("seed", ["explicit", "default"])
+def test_checkpointed_dropout_recomputes_the_same_mask(fw, rng, seed):
+    # The recomputed forward must draw the same dropout mask, or the gradients belong to another
+    # forward than the output. The default seed (torch only) is a draw from torch's generator,
+    # which torch's checkpoint restores for the recomputation.
+    if seed == "default" and fw.name == "jax":
+        pytest.skip("jax needs an explicit dropout_seed")
+    q, k, v, dout = (fw.asarray(rng.standard_normal((1, 8, 2, 16))) for _ in range(4))
+    dropout_seed = 7 if seed == "explicit" else None
+    fn = lambda q, k, v: fw.ops.flash_attention(q, k, v, causal=True, dropout_p=0.3, dropout_seed=dropout_seed)
+
+    def out_and_grads(f):
+        if fw.name == "torch":
+            import torch
+
+            torch.manual_seed(0)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = f(*leaves)
+            out.backward(dout)
+            return [fw.to_numpy(t) for t in (out, *(t.grad for t in leaves))]
+        import jax
+
+        out, pullback = jax.vjp(f, q, k, v)
+        return [fw.to_numpy(t) for t in (out, *pullback(dout))]
+
+    plain = out_and_grads(fn)
+    for options in _torch_options(fw):
+        for got, want in zip(out_and_grads(_checkpointed(fw, fn, **options)), plain):
+            np.testing.assert_array_equal(got, want, err_msg=str(options))
+
+
+def test_checkpointed_attention_layer_in_training(fw, rng):
+    # The layers draw their dropout seed inside the recomputed region (torch's generator, the
+    # Flax "dropout" stream): checkpointing must not change the output or any gradient.
+    x = rng.standard_normal((2, 8, 32)).astype(np.float32)
+    if fw.name == "torch":
+        import torch
+        from torch.utils.checkpoint import checkpoint
+
+        from ejkernel_torch.nn import MultiHeadAttention
+
+        torch.manual_seed(0)
+        layer = MultiHeadAttention(32, 4, 2, dropout=0.3).to(fw.device).train()
+
+        def run(options):
+            layer.zero_grad()
+            torch.manual_seed(1)
+            xx = fw.asarray(x).requires_grad_()
+            out = layer(xx) if options is None else checkpoint(layer, xx, **options)
+            out.backward(torch.cos(out.detach()))
+            return [fw.to_numpy(t) for t in (out, xx.grad, *(p.grad for p in layer.parameters()))]
+
+        plain = run(None)
+        for options in _torch_options(fw):
+            for got, want in zip(run(options), plain):
+                np.testing.assert_array_equal(got, want, err_msg=str(options))
+        return
+    import flax.linen as nn
+    import jax
+
+    from ejkernel_jax.nn import MultiHeadAttention
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, deterministic):
+            return MultiHeadAttention(32, 4, 2, dropout=0.3)(x, deterministic=deterministic)
+
+    x = fw.asarray(x)
+    plain_block, remat_block = Block(), nn.remat(Block, static_argnums=(2,))()
+    params = plain_block.init(jax.random.key(0), x, True)
+
+    def loss(params, block):
+        out = block.apply(params, x, False, rngs={"dropout": jax.random.key(1)})
+        return (out * jax.numpy.sin(out)).sum(), out
+
+    plain = jax.grad(loss, has_aux=True)(params, plain_block)
+    remat = jax.grad(loss, has_aux=True)(params, remat_block)
+    for got, want in zip(jax.tree.leaves(remat), jax.tree.leaves(plain)):
+        np.testing.assert_array_equal(fw.to_numpy(got), fw.to_numpy(want))
+
+
+def test_jax_scan_over_layers_matches_the_unrolled_layers(jax_fw, rng):
+    # A stack of layers run by lax.scan (the usual way to compile a deep model once), each with
+    # its own traced dropout seed, gives each layer's plain call, gradients too.
+    import jax
+
+    fw = jax_fw
+    q, k, v, dout = (fw.asarray(rng.standard_normal((3, 1, 8, 2, 16))) for _ in range(4))
+    seeds = fw.asarray(np.array([5, 6, 7], np.int32))
+    layer = lambda q, k, v, seed: fw.ops.flash_attention(q, k, v, causal=True, dropout_p=0.2, dropout_seed=seed)
+
+    def stack(q, k, v):
+        return jax.lax.scan(lambda carry, xs: (carry, jax.checkpoint(layer)(*xs)), 0, (q, k, v, seeds))[1]
+
+    out, pullback = jax.vjp(stack, q, k, v)
+    got = [out, *pullback(dout)]
+    for i in range(3):
+        out_i, pullback_i = jax.vjp(lambda q, k, v: layer(q, k, v, seeds[i]), q[i], k[i], v[i])
+        for g, want in zip(got, [out_i, *pullback_i(dout[i])]):
+            np.testing.assert_array_equal(fw.to_numpy(g[i]), fw.to_numpy(want))
+
+
+# -- torch grad modes --------------------------------------------------------------------------
+
+
+def test_torch_grad_modes_and_partial_requires_grad(torch_fw, rng):
+    # no_grad / inference_mode: no graph, no error; gradients for only some of q/k/v/bias equal
+    # those of the full call; a retained graph gives the same gradients on a second backward.
+    import torch
+
+    fw, ek = torch_fw, torch_fw.ops
+    q, k, v, dout = (fw.asarray(rng.standard_normal((1, 8, 2, 16))) for _ in range(4))
+    bias = fw.asarray(rng.standard_normal((1, 2, 8, 8)))
+    fn = lambda q, k, v, b: ek.flash_attention(q, k, v, causal=True, bias=b, dropout_p=0.2, dropout_seed=3)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            assert not fn(q.requires_grad_(), k, v, bias).requires_grad
+            assert not ek.padded_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], fw.asarray(np.array([2]))).requires_grad
+    q.requires_grad_(False)
+
+    def grads(wanted):
+        leaves = [t.clone().requires_grad_(w) for t, w in zip((q, k, v, bias), wanted)]
+        out = fn(*leaves)
+        out.backward(dout, retain_graph=True)
+        first = [t.grad.clone() if t.grad is not None else None for t in leaves]
+        for t in leaves:
+            t.grad = None
+        out.backward(dout)
+        assert all((a is None and t.grad is None) or torch.equal(a, t.grad) for a, t in zip(first, leaves))
+        return first
+
+    full = grads((True,) * 4)
+    for wanted in ((True, False, False, False), (False, True, True, False), (False, False, False, True)):
+        for got, want, w in zip(grads(wanted), full, wanted):
+            assert got is None if not w else torch.equal(got, want)
