@@ -1,8 +1,15 @@
 """The ops inside the machinery training code wraps them in: activation checkpointing (torch
 checkpoint, jax.checkpoint), layer scans, grad modes, shard_map. Every result is compared
 bitwise with the plain call: the same kernels run on the same inputs."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # -- jax: shard_map ----------------------------------------------------------------------------
 
@@ -51,6 +58,37 @@ def test_shard_map_refuses_a_per_shard_result_as_replicated(jax_fw, rng):
     for name, fn, inputs in _jax_cases(jax_fw, rng):
         with pytest.raises(ValueError, match="out_specs"):
             jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("batch"), out_specs=P()))(*inputs)
+
+
+def test_batch_sharded_over_two_devices_gives_the_unsharded_result():
+    # jit over batch-sharded inputs and shard_map over the batch, on 2 host CPU devices (a flag
+    # read when jax starts: a subprocess), forward and gradients bitwise equal to the plain call.
+    script = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        import ejkernel_jax as ek
+
+        mesh = Mesh(np.array(jax.devices()), ("batch",))
+        assert mesh.size == 2
+        rng = np.random.default_rng(0)
+        q, k, v, dout = (jnp.asarray(rng.standard_normal((2, 8, 2, 16)), jnp.float32) for _ in range(4))
+
+        def step(q, k, v, dout):
+            out, pullback = jax.vjp(lambda q, k, v: ek.flash_attention(q, k, v, causal=True), q, k, v)
+            return out, *pullback(dout)
+
+        plain = step(q, k, v, dout)
+        sharded = [jax.device_put(t, NamedSharding(mesh, P("batch"))) for t in (q, k, v, dout)]
+        shard_mapped = jax.shard_map(step, mesh=mesh, in_specs=P("batch"), out_specs=P("batch"))
+        for fn in (jax.jit(step), jax.jit(shard_mapped)):
+            for got, want in zip(fn(*sharded), plain):
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 # -- activation checkpointing --------------------------------------------------------------------
