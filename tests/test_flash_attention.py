@@ -416,6 +416,40 @@ def test_checks_do_not_depend_on_earlier_calls(fw):
         fw.ops.flash_attention_varlen(packed, packed, packed, cu, cu, 8.0, 8)
 
 
+@pytest.mark.parametrize("options, match", [
+    (dict(causal=np.array(True)), "causal must be a bool"),
+    (dict(softmax_scale=np.array(0.5)), "softmax_scale must be a float or None"),
+    (dict(logits_soft_cap=[5.0]), "logits_soft_cap must be a float or None"),
+    (dict(dropout_p=np.array(0.1), dropout_seed=1), "dropout_p must be a float"),
+    (dict(sliding_window={}), r"sliding_window \(left\) must be an int"),
+])
+def test_unhashable_options_are_named(fw, options, match):
+    # The spec cache hashed the options first: "TypeError: unhashable type: 'numpy.ndarray'",
+    # naming no argument.
+    x, cu = fw.asarray(np.zeros((1, 4, 1, 16), np.float32)), fw.asarray(np.array([0, 4], np.int32))
+    with pytest.raises(TypeError, match=match):
+        fw.ops.flash_attention(x, x, x, **options)
+    with pytest.raises(TypeError, match=match):
+        fw.ops.flash_attention_varlen(x[0], x[0], x[0], cu, cu, 4, 4, **options)
+    with pytest.raises(TypeError, match="max_seqlen_q must be an int, got list"):
+        fw.ops.flash_attention_varlen(x[0], x[0], x[0], cu, cu, [4], 4)
+
+
+def test_jax_traced_options_are_named(jax_fw):
+    # Options are static: a traced one failed in the spec cache ("unhashable type: 'DynamicJaxprTracer'").
+    import jax
+
+    x, cu = jax_fw.asarray(np.zeros((1, 4, 1, 16), np.float32)), jax_fw.asarray(np.array([0, 4], np.int32))
+    for name, value, match in (("causal", True, "causal must be a bool"),
+                               ("softmax_scale", 0.5, "softmax_scale must be a float or None"),
+                               ("logits_soft_cap", 5.0, "logits_soft_cap must be a float or None"),
+                               ("sliding_window", 2, r"sliding_window \(left\) must be an int")):
+        with pytest.raises(TypeError, match=match):
+            jax.jit(lambda o: jax_fw.ops.flash_attention(x, x, x, **{name: o}))(value)
+    with pytest.raises(TypeError, match="max_seqlen_q must be an int"):
+        jax.jit(lambda n: jax_fw.ops.flash_attention_varlen(x[0], x[0], x[0], cu, cu, n, 4))(4)
+
+
 @pytest.mark.parametrize("max_seqlen, error, message", [
     (np.int64(8), None, None),  # numpy ints are ints, as elsewhere
     (-1, ValueError, r"max_seqlen_k must be in \[0, 2\*\*31\), got -1"),

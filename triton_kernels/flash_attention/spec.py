@@ -199,8 +199,26 @@ def _qkv_dtypes(dtypes: Sequence[str]) -> str:
 # specs
 
 
-# typed: 1 == True == 1.0 hash alike, and an untyped hit would skip the checks of a bad type.
-@functools.lru_cache(maxsize=1024, typed=True)
+def _spec_cache(fn):
+    """``fn`` behind an lru_cache, called uncached when an argument cannot be hashed (a numpy or
+    jax array, a traced jax value, a list): the checks then name the argument, where the cache
+    failed first with "unhashable type". typed: 1 == True == 1.0 hash alike, and an untyped hit
+    would skip the checks of a bad type."""
+    cached = functools.lru_cache(maxsize=1024, typed=True)(fn)
+
+    @functools.wraps(fn)
+    def spec(*args, **kwargs):
+        try:
+            hash((args, tuple(kwargs.values())))
+        except TypeError:
+            return fn(*args, **kwargs)
+        return cached(*args, **kwargs)
+
+    spec.cache_info, spec.cache_clear = cached.cache_info, cached.cache_clear
+    return spec
+
+
+@_spec_cache
 def dense_spec(q_shape: tuple, k_shape: tuple, v_shape: tuple, dtypes: tuple, *, causal=False,
                softmax_scale=None, sliding_window=None, logits_soft_cap=None,
                bias_shape: tuple | None = None, bias_dtype: str | None = None,
@@ -256,7 +274,7 @@ def _segments(q_shape, q_dtype, kv_shape, kv_dtype, batch, seq_q, seq_k) -> str 
     return "int64" if "int64" in (q_dtype, kv_dtype) else "int32"
 
 
-@functools.lru_cache(maxsize=1024, typed=True)
+@_spec_cache
 def varlen_spec(q_shape: tuple, k_shape: tuple, v_shape: tuple, dtypes: tuple,
                 cu_q_shape: tuple, cu_q_dtype: str, cu_k_shape: tuple, cu_k_dtype: str,
                 max_seqlen_q, max_seqlen_k, *, causal=False, softmax_scale=None,
