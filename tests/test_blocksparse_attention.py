@@ -607,7 +607,12 @@ def test_invalid_arguments(rng):
         call(mask=[[True]])
     with pytest.raises(TypeError, match="boolean"):
         call(mask=jnp.ones((32, 32), jnp.int32))
-    with pytest.raises(TypeError, match="'q'|q must have a floating dtype"):
+    # float64 ran at float32 precision (float8 rounded the output) where the torch front refuses them.
+    with pytest.raises(TypeError, match="q must be bfloat16, float16 or float32, got float8_e4m3fn"):
+        call(q=q.astype(jnp.float8_e4m3fn), k=k.astype(jnp.float8_e4m3fn), v=v.astype(jnp.float8_e4m3fn))
+    with jax.enable_x64(True), pytest.raises(TypeError, match="q must be bfloat16, float16 or float32, got float64"):
+        call(q=q.astype(jnp.float64), k=k.astype(jnp.float64), v=v.astype(jnp.float64))
+    with pytest.raises(TypeError, match="q must be bfloat16, float16 or float32, got int32"):
         call(q=q.astype(jnp.int32), k=k.astype(jnp.int32), v=v.astype(jnp.int32))
     with pytest.raises(ValueError, match="q_segment_ids"):
         call(q_segment_ids=jnp.zeros((1, 31), jnp.int32))

@@ -256,6 +256,7 @@ def _segment_ids(q_segment_ids, kv_segment_ids, batch, q_len, kv_len):
 
 
 _INT32 = np.iinfo(np.int32)
+_FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def check_segment_id_range(name: str, lo: int, hi: int) -> None:
@@ -341,9 +342,11 @@ def blocksparse_attention(
     """
     B, Sq, H, D, Skv = _check_shapes(q, k, v)
     # A wrong kind of dtype is a TypeError, as in the torch front; mismatched floats a ValueError.
+    # The kernels are written for TPU dtypes: float64 (x64 mode) ran at float32 precision and
+    # float8 rounded the output, where the torch front refuses both.
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+        if jnp.dtype(x.dtype) not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     # Checked, not read loosely: causal="no" or return_lse=1 were truthy, softmax_scale="1"
