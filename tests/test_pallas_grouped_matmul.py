@@ -465,6 +465,8 @@ def _gmm_bad_cases():
         (dict(transpose_rhs="false"), TypeError, "transpose_rhs must be a bool"),  # once transposed
         (dict(tiling=lambda m, k, n: None), ValueError, "tiling"),
         (dict(input_buffer_count=3), ValueError, "input_buffer_count"),
+        (dict(input_buffer_count=2.0), TypeError, r"input_buffer_count must be an int \(1 or 2\), got 2.0"),
+        (dict(input_buffer_count=True), TypeError, "input_buffer_count must be an int"),
         (dict(preferred_element_type=jnp.int32), TypeError, "preferred_element_type"),
         (dict(preferred_element_type=None), TypeError, "preferred_element_type must be one of"),
         (dict(preferred_element_type=np.float64), TypeError, "preferred_element_type must be one of"),
@@ -486,6 +488,15 @@ def test_int_group_offset_is_checked_under_jit():
         jax.jit(lambda a: gm.grouped_matmul(a, rhs, gs, group_offset=2))(lhs)
     with pytest.raises(ValueError, match=r"group_offset=-1 selects groups"):
         jax.jit(lambda a: gm.transposed_grouped_matmul(a.T, a, gs, group_offset=-1, num_actual_groups=2))(lhs)
+
+
+def test_traced_input_buffer_count_is_named():
+    # It is static: a traced one failed with jax's TracerBoolConversionError, naming nothing.
+    lhs, rhs, gs = jnp.zeros((8, 16), jnp.float32), jnp.zeros((2, 16, 4), jnp.float32), jnp.array([3, 5], jnp.int32)
+    with pytest.raises(TypeError, match="input_buffer_count must be an int"):
+        jax.jit(lambda b: gm.grouped_matmul(lhs, rhs, gs, input_buffer_count=b))(2)
+    with pytest.raises(TypeError, match="input_buffer_count must be an int"):
+        jax.jit(lambda b: gm.transposed_grouped_matmul(lhs.T, lhs, gs, input_buffer_count=b))(2)
 
 
 def test_tgmm_bad_inputs():

@@ -300,8 +300,12 @@ def _compute_dtype(a, b) -> jnp.dtype:
 
 
 def _check_buffer_count(input_buffer_count) -> int:
+    # A static int: 2.0 passed `in (1, 2)`, and a traced value failed inside it with jax's
+    # TracerBoolConversionError, naming nothing.
+    if not _is_int(input_buffer_count):
+        raise TypeError(f"input_buffer_count must be an int (1 or 2), got {input_buffer_count!r}")
     # Mosaic's grid pipeline (jax 0.10) lowers only single or double buffering.
-    if isinstance(input_buffer_count, bool) or input_buffer_count not in (1, 2):
+    if input_buffer_count not in (1, 2):
         raise ValueError(f"input_buffer_count must be 1 or 2, got {input_buffer_count!r}")
     return int(input_buffer_count)
 
