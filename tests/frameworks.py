@@ -94,6 +94,17 @@ class Framework:
             return a.astype(np.float64)
         return a
 
+    # -- transforms -------------------------------------------------------------
+    def vmap(self, fn: Callable, in_dims) -> Callable:
+        """``fn`` mapped over axis ``in_dims`` of its arguments (None: unbatched), output axis 0."""
+        if self.name == "torch":
+            import torch
+
+            return torch.func.vmap(fn, in_dims=in_dims)
+        import jax
+
+        return jax.vmap(fn, in_axes=in_dims)
+
     # -- autodiff ---------------------------------------------------------------
     def vjp(self, fn: Callable, primals: Sequence[Any], cotangent) -> list[np.ndarray]:
         """Gradients of ``sum(fn(*primals) * cotangent)`` w.r.t. every primal."""

@@ -530,6 +530,18 @@ def test_bad_varlen_input(fw, kwargs, error, match):
                                       args["max_k"], bias=None if bias is None else fw.asarray(bias))
 
 
+def test_varlen_vmap_over_cu_seqlens(fw, rng):
+    # torch.func.vmap over cu_seqlens failed reading them for the value checks ("Cannot access
+    # data pointer of Tensor that doesn't have storage"); jax.vmap worked. Batched values are not
+    # read, as under jit: the results equal unbatched calls.
+    q = fw.asarray(rng.standard_normal((6, 2, 16)), "float32")
+    cu = fw.asarray(np.array([[0, 2, 6], [0, 6, 6], [0, 3, 6]], np.int32))
+    out = fw.vmap(lambda c: fw.ops.flash_attention_varlen(q, q, q, c, c, 6, 6, causal=True), (0,))(cu)
+    for i in range(3):
+        one = fw.ops.flash_attention_varlen(q, q, q, cu[i], cu[i], 6, 6, causal=True)
+        np.testing.assert_array_equal(fw.to_numpy(out)[i], fw.to_numpy(one))
+
+
 def test_dropout_needs_a_seed_in_jax(jax_fw):
     x = jax_fw.asarray(np.zeros((1, 4, 1, 16), np.float32))
     with pytest.raises(ValueError, match="needs a dropout_seed"):

@@ -467,6 +467,22 @@ def test_check_values_false_skips_only_the_value_checks(fw, rng):
 # tracing: jax.jit with traced group sizes / offset, torch.compile
 
 
+def test_vmap_over_group_sizes(fw, rng):
+    # torch.func.vmap over group_sizes (or a tensor group_offset) failed reading them for the
+    # value checks ("Cannot access data pointer of Tensor that doesn't have storage"); jax.vmap
+    # worked. Batched values are not read, as under jit: the results equal unbatched calls.
+    lhs, rhs, rhs_t = (fw.asarray(rng.standard_normal(s), "float32") for s in ((9, 8), (2, 8, 4), (9, 4)))
+    sizes = fw.asarray(np.array([[3, 0, 6], [1, 4, 2], [0, 0, 9]], np.int32))
+    offsets = fw.asarray(np.array([0, 1, 1], np.int32))
+    gmm = fw.vmap(lambda g, o: fw.ops.grouped_matmul(lhs, rhs, g, group_offset=o), (0, 0))(sizes, offsets)
+    tgmm = fw.vmap(lambda g: fw.ops.transposed_grouped_matmul(lhs.T, rhs_t, g), (0,))(sizes)
+    for i in range(3):
+        one = fw.ops.grouped_matmul(lhs, rhs, sizes[i], group_offset=offsets[i])
+        np.testing.assert_array_equal(fw.to_numpy(gmm)[i], fw.to_numpy(one))
+        one = fw.ops.transposed_grouped_matmul(lhs.T, rhs_t, sizes[i])
+        np.testing.assert_array_equal(fw.to_numpy(tgmm)[i], fw.to_numpy(one))
+
+
 def test_jax_jit_with_traced_groups(jax_fw, rng):
     import jax
 

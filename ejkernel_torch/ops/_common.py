@@ -64,11 +64,15 @@ def static_shape(x: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(n) for n in x.shape)
 
 
-def values_readable() -> bool:
+def values_readable(*tensors: torch.Tensor) -> bool:
     """Whether argument checks may read tensor values (a host sync on CUDA) now: not while
-    torch.compile traces (the values are unknown) nor while a CUDA graph is captured (a sync
-    is illegal then). The kernels clamp what goes unchecked, as under ``jax.jit``."""
+    torch.compile traces (the values are unknown), nor while a CUDA graph is captured (a sync
+    is illegal then), nor for ``tensors`` batched by ``torch.func.vmap`` (reading them fails with
+    "Cannot access data pointer of Tensor that doesn't have storage"). The kernels clamp what
+    goes unchecked, as under ``jax.jit``."""
     if torch.compiler.is_compiling():
+        return False
+    if any(torch._C._functorch.is_batchedtensor(t) for t in tensors):
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
@@ -83,7 +87,7 @@ def n_pad_arg(n_pad, batch: int, seq_len: int, device: torch.device) -> torch.Te
     checks.n_pad(tuple(n_pad.shape), name_of(n_pad), batch)
     if n_pad.device != device:
         raise ValueError(f"n_pad is on {n_pad.device} but the other inputs are on {device}")
-    if not values_readable() or torch._C._functorch.is_batchedtensor(n_pad):
+    if not values_readable(n_pad):
         # Unchecked: clamp before the int32 cast, which would wrap int64 values (2**32 + 2 -> 2).
         # Bounds in n_pad's dtype (a uint8 n_pad cannot hold seq 300, nor need clamping to it).
         info = torch.iinfo(n_pad.dtype)

@@ -392,7 +392,7 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         *shapes, dtypes, tuple(cu_q.shape), name_of(cu_q), tuple(cu_k.shape), name_of(cu_k), max_seqlen_q,
         max_seqlen_k, causal=causal, softmax_scale=softmax_scale, sliding_window=fa.window_arg(sliding_window),
         logits_soft_cap=logits_soft_cap, dropout_p=dropout_p)
-    if values_readable():
+    if values_readable(cu_q, cu_k):
         fa.cu_seqlens_values("cu_seqlens_q", cu_q.tolist(), spec.total_q, max_seqlen_q)
         fa.cu_seqlens_values("cu_seqlens_k", cu_k.tolist(), spec.total_k, max_seqlen_k)
     return_lse = checks.flag("return_lse", return_lse)  # "no" is truthy

@@ -189,7 +189,7 @@ def _group_args(group_sizes, group_offset, m: int, num_groups: int, num_selected
         offset_value = group_offset
     else:
         raise TypeError(f"group_offset must be an int or an integer scalar tensor, got {group_offset!r}")
-    if check_values and values_readable():
+    if check_values and values_readable(group_sizes, *([] if offset_value is not None else [group_offset])):
         values = [group_sizes.min(), group_sizes.sum(dtype=torch.int64)] if num_groups else []
         if offset_value is None:
             values.append(group_offset.reshape(()).to(device))
