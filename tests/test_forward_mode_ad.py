@@ -70,3 +70,32 @@ def test_torch_constants_under_a_dual_level_still_work(torch_fw, rng):
     with fwd.dual_level():
         y = torch_fw.ops.softmax(c) * fwd.make_dual(x, t)
         assert rel_error(torch_fw.to_numpy(fwd.unpack_dual(y).tangent), probs * torch_fw.to_numpy(t)) < 1e-6
+
+
+@pytest.mark.parametrize("op", ["softmax", "padded_softmax", "padded_softmax_v", "padded_attention", "flash_attention",
+                                "flash_attention_varlen"])
+def test_jax_second_derivative_names_the_op(jax_fw, op):
+    """grad of grad failed inside the backward kernels' callbacks ("Pure callbacks do not support
+    JVP", on a GPU jax-triton's error), naming no op; torch says "<op> has no second derivative"."""
+    import jax
+    import jax.numpy as jnp
+
+    ops = jax_fw.ops
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 5, 5)), jnp.float32)
+    n_pad = jnp.asarray([0, 2], jnp.int32)
+    qkv = lambda a: (a[:, :, None, :4],) * 3  # noqa: E731
+    cu = jnp.asarray([0, 4, 10], jnp.int32)
+    packed = lambda a: a.reshape(10, 1, 5)[:, :, :4]  # noqa: E731
+    calls = {
+        "softmax": lambda a: ops.softmax(a),
+        "padded_softmax": lambda a: ops.padded_softmax(a, n_pad),
+        "padded_softmax_v": lambda a: ops.padded_softmax_v(a, a, n_pad),
+        "padded_attention": lambda a: ops.padded_attention(a, a, a, n_pad),
+        "flash_attention": lambda a: ops.flash_attention(*qkv(a), causal=True),
+        "flash_attention_varlen": lambda a: ops.flash_attention_varlen(*(packed(a),) * 3, cu, cu, 6, 6),
+    }
+    loss = lambda a: (calls[op](a) ** 2).sum()  # noqa: E731
+    assert np.isfinite(np.asarray(jax.grad(loss)(x))).all()  # first order works
+    name = "flash_attention" if op.startswith("flash") else op
+    with pytest.raises(NotImplementedError, match=f"{name} has no second derivative"):
+        jax.grad(lambda a: jax.grad(loss)(a).sum())(x)

@@ -11,7 +11,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from ejkernel_jax.launch import device_facts, launch
 from ejkernel_jax.ops import _tuning
-from ejkernel_jax.ops._common import array_arg, is_concrete, name_of
+from ejkernel_jax.ops._common import array_arg, first_order, is_concrete, name_of
 from triton_kernels import checks, flash_attention as fa
 from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
 from triton_kernels.params import BwdParams, FwdParams, op_params
@@ -44,13 +44,13 @@ def _flash_fwd(spec, params, q, k, v, bias, aux):
     q, k, v = q.value, k.value, v.value
     bias = None if bias is None else bias.value
     aux = tuple(None if a is None else a.value for a in aux)
+    q, k, v, bias, aux = first_order("flash_attention", (q, k, v, bias, aux))  # grad of grad differentiates this rule
     out, lse = _forward(spec, params, q, k, v, bias, aux)
     return (out, lse), (q, k, v, bias, aux, out, lse, bias_grad)
 
 
 def _flash_bwd(spec, params, residuals, cotangents):
-    q, k, v, bias, aux, out, lse, bias_grad = residuals
-    dout, dlse = cotangents
+    (q, k, v, bias, aux, out, lse, bias_grad), (dout, dlse) = first_order("flash_attention", (residuals, cotangents))
     dout = jnp.zeros_like(out) if isinstance(dout, SymbolicZero) else dout.astype(q.dtype)
     use_dlse = not isinstance(dlse, SymbolicZero)
     delta_plan, dkdv_plan, dq_plan = fa.backward_plans(spec, device_facts(), bias_grad, use_dlse,

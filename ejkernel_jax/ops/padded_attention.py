@@ -7,7 +7,7 @@ import jax
 
 from ejkernel_jax.launch import device_facts, launch
 from ejkernel_jax.ops import _tuning
-from ejkernel_jax.ops._common import array_arg, n_pad_arg, name_of
+from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of
 from triton_kernels import checks
 from triton_kernels.tuning import PADDED_BWD, PADDED_FWD
 from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan
@@ -27,12 +27,13 @@ def _padded_attention(q, k, v, n_pad, softmax_scale, fwd_params, bwd_params):
 
 
 def _padded_attention_fwd(q, k, v, n_pad, softmax_scale, fwd_params, bwd_params):
+    q, k, v, n_pad = first_order("padded_attention", (q, k, v, n_pad))  # grad of grad differentiates this rule
     out, lse2 = _forward(q, k, v, n_pad, softmax_scale, fwd_params)
     return out, (q, k, v, out, lse2, n_pad)
 
 
 def _padded_attention_bwd(softmax_scale, fwd_params, bwd_params, residuals, dout):
-    q, k, v, out, lse2, n_pad = residuals
+    (q, k, v, out, lse2, n_pad), dout = first_order("padded_attention", (residuals, dout))
     problem = (tuple(q.shape), name_of(q), softmax_scale)
     delta_plan, dkdv_plan, dq_plan = attention_bwd_plans(*problem, device_facts(),
                                                          _tuning.resolve(PADDED_BWD, problem, bwd_params))

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel_jax.launch import device_facts, launch
-from ejkernel_jax.ops._common import array_arg, n_pad_arg, name_of
+from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of
 from triton_kernels import checks
 from triton_kernels.padded_attention import scores_v_bwd_plans, scores_v_fwd_plan
 from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
@@ -29,6 +29,7 @@ def _softmax_rows_fwd(x2d):
 
 
 def _softmax_rows_bwd(y, dy):
+    y, dy = first_order("softmax", (y, dy))
     return (_rows_backward(y, dy),)
 
 
@@ -46,11 +47,13 @@ def _padded_softmax(scores, n_pad):
 
 
 def _padded_softmax_fwd(scores, n_pad):
+    scores, n_pad = first_order("padded_softmax", (scores, n_pad))  # grad of grad differentiates this rule
     y = _padded_probs(scores, n_pad)
     return y, y
 
 
 def _padded_softmax_bwd(y, dy):
+    y, dy = first_order("padded_softmax", (y, dy))
     # y is 0 outside each row's window, so the plain softmax rule gives 0 there too.
     seq_len = y.shape[-1]
     if seq_len == 0:  # no rows to reshape as [-1, 0]
@@ -71,12 +74,13 @@ def _padded_softmax_v(scores, v, n_pad):
 
 
 def _padded_softmax_v_fwd(scores, v, n_pad):
+    scores, v, n_pad = first_order("padded_softmax_v", (scores, v, n_pad))
     out, lse = _scores_v_forward(scores, v, n_pad)
     return out, (scores, v, n_pad, out, lse)
 
 
 def _padded_softmax_v_bwd(residuals, dout):
-    scores, v, n_pad, out, lse = residuals
+    (scores, v, n_pad, out, lse), dout = first_order("padded_softmax_v", (residuals, dout))
     delta_plan, ds_plan, dv_plan = scores_v_bwd_plans(tuple(v.shape), name_of(v), device_facts())
     dout = dout.astype(v.dtype)
     (delta,) = launch(delta_plan, out, dout)
