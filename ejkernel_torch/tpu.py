@@ -38,6 +38,7 @@ import torch
 from ejkernel_jax.pallas.tpu import blocksparse_attention as _bsa
 from ejkernel_jax.pallas.tpu import grouped_matmul as _gmm
 from ejkernel_jax.pallas.tpu.blocksparse_attention import attention as _bsa_attention
+from ejkernel_jax.pallas.tpu.blocksparse_attention import info as _bsa_info
 from ejkernel_torch.ops._common import autocast, values_readable
 
 # Host-side objects: the jax module's own (numpy masks and schedules, no device arrays).
@@ -187,6 +188,18 @@ def _graph_break(fn):
     return _compiler_disable(fn, f"ejkernel_torch.tpu.{fn.__name__} runs a JAX/Pallas computation")
 
 
+def _checked(fn: str, check: Callable, value):
+    """``check(value)``, the jax version's own check, run on every call (error prefixed with ``fn``).
+
+    For static tuples: the bridge's cache compares them by ``==``, so ``(1.0, 8)`` reused the trace
+    of ``(1, 8)`` and was accepted, and after a refused ``(True, 8)`` a valid ``(1, 8)`` was refused
+    naming ``True``. The checked value holds plain ints: equal keys are then identical values."""
+    try:
+        return check(value)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{fn}: {e}") from None
+
+
 def _hashable(fn: str, name: str, value):
     if isinstance(value, list):
         value = tuple(value)
@@ -281,7 +294,8 @@ def blocksparse_attention(
         q, k, v, dynamic_mask, q_seg, kv_seg,
         mask=static_mask,
         causal=_gmm.check_flag(f"{fn}: argument 'causal'", causal),  # 1 == True for the bridge's cache
-        sliding_window=_hashable(fn, "sliding_window", sliding_window),
+        sliding_window=None if sliding_window is None else _checked(
+            fn, _bsa_attention._window_sides, sliding_window),  # w -> (w, w), as jax reads it
         chunk_size=_hashable(fn, "chunk_size", chunk_size),
         softmax_scale=_scalar(fn, "softmax_scale", softmax_scale),
         logits_soft_cap=_scalar(fn, "logits_soft_cap", logits_soft_cap),
@@ -323,7 +337,7 @@ def process_dynamic_mask(
     mask = _tensor(fn, "mask", mask, (torch.bool,), "a bool tensor")
     arrays = _mask_info(
         mask,
-        block_shape=_hashable(fn, "block_shape", block_shape),
+        block_shape=_checked(fn, _bsa_info._check_block_shape, block_shape),
         is_dkv=_gmm.check_flag(f"{fn}: argument 'is_dkv'", is_dkv),  # bool("no") is True
         downcast_smem_data=_gmm.check_flag(f"{fn}: argument 'downcast_smem_data'", downcast_smem_data),  # bool("no") is True
         head_shards=_hashable(fn, "head_shards", head_shards),

@@ -265,6 +265,25 @@ def test_static_arguments_hash_by_value():
     assert tpu._static_mask("f", mask) == (None, mask)  # a tensor mask is traced, never static
 
 
+def test_static_tuples_are_checked_on_every_call(fw):
+    """A tuple argument is checked on each call, as jax checks it: the torch bridge's cache compares
+    static arguments by ==, so after a refused (True, 8) a valid (1, 8) was refused naming True,
+    and (1.0, 8) reused the trace of (1, 8) and was accepted."""
+    ops = tpu if fw.name == "torch" else jb
+    q = fw.asarray(np.zeros((1, 8, 1, 8)), "float32")
+    mask = fw.asarray(np.ones((1, 8, 8), bool))
+    calls = {
+        "sliding_window": lambda w: ops.blocksparse_attention(q, q, q, sliding_window=w),
+        r"block_shape\[0\]": lambda b: ops.process_dynamic_mask(mask, b),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=f"{name} must be an int, got True"):
+            call((True, 8))
+        call((1, 8))  # equal to (True, 8), and valid
+        with pytest.raises(TypeError, match=f"{name} must be an int, got float 1.0"):
+            call((1.0, 8))  # equal to (1, 8)
+
+
 def test_interpret_follows_the_tensors_device():
     assert tpu._interpret(None, torch.device("cpu")) is True
     assert tpu._interpret(None, torch.device("cuda", 0)) is True
