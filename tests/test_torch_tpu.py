@@ -284,6 +284,16 @@ def test_static_tuples_are_checked_on_every_call(fw):
             call((1.0, 8))  # equal to (1, 8)
 
 
+@pytest.mark.parametrize("shape", [(8,), (1, 1, 8, 8)])
+def test_numpy_mask_of_wrong_rank(fw, shape):
+    """Both fronts: a ValueError naming the shape (jax raised a TypeError saying the numpy bool
+    array was not a numpy bool array)."""
+    ops = tpu if fw.name == "torch" else jb
+    q = fw.asarray(np.zeros((1, 8, 1, 8)), "float32")
+    with pytest.raises(ValueError, match=r"'?mask'? as a numpy array must be 2-D or 3-D, got shape"):
+        ops.blocksparse_attention(q, q, q, mask=np.ones(shape, bool))
+
+
 def test_interpret_follows_the_tensors_device():
     assert tpu._interpret(None, torch.device("cpu")) is True
     assert tpu._interpret(None, torch.device("cuda", 0)) is True

@@ -195,6 +195,8 @@ def _resolve_mask(mask, causal, sliding_window, chunk_size, heads, q_len, kv_len
             mask = mask_lib.NumpyMask(mask)
         elif mask.ndim == 3:
             mask = mask_lib.MultiHeadMask([mask_lib.NumpyMask(m) for m in mask])
+        else:  # was a TypeError saying a numpy bool array is not one (the torch front's ValueError)
+            raise ValueError(f"mask as a numpy array must be 2-D or 3-D, got shape {mask.shape}")
     if isinstance(mask, mask_lib.Mask):
         if not isinstance(mask, mask_lib.MultiHeadMask):
             if len(mask.shape) != 2:
