@@ -278,6 +278,15 @@ def test_integer_arguments_are_not_truncated(bad):
         M.CausalMask(shape)[2.5, :]  # a float index, not row 2
 
 
+@pytest.mark.parametrize("index", [True, False, np.True_, (slice(None), True)])
+def test_bool_indices_are_refused(index):
+    """mask[True] was row 1 (numpy reads it as a new axis); np.True_ was refused already."""
+    with pytest.raises(IndexError, match="indexed by ints and slices"):
+        M.CausalMask((8, 8))[index]
+    with pytest.raises(IndexError, match="indexed by ints and slices"):
+        M.MultiHeadMask([M.CausalMask((8, 8))])[index]
+
+
 @pytest.mark.parametrize("sparsity, seed, error, match", [
     (True, 0, TypeError, "sparsity must be a float, got True"),  # was 1.0: an empty mask
     (np.False_, 0, TypeError, "sparsity must be a float"),

@@ -205,6 +205,8 @@ def _axis_range(index: Any, size: int) -> tuple[int, int, bool]:
             raise IndexError(f"masks only support unit-step slices, got step {index.step}")
         return start, max(start, stop), False
     try:
+        if isinstance(index, bool):  # True was row 1 (numpy adds an axis); np.True_ was refused already
+            raise TypeError
         i = operator.index(index)  # numpy integers too; never truncates a float
     except TypeError:
         raise IndexError(f"masks are indexed by ints and slices, got {index!r}") from None
