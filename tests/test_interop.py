@@ -960,3 +960,19 @@ def test_saved_tensor_hooks_keep_the_backward_working(wrap):
     loss.backward()  # reentrant checkpointing refuses torch.autograd.grad
     for g, e in zip((x.grad, w.grad), want):
         assert torch.equal(g, e)
+
+
+def test_nested_static_values_equal_in_value_but_not_type_trace_apart():
+    """An entry's functions keep its first call's static values, and the cache compared nested
+    ones by ==: after a refused (True, 8), the valid (1, 8) was refused too; (1.0, 8) ran as (1, 8)."""
+    def fn(x, window):
+        if any(isinstance(w, bool) for w in window):
+            raise TypeError(f"window sides must be ints, got {window!r}")
+        return x + sum(window) + (0.5 if any(isinstance(w, float) for w in window) else 0)
+
+    b = jax_to_torch(fn, static_argnames="window")
+    x = torch.zeros(2)
+    with pytest.raises(TypeError, match="must be ints"):
+        b(x, window=(True, 8))
+    assert torch.equal(b(x, window=(1, 8)), torch.full((2,), 9.0))
+    assert torch.equal(b(x, window=(1.0, 8)), torch.full((2,), 9.5))

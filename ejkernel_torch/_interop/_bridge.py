@@ -366,6 +366,15 @@ class _Kept:
         return token
 
 
+def _typed(value):
+    """A static value keyed with the types of its parts, nested ones too: an entry's functions
+    keep the first call's values, so with (True, 8) == (1, 8) == (1.0, 8) a later call ran the
+    first one's (and a refused first call poisoned every equal value after it)."""
+    if isinstance(value, tuple):  # namedtuples too (their type is kept)
+        return type(value), tuple(_typed(v) for v in value)
+    return type(value), value
+
+
 def _saved_tensor_hooks_active() -> bool:
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return top is None or top(False) is not None
@@ -571,9 +580,9 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
                    for t in tensors]
 
     # tpos is in the key: whether a leaf is a tensor or a number changes what is traced. Static
-    # values carry their type, as in jax.jit: 1 == True and 2 == 2.0, but they may trace apart.
+    # values carry their types, as in jax.jit: 1 == True and 2 == 2.0, but they may trace apart.
     if statics:
-        statics_key = tuple((name, pos, type(value), value) for name, pos, value in statics)
+        statics_key = tuple((name, pos, _typed(value)) for name, pos, value in statics)
     else:
         statics_key = statics
     key = (treedef, statics_key, use_x64, tuple(tpos))
