@@ -278,6 +278,21 @@ def test_jit_reads_the_cache_and_never_tunes(jax_fw, rng, cache_path, monkeypatc
     assert not any(asked.values()) and cache_path.read_bytes() == before
 
 
+def test_vmap_reads_the_cache_and_never_tunes(fw, rng, cache_path, monkeypatch):
+    """torch.func.vmap with autotuning on raised "autotuning grouped_matmul: no candidate ran
+    (... Cannot access storage of BatchedTensorImpl)": the candidates were launched on vmap's
+    batched tensors. Now the cache is only read there, as under jax.vmap."""
+    asked = spy_candidates(monkeypatch, CASES["gmm"])
+    monkeypatch.setenv(cc.AUTOTUNE_ENV, "1")
+    lhs, rhs = CASES["gmm"].inputs(fw, rng)
+    sizes = np.array([[10, 0, 25], [3, 30, 2]], np.int32)
+    gmm = fw.ops.grouped_matmul
+    got = fw.vmap(lambda g: gmm(lhs, rhs, g, autotune=True), (0,))(fw.asarray(sizes))
+    want = np.stack([fw.to_numpy(gmm(lhs, rhs, fw.asarray(s), autotune=False)) for s in sizes])
+    np.testing.assert_array_equal(fw.to_numpy(got), want)
+    assert not asked[tuning.GMM] and not cache_path.exists()
+
+
 @pytest.mark.parametrize("content", ["{not json", '{"format": "something else"}'])
 def test_corrupt_cache_file_warns_and_uses_the_heuristic(fw, rng, cache_path, monkeypatch, content):
     case = CASES["padded"]
