@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import pathlib
+import stat
 import subprocess
 import sys
 import textwrap
@@ -229,6 +230,19 @@ def test_a_read_error_never_moves_the_file_aside(cache, monkeypatch):
         assert other.store(other_key, {"BLOCK": 32}) == {"BLOCK": 32}
     monkeypatch.undo()
     assert cache.path.read_bytes() == before and not list(cache.path.parent.glob("*.bad"))
+    assert ConfigCache(cache.path).lookup(KEY) == {"BLOCK": 16}
+
+
+def test_stores_keep_the_file_readable_and_its_mode(cache):
+    """The file was written through mkstemp: every store left it 0600, whatever its mode was, and
+    a cache shared with other users (or groups) became unreadable to them."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    cache.store(KEY, {"BLOCK": 16})
+    assert stat.S_IMODE(cache.path.stat().st_mode) == 0o666 & ~umask  # as open() creates files
+    cache.path.chmod(0o664)
+    cache.store(CacheKey(KEY.device, "other", 1), {"BLOCK": 32})
+    assert stat.S_IMODE(cache.path.stat().st_mode) == 0o664
     assert ConfigCache(cache.path).lookup(KEY) == {"BLOCK": 16}
 
 

@@ -10,8 +10,8 @@ Autotuning is opt-in, per call (``autotune=True``) or per process (``EJKERNEL_AU
 The ops reach this module through ``triton_kernels.tuning`` (keys, candidates, memoized lookups).
 
 The file (``EJKERNEL_CONFIG_CACHE``, default ``~/.cache/ejkernel/configs.json``) is only ever
-replaced whole (temp file in the same folder + ``os.replace``), so readers never see half a
-file; writers take an exclusive ``flock`` on a side lock file around read-merge-write, so two
+replaced whole (temp file in the same folder + ``os.replace``, keeping the file's permissions),
+so readers never see half a file; writers take an exclusive ``flock`` on a side lock file around read-merge-write, so two
 processes storing at once keep each other's entries. A corrupt or foreign file is ignored with
 a warning, and moved aside (``<name>.bad``) before the next write; it never raises. A file that
 could not be read (permissions, I/O errors) or is not a regular file is never moved or replaced:
@@ -29,9 +29,9 @@ import json
 import math
 import os
 import platform
+import secrets
 import stat
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -258,9 +258,19 @@ class ConfigCache:
         finally:
             os.close(fd)  # closing releases the flock; the lock file stays (deleting it races)
 
+    def _temp_file(self) -> tuple[int, str]:
+        """A new file beside the cache file, with its permissions: those of the file it replaces,
+        else 0666 less the umask, as ``open`` gives (mkstemp's 0600 took a shared cache away
+        from its other readers, and undid any ``chmod`` at every store)."""
+        tmp = str(self.path.with_name(f"{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, stat.S_IMODE(os.stat(self.path).st_mode))
+        return fd, tmp
+
     def _replace(self, entries: dict[str, dict]) -> None:
         doc = {"format": FORMAT, "version": FORMAT_VERSION, "entries": entries}
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name + ".", suffix=".tmp")
+        fd, tmp = self._temp_file()
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(doc, f, indent=1, sort_keys=True)
