@@ -88,10 +88,16 @@ def test_autotune_opt_in(cache, monkeypatch, how):
 
 
 def test_autotune_flag_parsing(monkeypatch):
-    for value, expected in [("1", True), ("true", True), ("ON", True), ("0", False), ("", False)]:
+    for value, expected in [("1", True), ("true", True), ("ON", True), (" yes ", True), ("0", False), ("", False),
+                            ("false", False), ("No", False), ("off", False)]:
         monkeypatch.setenv(cc.AUTOTUNE_ENV, value)
         assert cc.autotune_enabled() is expected
     assert cc.autotune_enabled(False) is False
+    for value in ("2", "enabled", "y", "-1"):  # were read as off, silently
+        monkeypatch.setenv(cc.AUTOTUNE_ENV, value)
+        with pytest.raises(ValueError, match=f"EJKERNEL_AUTOTUNE must be one of 1/true/yes/on .*got '{value}'"):
+            cc.autotune_enabled()
+        assert cc.autotune_enabled(True) is True  # the argument does not read the variable
 
 
 @pytest.mark.parametrize("value", ["no", "", 1, 0, 1.0])

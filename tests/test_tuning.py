@@ -248,6 +248,18 @@ def test_autotune_from_the_environment(fw, rng, cache_path, monkeypatch):
     assert tunable_plan(tuning.GMM, problem, stored["config"]) in plans
 
 
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_a_bad_autotune_variable_is_an_error(fw, case, rng, cache_path, monkeypatch):
+    """EJKERNEL_AUTOTUNE=2 (or "enabled") was read as off, silently."""
+    asked = spy_candidates(monkeypatch, case)
+    arrays = case.inputs(fw, rng)
+    monkeypatch.setenv(cc.AUTOTUNE_ENV, "enabled")
+    with pytest.raises(ValueError, match="EJKERNEL_AUTOTUNE must be one of .*got 'enabled'"):
+        case.call(fw, arrays)
+    case.call(fw, arrays, autotune=False)  # the argument beats the environment
+    assert not any(asked.values()) and not cache_path.exists()
+
+
 def test_jit_reads_the_cache_and_never_tunes(jax_fw, rng, cache_path, monkeypatch):
     import jax
 

@@ -358,12 +358,21 @@ def check_autotune(autotune: Any) -> None:
         raise TypeError(f"autotune must be True, False or None, got {autotune!r}")
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def autotune_enabled(autotune: bool | None = None) -> bool:
-    """The explicit argument if given, else ``EJKERNEL_AUTOTUNE`` (1/true/yes/on)."""
+    """The explicit argument if given, else ``EJKERNEL_AUTOTUNE`` (1/true/yes/on; unset, empty or
+    0/false/no/off: off). Other values raise: "2" or "enabled" silently left tuning off."""
     check_autotune(autotune)
     if autotune is not None:
         return bool(autotune)
-    return os.environ.get(AUTOTUNE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    env = os.environ.get(AUTOTUNE_ENV, "")
+    value = env.strip().lower()
+    if value not in _ON + _OFF:
+        raise ValueError(f"{AUTOTUNE_ENV} must be one of {'/'.join(_ON)} (on) or {'/'.join(_OFF[1:])} "
+                         f"or empty (off), got {env!r}")
+    return value in _ON
 
 
 def get_config(key: CacheKey, heuristic: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
