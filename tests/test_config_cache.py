@@ -252,6 +252,21 @@ def test_stores_keep_the_file_readable_and_its_mode(cache):
     assert ConfigCache(cache.path).lookup(KEY) == {"BLOCK": 16}
 
 
+def test_a_symlinked_cache_file_is_written_through(tmp_path):
+    """A store replaced the link itself with a regular file: the file it named (a shared cache,
+    say) never got the entry, and later stores went to the copy."""
+    shared = ConfigCache(tmp_path / "shared" / "configs.json")
+    shared.store(KEY, {"BLOCK": 16})
+    (tmp_path / "mine").mkdir()
+    link = tmp_path / "mine" / "configs.json"
+    link.symlink_to(shared.path)
+    other = CacheKey(KEY.device, "other", 1)
+    assert ConfigCache(link).store(other, {"BLOCK": 32}) == {"BLOCK": 32}
+    assert link.is_symlink() and ConfigCache(shared.path).lookup(other) == {"BLOCK": 32}
+    assert ConfigCache(link).lookup(KEY) == {"BLOCK": 16}
+    assert sorted(p.name for p in link.parent.iterdir()) == ["configs.json"]  # no lock or temp file left here
+
+
 def test_location_from_env(tmp_path, monkeypatch):
     monkeypatch.setenv(cc.CACHE_ENV, str(tmp_path / "mine.json"))
     assert cc.default_cache_path() == tmp_path / "mine.json"

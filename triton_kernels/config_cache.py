@@ -10,8 +10,8 @@ Autotuning is opt-in, per call (``autotune=True``) or per process (``EJKERNEL_AU
 The ops reach this module through ``triton_kernels.tuning`` (keys, candidates, memoized lookups).
 
 The file (``EJKERNEL_CONFIG_CACHE``, default ``~/.cache/ejkernel/configs.json``) is only ever
-replaced whole (temp file in the same folder + ``os.replace``, keeping the file's permissions),
-so readers never see half a file; writers take an exclusive ``flock`` on a side lock file around read-merge-write, so two
+replaced whole (temp file in the same folder + ``os.replace``, keeping the file's permissions;
+through a symlink, the file it names), so readers never see half a file; writers take an exclusive ``flock`` on a side lock file around read-merge-write, so two
 processes storing at once keep each other's entries. A corrupt or foreign file is ignored with
 a warning, and moved aside (``<name>.bad``) before the next write; it never raises. A file that
 could not be read (permissions, I/O errors) or is not a regular file is never moved or replaced:
@@ -248,8 +248,8 @@ class ConfigCache:
 
     # -- writing ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _file_lock(self):
-        lock_path = self.path.with_name(self.path.name + ".lock")
+    def _file_lock(self, target: Path):
+        lock_path = target.with_name(target.name + ".lock")
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if fcntl is not None:
@@ -258,25 +258,25 @@ class ConfigCache:
         finally:
             os.close(fd)  # closing releases the flock; the lock file stays (deleting it races)
 
-    def _temp_file(self) -> tuple[int, str]:
+    def _temp_file(self, target: Path) -> tuple[int, str]:
         """A new file beside the cache file, with its permissions: those of the file it replaces,
         else 0666 less the umask, as ``open`` gives (mkstemp's 0600 took a shared cache away
         from its other readers, and undid any ``chmod`` at every store)."""
-        tmp = str(self.path.with_name(f"{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"))
+        tmp = str(target.with_name(f"{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with contextlib.suppress(OSError):
             os.fchmod(fd, stat.S_IMODE(os.stat(self.path).st_mode))
         return fd, tmp
 
-    def _replace(self, entries: dict[str, dict]) -> None:
+    def _replace(self, entries: dict[str, dict], target: Path) -> None:
         doc = {"format": FORMAT, "version": FORMAT_VERSION, "entries": entries}
-        fd, tmp = self._temp_file()
+        fd, tmp = self._temp_file(target)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(doc, f, indent=1, sort_keys=True)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            os.replace(tmp, target)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -293,12 +293,14 @@ class ConfigCache:
         config = _normalize_config(config)
         entry = {"config": config, "written": time.time(), **json.loads(stable_json(meta))}
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self._file_lock():
+            # A symlink's file, not the link: replacing the link cut it off from the file it names.
+            target = Path(os.path.realpath(self.path))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with self._file_lock(target):
                 current, problem, bad = self._read_file()
                 if bad:
-                    backup = self.path.with_name(self.path.name + ".bad")
-                    os.replace(self.path, backup)
+                    backup = target.with_name(target.name + ".bad")
+                    os.replace(target, backup)
                     warnings.warn(f"config cache {self.path} {problem}; moved it to {backup}", stacklevel=2)
                 elif problem and not current:  # unreadable: writing now would drop its entries
                     raise OSError(problem)
@@ -306,7 +308,7 @@ class ConfigCache:
                 if old is not None and not overwrite:
                     return dict(old["config"])
                 current[key.text] = entry
-                self._replace(current)
+                self._replace(current, target)
                 with self._lock:  # this process sees its own write at once, whatever the clock's grain
                     self._entries, self._stamp = current, self._file_stamp()
                     self._generation = next(_generations)
