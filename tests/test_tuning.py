@@ -3,6 +3,7 @@ framework, the tuned config launched by both (bitwise parity kept), explicit par
 jit reads only, bad files and stale entries fall back to the heuristic."""
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import warnings
@@ -303,6 +304,25 @@ def test_vmap_reads_the_cache_and_never_tunes(fw, rng, cache_path, monkeypatch):
     want = np.stack([fw.to_numpy(gmm(lhs, rhs, fw.asarray(s), autotune=False)) for s in sizes])
     np.testing.assert_array_equal(fw.to_numpy(got), want)
     assert not asked[tuning.GMM] and not cache_path.exists()
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_jit_over_closed_over_arrays_never_tunes(jax_fw, case, rng, cache_path, monkeypatch):
+    """Arrays a jitted function closes over are concrete: autotuning ran at trace time, where
+    the candidates' launches were only recorded, so it stored the config fastest to trace."""
+    import jax
+
+    asked = spy_candidates(monkeypatch, case)
+    extra = {"flash": [], "padded": [np.array([0, 5], np.int32)], "gmm": [np.array([10, 0, 25], np.int32)]}[case.name]
+    arrays = case.inputs(jax_fw, rng) + [jax_fw.asarray(a) for a in extra]  # all made outside the trace
+    op = getattr(jax_fw.ops, case.module)
+    kwargs = {"causal": True} if case.name == "flash" else {}
+    plans = spy_launches(monkeypatch, jax_fw, case)
+    for stage in (jax.jit, lambda f: functools.partial(jax.lax.scan, lambda c, _: (c, f()), 0, length=1)):
+        jax.block_until_ready(stage(lambda: op(*arrays, autotune=True, **kwargs))())
+    assert not any(asked.values()) and not cache_path.exists()
+    forward = next(iter(case.candidates))  # launched with the heuristic's plan
+    assert forward.plan(case.problem(case.shapes), CPU, None) in plans
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"format": "something else"}'])
