@@ -325,6 +325,28 @@ def test_jit_over_closed_over_arrays_never_tunes(jax_fw, case, rng, cache_path, 
     assert forward.plan(case.problem(case.shapes), CPU, None) in plans
 
 
+def test_no_home_directory_uses_the_temp_dir(fw, rng, tmp_path, monkeypatch):
+    """Without HOME and a passwd entry (a container run as an unnamed uid) every op call raised
+    "RuntimeError: Could not determine home directory", autotuning on or off."""
+    import pathlib
+    import tempfile
+
+    def no_home(cls):
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv(cc.CACHE_ENV)
+    monkeypatch.setattr(pathlib.Path, "home", classmethod(no_home))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    case = CASES["gmm"]
+    asked = spy_candidates(monkeypatch, case)
+    arrays = case.inputs(fw, rng)
+    case.call(fw, arrays)
+    case.call(fw, arrays, autotune=True)
+    (problem,) = asked[tuning.GMM]
+    (path,) = (tmp_path / "tmp").glob("ejkernel-*/configs.json")
+    assert entry(path, tuning.GMM, problem, fingerprint(fw))["config"] in case.candidates[tuning.GMM]
+
+
 @pytest.mark.parametrize("content", ["{not json", '{"format": "something else"}'])
 def test_corrupt_cache_file_warns_and_uses_the_heuristic(fw, rng, cache_path, monkeypatch, content):
     case = CASES["padded"]

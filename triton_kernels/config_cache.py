@@ -9,10 +9,12 @@ By default nothing is tuned: ``get_config`` returns a cached entry or the op's h
 Autotuning is opt-in, per call (``autotune=True``) or per process (``EJKERNEL_AUTOTUNE=1``).
 The ops reach this module through ``triton_kernels.tuning`` (keys, candidates, memoized lookups).
 
-The file (``EJKERNEL_CONFIG_CACHE``, default ``~/.cache/ejkernel/configs.json``) is only ever
+The file (``EJKERNEL_CONFIG_CACHE``, default ``~/.cache/ejkernel/configs.json``, or
+``<temp dir>/ejkernel-<uid>/configs.json`` where there is no home directory) is only ever
 replaced whole (temp file in the same folder + ``os.replace``, keeping the file's permissions;
-through a symlink, the file it names), so readers never see half a file; writers take an exclusive ``flock`` on a side lock file around read-merge-write, so two
-processes storing at once keep each other's entries. A corrupt or foreign file is ignored with
+through a symlink, the file it names), so readers never see half a file; writers take an
+exclusive ``flock`` on a side lock file around read-merge-write, so two processes storing at
+once keep each other's entries. A corrupt or foreign file is ignored with
 a warning, and moved aside (``<name>.bad``) before the next write; it never raises. A file that
 could not be read (permissions, I/O errors) or is not a regular file is never moved or replaced:
 stores then keep their entry in memory only. A folder given as the location (the variable, or
@@ -32,6 +34,7 @@ import platform
 import secrets
 import stat
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -145,7 +148,13 @@ def default_cache_path() -> Path:
     env = os.environ.get(CACHE_ENV)
     if env:
         return cache_file(env)
-    return Path.home() / ".cache" / "ejkernel" / "configs.json"
+    try:
+        return Path.home() / ".cache" / "ejkernel" / "configs.json"
+    except (RuntimeError, KeyError):
+        # No HOME and no passwd entry (a container run as an unnamed uid): every op call raised
+        # "Could not determine home directory". A folder of this user's in the temp dir instead.
+        user = os.getuid() if hasattr(os, "getuid") else "user"
+        return Path(tempfile.gettempdir()) / f"ejkernel-{user}" / "configs.json"
 
 
 def _normalize_config(config: Mapping[str, Any]) -> Config:
