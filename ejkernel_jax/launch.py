@@ -46,7 +46,15 @@ def _jax_triton():
 
 
 def backend() -> str:
-    return jax.default_backend()
+    """The platform the ops launch for: that of jax's default device when one is set
+    (``jax.default_device(...)``, the ``jax_default_device`` option), else the default backend.
+    On a GPU machine inside ``jax.default_device(cpu)`` the GPU path failed to lower for the
+    CPU ("MLIR translation rule for primitive 'triton_kernel_call' not found")."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.default_backend()
+    platform = device if isinstance(device, str) else device.platform
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
 def device_facts() -> DeviceFacts:

@@ -79,3 +79,21 @@ def test_interpreter_and_compiled_launches_share_a_process(torch_fw, rng):
         y = ejk.softmax(torch.from_numpy(x).to(device))
         assert y.device.type == device
         assert rel_error(y.cpu().numpy(), expected) < 1e-5
+
+
+def test_jax_ops_follow_jax_default_device_to_the_cpu(rng):
+    """On a GPU machine, jax.default_device(cpu) runs the jax ops on the CPU (the interpreter),
+    where the GPU launch failed to lower: "MLIR translation rule ... not found for platform cpu"."""
+    import jax
+    import jax.numpy as jnp
+
+    import ejkernel_jax
+
+    x = rng.standard_normal((7, 33)).astype(np.float32)
+    q = rng.standard_normal((1, 9, 2, 16)).astype(np.float32)
+    with jax.default_device(jax.devices("cpu")[0]):
+        y = ejkernel_jax.softmax(jnp.asarray(x))
+        out = ejkernel_jax.flash_attention(*(jnp.asarray(q),) * 3, causal=True)
+        assert next(iter(y.devices())).platform == "cpu"
+    assert rel_error(np.asarray(y), ref.forward(ref.softmax, x)) < TOLERANCE["float32"]
+    assert rel_error(np.asarray(out), ref.forward(ref.flash_attention, q, q, q, causal=True)) < TOLERANCE["float32"]

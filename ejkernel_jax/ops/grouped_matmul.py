@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel_jax.launch import device_facts, launch
+from ejkernel_jax.launch import backend, device_facts, launch
 from ejkernel_jax.ops import _tuning
 from ejkernel_jax.ops._common import array_arg, is_concrete, name_of
 from triton_kernels import checks
@@ -140,7 +140,7 @@ def _out_dtype(preferred_element_type, default: str) -> str:
 
 def _platform(platform) -> str:
     if platform is None:
-        return jax.default_backend()
+        return backend()  # jax.default_device(...) counts
     if not isinstance(platform, str):  # True was a ValueError, a wrong type a TypeError as elsewhere
         raise TypeError(f"platform must be a str or None, got {platform!r}")
     if platform not in PLATFORMS:
