@@ -191,9 +191,8 @@ def _graph_break(fn):
 def _checked(fn: str, check: Callable, value):
     """``check(value)``, the jax version's own check, run on every call (error prefixed with ``fn``).
 
-    For static tuples: the bridge's cache compares them by ``==``, so ``(1.0, 8)`` reused the trace
-    of ``(1, 8)`` and was accepted, and after a refused ``(True, 8)`` a valid ``(1, 8)`` was refused
-    naming ``True``. The checked value holds plain ints: equal keys are then identical values."""
+    For static tuples handed to the bridge: checked here, before any trace, they are refused as
+    jax refuses them ((1.0, 8) was accepted), and what reaches the bridge holds plain ints."""
     try:
         return check(value)
     except (TypeError, ValueError) as e:

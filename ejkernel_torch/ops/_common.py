@@ -67,12 +67,14 @@ def static_shape(x: torch.Tensor) -> tuple[int, ...]:
 def values_readable(*tensors: torch.Tensor) -> bool:
     """Whether argument checks may read tensor values (a host sync on CUDA) now: not while
     torch.compile traces (the values are unknown), nor while a CUDA graph is captured (a sync
-    is illegal then), nor for ``tensors`` batched by ``torch.func.vmap`` (reading them fails with
-    "Cannot access data pointer of Tensor that doesn't have storage"). The kernels clamp what
-    goes unchecked, as under ``jax.jit``."""
+    is illegal then), nor for ``tensors`` a ``torch.func`` transform wraps (vmap's batched ones
+    have no storage: "Cannot access data pointer of Tensor that doesn't have storage"; autotuning
+    cannot launch candidates on them either). The kernels clamp what goes unchecked, as under
+    ``jax.jit``. ``None`` entries are skipped."""
     if torch.compiler.is_compiling():
         return False
-    if any(torch._C._functorch.is_batchedtensor(t) for t in tensors):
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    if any(t is not None and wrapped(t) for t in tensors):
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 

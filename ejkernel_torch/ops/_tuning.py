@@ -44,20 +44,13 @@ def _sync(device: torch.device):
     return lambda _outputs: None
 
 
-def _timeable(arrays: Sequence[torch.Tensor]) -> bool:
-    """Whether the candidates can be launched on ``arrays`` now. Tensors a ``torch.func``
-    transform wraps (vmap's batched ones, grad's) have no storage to launch on: every candidate
-    failed, and the op raised "autotuning ...: no candidate ran"."""
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return values_readable() and not any(wrapped(t) for t in arrays if t is not None)
-
-
 def autotune(tunable: tuning.Tunable, problem: Hashable, device: torch.device, arrays: Sequence[torch.Tensor],
              autotune: bool | None, explicit: Any = None) -> None:
     """With autotuning enabled and no ``explicit`` params: tune ``problem`` on a cache miss,
     timing the candidates on ``arrays`` (contiguous, as the plan's launch takes them)."""
     check_autotune(autotune)  # also when it is not read: explicit params, tracing
-    if explicit is not None or not tuning.autotune_enabled(autotune) or not _timeable(arrays):  # tracing, capture
+    if explicit is not None or not tuning.autotune_enabled(autotune) or not values_readable(*arrays):
+        # tracing, capture, or torch.func-wrapped arrays (every candidate failed on vmap's: "no candidate ran")
         return
     facts = device_facts(device)
     with torch.no_grad():
