@@ -24,12 +24,34 @@ def forward(fn: Callable, *args, **kwargs) -> np.ndarray:
 
 
 def vjp(fn: Callable, args: Sequence, cotangent, n_diff: int, **kwargs) -> list[np.ndarray]:
-    """Float64 gradients of sum(fn(*args) * cotangent) w.r.t. the first ``n_diff`` args."""
+    """Float64 gradients of sum(fn(*args) * cotangent) w.r.t. the first ``n_diff`` args. A tuple
+    ``cotangent`` goes with a function of as many outputs."""
     ts = [_t(a) for a in args]
     for t in ts[:n_diff]:
         t.requires_grad_(True)
-    fn(*ts, **kwargs).backward(_t(cotangent))
+    outputs = fn(*ts, **kwargs)
+    if isinstance(cotangent, tuple):
+        torch.autograd.backward(list(outputs), [_t(c) for c in cotangent])
+    else:
+        outputs.backward(_t(cotangent))
     return [t.grad.numpy() for t in ts[:n_diff]]
+
+
+def flash_vjp(fn: Callable, args: Sequence, out, dout, n_diff: int, varlen: bool = False) -> list[np.ndarray]:
+    """Float64 gradients of flash attention as the kernels define them, ``fn`` its reference.
+
+    The backward's delta = rowsum(out * dout) reads the ``out`` the forward returned (rounded to
+    its dtype), as in FlashAttention-2/3, so its gradients of q, k and bias differ from the exact
+    ones by the lse gradient of -(delta_kernel - delta_exact): d lse / d logits is the softmax,
+    just as d delta / d logits is in dS = P (dP - delta). Where a bias is summed over batch and
+    heads, or a row attends few keys, dP - delta cancels and that term alone can pass the fp16
+    bound (8.8e-3 on dbias for a 1x37 MQA problem), so it is modelled here rather than measured.
+    dv is the exact one. ``out``/``dout``: what the kernel returned and got, [.., heads, dim]."""
+    want_out, _ = fn(*(_t(a) for a in args), return_lse=True)
+    delta = (np.asarray(out, np.float64) - want_out.numpy()) * np.asarray(dout, np.float64)
+    delta = delta.sum(-1)  # [b, s, h] dense, [tokens, h] varlen -> lse's [b, h, s] / [h, tokens]
+    delta = delta.T if varlen else delta.transpose(0, 2, 1)
+    return vjp(lambda *a: fn(*a, return_lse=True), args, (dout, -delta), n_diff)
 
 
 softmax = reference.softmax
