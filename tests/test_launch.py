@@ -68,7 +68,11 @@ def test_zeroed_outputs_and_aliases(fw, rng):
     x = rng.standard_normal(37).astype(np.float32)
     acc = rng.standard_normal(37).astype(np.float32)
     total, out = (fw.to_numpy(a) for a in _launch(fw, kt.accumulate_plan(37), x, acc))
-    np.testing.assert_allclose(total, [x.sum()], rtol=1e-5)
+    # The kernel adds block sums atomically, in any order. A float32 sum of n terms is within
+    # (n - 1) u sum|x| of the exact one (u = 2**-24): a relative bound on the total fails whenever
+    # the terms cancel (a total of -0.046 from 37 normal draws was off by 1.3e-5 relative).
+    assert total.shape == (1,) and abs(float(total[0]) - x.astype(np.float64).sum()) <= (
+        (len(x) - 1) * 2.0**-24 * np.abs(x.astype(np.float64)).sum())
     np.testing.assert_allclose(out, acc + x, rtol=1e-6)
 
 
