@@ -77,24 +77,85 @@ def _poison_int(dtype: torch.dtype):
 
 
 def _launch_compiled(plan: LaunchPlan, inputs, outputs) -> None:
-    plan.kernel[plan.grid](
-        *plan.runtime_args(inputs, outputs),
+    args = plan.runtime_args(inputs, outputs)
+    if _launch_known(plan, args, inputs, outputs):
+        return
+    _remember(plan, args, inputs, outputs, plan.kernel[plan.grid](
+        *args,
         **plan.constexpr_dict,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         enable_fp_fusion=plan.enable_fp_fusion,
-    )
+    ))
+
+
+# -- launching a plan's compiled kernel again ---------------------------------------------------
+#
+# Triton's ``kernel[grid](...)`` binds and specializes every argument and rebuilds its cache key
+# on every call: tens of microseconds of Python per launch on a GPU host, more than a small
+# kernel runs. A plan fixes all of that but the device and one fact per tensor, whether its
+# address is 16-byte aligned (what Triton specializes pointers on; the plan's dtypes are
+# checked, its scalars are fixed). So after the first launch of a plan with a given alignment,
+# its compiled kernel is launched directly, with the arguments ``kernel[grid]`` would give it.
+# (Triton settings changed after that first launch, e.g. TRITON_DEBUG, do not reach it.)
+
+_compiled: dict[tuple, "object"] = {}
+_COMPILED_LIMIT = 4096
+
+
+def _alignment_key(plan: LaunchPlan, inputs, outputs) -> tuple:
+    return (plan, inputs[0].device.index, *[t.data_ptr() % 16 == 0 for t in inputs],
+            *[t.data_ptr() % 16 == 0 for t in outputs])
+
+
+def _launch_known(plan: LaunchPlan, args, inputs, outputs) -> bool:
+    run = _compiled.get(_alignment_key(plan, inputs, outputs))
+    if run is None:
+        return False
+    run(*plan.all_args(args))
+    return True
+
+
+def _remember(plan: LaunchPlan, args, inputs, outputs, compiled) -> None:
+    """Keep the compiled kernel ``kernel[grid]`` returned, as a launcher of ``plan.grid``, when
+    this Triton has the pieces (a compiled kernel indexable by its grid, no pre-run hooks)."""
+    if (getattr(plan.kernel, "pre_run_hooks", None) or not hasattr(compiled, "__getitem__")
+            or not hasattr(compiled, "launch_metadata")):
+        return
+    if len(_compiled) >= _COMPILED_LIMIT:
+        _compiled.clear()
+    _compiled[_alignment_key(plan, inputs, outputs)] = compiled[_grid3(plan.grid)]
+
+
+def _grid3(grid) -> tuple[int, int, int]:
+    return (*grid, *(1,) * (3 - len(grid)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _input_dtypes(plan: LaunchPlan) -> tuple[torch.dtype, ...]:
+    return tuple(map(torch_dtype, plan.input_dtypes))
+
+
+def _check_inputs(plan: LaunchPlan, inputs) -> torch.device:
+    """The inputs' device, after checking that every input is a contiguous tensor of the plan's
+    dtype on it (the kernels index inputs as dense row-major arrays: a strided view would be read
+    wrongly). Runs on every launch, so the happy path compares dtypes by identity."""
+    device = inputs[0].device
+    for x, dtype in zip(inputs, _input_dtypes(plan)):
+        if x.dtype is not dtype or not x.is_contiguous() or x.device != device:
+            name, x, dtype = next((n, x, d) for n, x, d in zip(plan.inputs, inputs, plan.input_dtypes)
+                                  if x.dtype is not torch_dtype(d) or not x.is_contiguous() or x.device != device)
+            raise ValueError(f"{plan.name}: input {name} must be a contiguous {dtype} tensor on {device}, got "
+                             f"{x.dtype} on {x.device} (contiguous={x.is_contiguous()})")
+    return device
 
 
 def launch(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Run ``plan`` on ``inputs`` (contiguous, one device) and return its outputs."""
-    device = inputs[0].device
-    for name, x, dtype in zip(plan.inputs, inputs, plan.input_dtypes):
-        if x.device != device or not x.is_contiguous() or dtype_name(x.dtype) != dtype:
-            raise ValueError(
-                f"{plan.name}: input {name} must be a contiguous {dtype} tensor on {device}, got "
-                f"{x.dtype} on {x.device} (contiguous={x.is_contiguous()})"
-            )
+    return _launch_on(plan, inputs, _check_inputs(plan, inputs))
+
+
+def _launch_on(plan: LaunchPlan, inputs, device: torch.device) -> tuple[torch.Tensor, ...]:
     outputs = [_allocate(o, device) for o in plan.outputs]
     for i, o in plan.aliases:
         outputs[o].copy_(inputs[i])
@@ -214,23 +275,13 @@ def _interpret_plan_fake(inputs, plan):
     return [inputs[0].new_empty(o.shape, dtype=torch_dtype(o.dtype)) for o in plan_from_text(plan).outputs]
 
 
-def _check_traceable_inputs(plan: LaunchPlan, inputs) -> torch.device:
-    device = inputs[0].device
-    for name, x, dtype in zip(plan.inputs, inputs, plan.input_dtypes):
-        # The kernels index inputs as dense row-major arrays: a strided view would be read wrongly.
-        if x.device != device or dtype_name(x.dtype) != dtype or not x.is_contiguous():
-            raise ValueError(f"{plan.name}: input {name} must be a contiguous {dtype} tensor on {device}, "
-                             f"got {x.dtype} on {x.device} (contiguous={x.is_contiguous()})")
-    return device
-
-
 def launch_traceable(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``launch`` for use inside ``torch.library.triton_op`` bodies (inputs must be contiguous)."""
-    device = _check_traceable_inputs(plan, inputs)
+    device = _check_inputs(plan, inputs)
     eager = plain_eager(*inputs)
     if device.type == "cpu":
         if eager:  # what the interpret_plan op would run, without the op and the plan's JSON
-            return launch(plan, *inputs)
+            return _launch_on(plan, inputs, device)
         return tuple(torch.ops.ejkernel.interpret_plan(list(inputs), plan_text(plan)))
     if device.type != "cuda":
         raise ValueError(f"{plan.name}: no Triton launcher for device {device}")
@@ -253,8 +304,10 @@ def _launch_wrapped(plan: LaunchPlan, inputs, outputs, eager: bool) -> None:
     # In plain eager mode wrap_triton has nothing to trace; called outside a triton_op body (the
     # eager fast path of the ops) it would still route the launch through its higher-order op.
     # Same launch either way: same arguments and options, so the same binary.
+    args = plan.runtime_args(inputs, outputs)
+    if eager and _launch_known(plan, args, inputs, outputs):
+        return
     kernel = plan.kernel if eager else torch.library.wrap_triton(plan.kernel)
-    kernel[plan.grid](
-        *plan.runtime_args(inputs, outputs), **plan.constexpr_dict,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )
+    compiled = kernel[plan.grid](*args, **plan.constexpr_dict, num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if eager:
+        _remember(plan, args, inputs, outputs, compiled)

@@ -21,6 +21,7 @@ arguments the layer above would pass it, and its median per-call time is reporte
           launch_traceable                     input checks, output allocation, kernel launch
             launch(plan)                       the plain launcher (allocation + launch)
     bare kernel[grid]                          (cuda only) the Triton launch with preallocated outputs
+    compiled kernel's launcher                 (cuda only) what launch() calls after a plan's first launch
     with --grad: the public call and the registered op with q.requires_grad (forward only), and
     the public call's forward + backward (three more kernels, stubbed on CPU too)
 
@@ -148,8 +149,10 @@ def layers(q, k, v, device: torch.device) -> list[tuple[int, str, object]]:
         consts = plan.constexpr_dict
 
         def bare():
-            plan.kernel[plan.grid](*runtime, **consts, num_warps=plan.num_warps, num_stages=plan.num_stages)
-        add(0, "bare kernel[grid] (floor)", lambda: bare)
+            return plan.kernel[plan.grid](*runtime, **consts, num_warps=plan.num_warps, num_stages=plan.num_stages)
+        add(0, "bare kernel[grid] (Triton's launch)", lambda: bare)
+        runner, args = bare()[launch_mod._grid3(plan.grid)], plan.all_args(runtime)
+        add(0, "compiled kernel's launcher (floor)", lambda: lambda: runner(*args))
     return rows
 
 

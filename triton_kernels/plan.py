@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
 # Max dynamic shared memory per block (opt-in), bytes, by compute capability. Both fronts use
@@ -44,6 +44,23 @@ _TRITON_TYPE = {
 }
 
 
+def hash_fields_once(obj) -> int:
+    """``__hash__`` for frozen dataclasses that key caches on every op call (specs, device facts,
+    plans): the fields are hashed on first use only. Declared in the class body, so that
+    ``dataclass`` keeps it; equality stays the generated field-by-field one."""
+    h = obj.__dict__.get("_hash")
+    if h is None:
+        h = hash(tuple(getattr(obj, f.name) for f in fields(obj)))
+        object.__setattr__(obj, "_hash", h)
+    return h
+
+
+def state_without_hash(obj) -> dict:
+    """``__getstate__`` beside ``hash_fields_once``: string hashes differ between processes, so a
+    pickled copy must not carry the memo."""
+    return {k: v for k, v in obj.__dict__.items() if k != "_hash"}
+
+
 @dataclass(frozen=True)
 class DeviceFacts:
     """Plain facts about the device a plan is made for. Plans depend on nothing else."""
@@ -52,6 +69,8 @@ class DeviceFacts:
     capability: tuple[int, int] | None = None
     shared_memory: int = 1 << 30  # bytes one program may use; the interpreter has no limit
     num_sms: int = 1
+
+    __hash__, __getstate__ = hash_fields_once, state_without_hash
 
     @classmethod
     def cpu(cls) -> "DeviceFacts":
@@ -107,6 +126,8 @@ class LaunchPlan:
         object.__setattr__(self, "kernel", getattr(self.kernel, "jit_function", self.kernel))
         _check_plan(self)
 
+    __hash__, __getstate__ = hash_fields_once, state_without_hash
+
     # -- what the launchers need ------------------------------------------------
     @property
     def name(self) -> str:
@@ -140,6 +161,22 @@ class LaunchPlan:
         for pos, x in zip(input_pos, inputs):
             args[pos] = x
         for pos, x in zip(output_pos, outputs):
+            args[pos] = x
+        return args
+
+    @functools.cached_property
+    def _full_layout(self) -> tuple[list, list[int]]:
+        """(every parameter in kernel order with constexprs filled in, where ``runtime_args`` go)."""
+        names = list(self.kernel.arg_names)
+        template = [self.constexpr_dict.get(n) for n in names]
+        return template, [i for i, n in enumerate(names) if n not in self.constexpr_dict]
+
+    def all_args(self, runtime_args: Sequence[Any]) -> list[Any]:
+        """``runtime_args`` with the constexprs put back: every kernel parameter in order, the
+        argument list a compiled Triton kernel's launcher takes."""
+        template, positions = self._full_layout
+        args = list(template)
+        for pos, x in zip(positions, runtime_args):
             args[pos] = x
         return args
 

@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from .. import checks
+from ..plan import hash_fields_once, state_without_hash
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256  # padded to a power of two >= 16 inside the kernels
 FLOAT32_MAX = checks.FLOAT32_MAX
@@ -43,6 +44,8 @@ class FlashSpec:
     varlen: bool = False
     total_q: int = 0
     total_k: int = 0
+
+    __hash__, __getstate__ = hash_fields_once, state_without_hash
 
     @property
     def group(self) -> int:

@@ -1,0 +1,60 @@
+"""On a CUDA GPU: after a plan's first launch the torch launcher launches its compiled kernel
+directly (``ejkernel_torch.launch._compiled``), with the same results, and a tensor whose address
+has another 16-byte alignment gets its own binary, as Triton's own launch would give it."""
+import numpy as np
+import pytest
+import torch
+
+import ejkernel_torch
+from ejkernel_torch import launch as launch_mod
+from tests import kernels_for_tests as kt
+
+pytestmark = pytest.mark.gpu
+
+
+def _count_direct_launches(monkeypatch, key) -> list:
+    calls = []
+    run = launch_mod._compiled[key]
+
+    def counted(*args):
+        calls.append(1)
+        return run(*args)
+
+    monkeypatch.setitem(launch_mod._compiled, key, counted)
+    return calls
+
+
+def test_second_launch_is_direct_and_alignment_is_part_of_the_key(monkeypatch):
+    plan = kt.half_plan(37)
+    buffer = torch.arange(38, dtype=torch.float32, device="cuda")
+    aligned, shifted = buffer[:37], buffer[1:]  # both contiguous; shifted starts 4 bytes in
+    assert aligned.data_ptr() % 16 == 0 and shifted.data_ptr() % 16 == 4
+
+    (y,) = launch_mod.launch(plan, aligned)
+    key = launch_mod._alignment_key(plan, (aligned,), (y,))
+    assert key in launch_mod._compiled
+    calls = _count_direct_launches(monkeypatch, key)
+    (y2,) = launch_mod.launch(plan, aligned)
+    assert calls == [1]
+    np.testing.assert_array_equal(y2[:18].cpu().numpy(), np.arange(18, dtype=np.float32))
+
+    (z,) = launch_mod.launch(plan, shifted)  # a new alignment: Triton's launch, then remembered
+    assert calls == [1]
+    assert launch_mod._alignment_key(plan, (shifted,), (z,)) in launch_mod._compiled
+    np.testing.assert_array_equal(z[:18].cpu().numpy(), np.arange(1, 19, dtype=np.float32))
+    (z2,) = launch_mod.launch(plan, shifted)
+    np.testing.assert_array_equal(z2[:18].cpu().numpy(), np.arange(1, 19, dtype=np.float32))
+
+
+def test_flash_attention_relaunch_is_bitwise_the_first(rng):
+    q, k, v, dout = (torch.tensor(rng.standard_normal((2, 77, 4, 64)), dtype=torch.bfloat16, device="cuda")
+                     for _ in range(4))
+    results = []
+    for _ in range(3):  # the first call compiles (or loads) through Triton, the others launch directly
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ejkernel_torch.flash_attention(*leaves, causal=True)
+        out.backward(dout)
+        results.append([out.detach().cpu()] + [t.grad.cpu() for t in leaves])
+    for later in results[1:]:
+        for a, b in zip(results[0], later):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
