@@ -15,6 +15,7 @@ from tests.frameworks import rel_error
 from triton_kernels import config_cache as cc
 from triton_kernels import tuning
 from triton_kernels.config_cache import ConfigCache
+from triton_kernels.flash_attention.spec import FlashSpec
 from triton_kernels.params import BwdParams, FwdParams
 from triton_kernels.plan import DeviceFacts
 
@@ -418,6 +419,18 @@ def test_lookups_are_memoized_until_the_file_changes(fw, rng, cache_path, monkey
     ConfigCache(cache_path).store(key, case.candidates[tuning.FLASH_FWD][1], overwrite=True)
     case.call(fw, arrays)
     assert plans[-1] == tunable_plan(tuning.FLASH_FWD, problem, case.candidates[tuning.FLASH_FWD][1])
+
+
+def test_a_spec_is_looked_up_once(cache_path, monkeypatch):
+    """Specs memoize their hash in ``__dict__`` (plan.hash_fields_once): that is not one of the
+    values the memo keys on, so a fresh spec's second resolve is still a memo hit."""
+    problem = FlashSpec(2, 17, 17, 2, 2, 16, "float32", 0.25)
+    cache = ConfigCache(cache_path)
+    lookups, real_lookup = [], ConfigCache.lookup
+    monkeypatch.setattr(ConfigCache, "lookup", lambda self, k: lookups.append(k) or real_lookup(self, k))
+    for _ in range(3):
+        assert tuning.resolve(tuning.FLASH_FWD, problem, CPU, "cpu|test", cache=cache) is None
+    assert len(lookups) == 1
 
 
 def test_memoized_lookups_are_what_the_cache_holds(cache_path):

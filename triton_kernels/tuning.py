@@ -126,8 +126,10 @@ def _value_types(problem) -> tuple:
     """The types of a problem's values (a tuple's items, a dataclass's fields), for the memo: ==
     finds True == 1 == 1.0, which cache keys (stable_json) keep apart. Cheaper than repr on the
     per-call path."""
-    values = problem if isinstance(problem, tuple) else getattr(problem, "__dict__", {}).values()
-    return tuple(map(type, values))
+    if isinstance(problem, tuple):
+        return tuple(map(type, problem))
+    # ``_hash``: hash_fields_once's memo, present after the first hash, is not a value
+    return tuple(type(v) for k, v in getattr(problem, "__dict__", {}).items() if k != "_hash")
 
 
 def resolve(tunable: Tunable, problem: Hashable, facts: DeviceFacts, device: str, explicit: Params | None = None,
