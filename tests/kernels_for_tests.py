@@ -38,3 +38,18 @@ def accumulate_plan(n: int, block: int = 16) -> LaunchPlan:
                       input_dtypes=("float32", "float32"), scalars=(("n", n),),
                       outputs=(Output("sum_ptr", (1,), "float32", zeroed=True), Output("out_ptr", (n,), "float32")),
                       constexprs=(("BLOCK", block),), aliases=((1, 1),))
+
+
+@triton.jit(do_not_specialize_on_alignment=["n"])
+def to_bfloat16_kernel(x_ptr, n, stored_ptr, cast_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(stored_ptr + offs, x, mask=offs < n)  # converted by the store
+    tl.store(cast_ptr + offs, x.to(tl.bfloat16), mask=offs < n)  # converted by an explicit cast
+
+
+def to_bfloat16_plan(n: int) -> LaunchPlan:
+    return LaunchPlan(kernel=to_bfloat16_kernel, grid=(1,), inputs=("x_ptr",), input_dtypes=("float32",),
+                      scalars=(("n", n),),
+                      outputs=(Output("stored_ptr", (n,), "bfloat16"), Output("cast_ptr", (n,), "bfloat16")),
+                      constexprs=(("BLOCK", triton.next_power_of_2(n)),))

@@ -6,6 +6,7 @@ import textwrap
 
 import numpy as np
 import pytest
+import torch
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
@@ -74,6 +75,19 @@ def test_zeroed_outputs_and_aliases(fw, rng):
     assert total.shape == (1,) and abs(float(total[0]) - x.astype(np.float64).sum()) <= (
         (len(x) - 1) * 2.0**-24 * np.abs(x.astype(np.float64)).sum())
     np.testing.assert_allclose(out, acc + x, rtol=1e-6)
+
+
+def test_float32_to_bfloat16_rounds_to_nearest_even(fw, rng):
+    """As compiled kernels (and torch) do; Triton's interpreter alone truncated (interpret.py)."""
+    special = np.array([0x3F808000, 0x3F818000, 0x3F80FFFF, 0xBF808000, 0x7F7FFFFF, 0x7F800000, 0xFF800000,
+                        0x80000000, 0x00000001, 0x00018000, 0x7FC00001, 0x7F800001], dtype=np.uint32).view(np.float32)
+    x = np.concatenate([special, rng.standard_normal(45).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 45)])
+    want = torch.from_numpy(x).to(torch.bfloat16).float().numpy()  # round to nearest even; NaN stays NaN
+    for name, got in zip(("stored", "cast"), _launch(fw, kt.to_bfloat16_plan(len(x)), x)):
+        got = np.asarray(fw.to_numpy(got), dtype=np.float32)
+        np.testing.assert_array_equal(got, want, err_msg=name)
+        number = ~np.isnan(want)  # -0.0 keeps its sign; a NaN's sign means nothing
+        np.testing.assert_array_equal(np.signbit(got[number]), np.signbit(want[number]), err_msg=name)
 
 
 def test_launch_checks_input_dtypes(fw):

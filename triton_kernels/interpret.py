@@ -26,6 +26,7 @@ import sys
 import threading
 from typing import Any, Sequence
 
+import numpy as np
 import triton.language as tl
 from triton.runtime import interpreter as _interpreter
 from triton.runtime.interpreter import InterpretedFunction
@@ -117,12 +118,36 @@ def _patch_lang_tensor_fixed(tensor, scope):
 _original_patch_lang_tensor = getattr(_interpreter, "_patch_lang_tensor", None)
 
 
+def _bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns, rounded to nearest even (what compiled kernels do)."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    quiet_nan = ((bits >> 16) | np.uint32(0x40)).astype(np.uint16)  # a NaN must not round to inf
+    return np.where(np.isnan(x), quiet_nan, rounded).reshape(np.shape(x))
+
+
+def _cast_impl_fixed(builder, src, dst_type):
+    # Triton's interpreter turns float32 into bfloat16 by dropping the low 16 bits (round toward
+    # zero), where compiled kernels round to nearest even: every bfloat16 result on CPU carried
+    # up to twice the rounding error of the GPU's.
+    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+        return _interpreter.TensorHandle(_bfloat16_bits(src.data), dst_type.scalar)
+    return _original_cast_impl(builder, src, dst_type)
+
+
+_builder_class = getattr(_interpreter, "InterpreterBuilder", None)
+_original_cast_impl = getattr(_builder_class, "cast_impl", None)
+
+
 @contextlib.contextmanager
 def _interpreter_scope(fn):
     module_dicts = _reachable_module_dicts(fn)
-    with _restored(_language_namespaces() + [_interpreter]):
+    builder = [_builder_class] if _original_cast_impl is not None else []
+    with _restored(_language_namespaces() + [_interpreter] + builder):
         if _original_patch_lang_tensor is not None:
             _interpreter._patch_lang_tensor = _patch_lang_tensor_fixed
+        if builder:
+            _builder_class.cast_impl = _cast_impl_fixed
         swapped = []
         for namespace in module_dicts:
             for name, value in list(namespace.items()):
