@@ -94,6 +94,18 @@ def test_compile_with_a_window_across_sequence_lengths(options):
             assert rel_error(compiled(q, k, v).numpy(), ejk.flash_attention(q, k, v, **options).numpy()) < 1e-6
 
 
+def test_compile_varlen_across_max_seqlens():
+    # A second max_seqlen value makes dynamo trace the int arguments as SymInts (automatic dynamic
+    # shapes), which the op's spec cache could not hash: TypeError "unhashable type: non-nested SymInt".
+    fn = lambda q, cu, max_seqlen: ejk.flash_attention_varlen(q, q, q, cu, cu, max_seqlen, max_seqlen,  # noqa: E731
+                                                              causal=True)
+    compiled = torch.compile(fn, fullgraph=True)
+    with _fresh_inductor_cache():
+        for total in (5, 9):
+            q, cu = torch.randn(total, 2, 8), torch.tensor([0, 2, total], dtype=torch.int32)
+            assert rel_error(compiled(q, cu, total - 2).numpy(), fn(q, cu, total - 2).numpy()) < 1e-6
+
+
 def test_compile_checks_autotune():
     # Eager calls reject autotune="no" (bool("no") would turn tuning on); compiled ones skipped the check.
     q = torch.randn(1, 5, 2, 8)

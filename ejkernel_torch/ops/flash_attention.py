@@ -60,8 +60,9 @@ def _static(shape) -> tuple[int, ...]:
 
 
 def _spec_of(q, k, bias, q_seg, cu_q, max_q, max_k, scale, left, right, softcap, dropout_p) -> fa.FlashSpec:
-    # A window side clamped to seq_q + seq_k is symbolic where the sizes are: concrete like them.
-    left, right = int(left), int(right)
+    # A window side clamped to seq_q + seq_k is symbolic where the sizes are, and dynamo traces
+    # int arguments (max_seqlen_*) as SymInts once they vary: concrete like the sizes.
+    left, right, max_q, max_k = int(left), int(right), int(max_q), int(max_k)
     bias_shape = None if bias is None else _static(bias.shape)
     return _spec(_static(q.shape), _static(k.shape), dtype_name(q.dtype), bias_shape,
                  None if bias is None else dtype_name(bias.dtype), None if q_seg is None else dtype_name(q_seg.dtype),
