@@ -106,6 +106,17 @@ def test_compile_varlen_across_max_seqlens():
             assert rel_error(compiled(q, cu, total - 2).numpy(), fn(q, cu, total - 2).numpy()) < 1e-6
 
 
+def test_compile_across_soft_caps():
+    # A second soft cap makes dynamo trace the float as a SymFloat (automatic dynamic), and the
+    # check's math.isfinite on it was a graph break ("torch.* op returned non-Tensor").
+    q, k = torch.randn(1, 5, 2, 8), torch.randn(1, 5, 1, 8)
+    fn = lambda q, k, cap: ejk.flash_attention(q, k, k, logits_soft_cap=cap)  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True)
+    with _fresh_inductor_cache():
+        for cap in (2.0, 3.0, 4.0):
+            assert rel_error(compiled(q, k, cap).numpy(), fn(q, k, cap).numpy()) < 1e-6
+
+
 def test_compile_checks_autotune():
     # Eager calls reject autotune="no" (bool("no") would turn tuning on); compiled ones skipped the check.
     q = torch.randn(1, 5, 2, 8)

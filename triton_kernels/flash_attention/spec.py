@@ -8,7 +8,6 @@ lookup.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -135,7 +134,7 @@ def _positive_float(name: str, value) -> float | None:
     if value is None:
         return None
     value = checks.float_arg(name, value, "a float or None")
-    if not (math.isfinite(value) and 0 < value <= FLOAT32_MAX):
+    if not 0 < value <= FLOAT32_MAX:  # NaN and inf too (no math.isfinite: dynamo cannot trace it on a SymFloat)
         raise ValueError(f"{name} must be a finite number > 0 (and float32-representable), got {value}")
     return float(value)
 
