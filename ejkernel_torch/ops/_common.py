@@ -103,7 +103,9 @@ def kernel_op(name: str, body):
     """``body`` (plans built from its tensors' shapes, run by ``launch_traceable``) as the
     ``torch.library.triton_op`` ``ejkernel::name``. torch.compile cannot trace the plan code (nor
     the interpreter): it sees the registered op instead, and traces it with ``fullgraph=True``
-    too. Plain eager calls run ``body`` directly, without the dispatcher's Python layers."""
+    too, specialized on every size (see ``ejkernel_torch.ops.flash_attention``: new shapes
+    recompile, ``mark_dynamic`` raises). Plain eager calls run ``body`` directly, without the
+    dispatcher's Python layers."""
     op = torch.library.triton_op(f"ejkernel::{name}", body, mutates_args=())
 
     def call(*args):

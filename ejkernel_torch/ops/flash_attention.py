@@ -4,6 +4,11 @@ Both are registered ops (``torch.ops.ejkernel.flash_attention_fwd`` / ``_bwd``) 
 ``torch.library.triton_op``: on CUDA their bodies launch the shared Triton kernels through
 ``wrap_triton``, so ``torch.compile(fullgraph=True)`` traces them without a graph break; on CPU
 they run the Triton interpreter inside an opaque op. Autograd is ``register_autograd``.
+Plans are built from concrete sizes, so ``torch.compile`` and ``torch.export`` specialize on every
+tensor size: each new shape recompiles, even with ``dynamic=True`` (past
+``torch._dynamo.config.recompile_limit`` shapes a ``fullgraph=True`` function raises), and
+``mark_dynamic`` or an export ``Dim`` on a size raises a constraint violation (``maybe_mark_dynamic``
+and ``Dim.AUTO`` specialize instead).
 
 In plain eager mode the public functions skip the dispatcher and run the op bodies directly
 (``_call_forward``; the same autograd functions through ``_FlashAttentionFn`` when a gradient is

@@ -4,7 +4,9 @@ Both are registered ops (``torch.ops.ejkernel.grouped_matmul`` / ``transposed_gr
 with ``torch.library.triton_op``: on CUDA their bodies launch the shared Triton kernels through
 ``wrap_triton``, so ``torch.compile(fullgraph=True)`` traces them without a graph break; on CPU they
 run the Triton interpreter inside an opaque op. Autograd is ``register_autograd``; the backward of
-each op is made of the two ops, so higher-order gradients run on the kernels too.
+each op is made of the two ops, so higher-order gradients run on the kernels too. Plans are built
+from concrete sizes: under ``torch.compile``/``torch.export`` every size is specialized, as
+``flash_attention``'s module docstring details (new shapes recompile; ``mark_dynamic`` raises).
 
 Value checks on ``group_sizes`` (negative sizes, ``sum > m``) and on a tensor ``group_offset``
 read the values, a host sync on CUDA. They run eagerly, and are skipped while ``torch.compile``
