@@ -117,6 +117,17 @@ def test_compile_across_soft_caps():
             assert rel_error(compiled(q, k, cap).numpy(), fn(q, k, cap).numpy()) < 1e-6
 
 
+def test_compile_dropout_mask_matches_eager():
+    # flash_attention_dropout_mask launched its plan outside any registered op: dynamo traced into
+    # the plan code and the Triton interpreter (fullgraph=True: Unsupported context manager RLock).
+    fn = lambda q: q.new_ones(()) * ejk.flash_attention_dropout_mask(7, 1, 2, q.shape[1], 5, 0.3)  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True)
+    with _fresh_inductor_cache():
+        for seq in (3, 4):
+            q = torch.randn(1, seq, 2, 8)
+            assert torch.equal(compiled(q), fn(q))
+
+
 def test_compile_checks_autotune():
     # Eager calls reject autotune="no" (bool("no") would turn tuning on); compiled ones skipped the check.
     q = torch.randn(1, 5, 2, 8)

@@ -23,9 +23,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ejkernel_torch.launch import device_facts, dtype_name, launch, launch_traceable, plain_eager, reject_forward_ad, torch_dtype
+from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable, plain_eager, reject_forward_ad, torch_dtype
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import autocast, name_of, same_device, tensor_arg, values_readable
+from ejkernel_torch.ops._common import autocast, kernel_op, name_of, same_device, tensor_arg, values_readable
 from triton_kernels import checks, flash_attention as fa
 from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
 from triton_kernels.params import BwdParams, FwdParams, decode_params, encode_params, op_params
@@ -416,6 +416,15 @@ def flash_attention_dropout_mask(dropout_seed: int | Tensor, batch: int, heads: 
     """The bool keep-mask ``[batch, heads, seq_q, seq_k]`` flash attention draws for this seed
     (element offset ((b * heads + h) * seq_q + i) * seq_k + j); the same in torch and jax."""
     seed = _seed_tensor(dropout_seed, torch.device(device))
-    plan = fa.dropout_mask_plan(*dropout_mask_sizes(batch, heads, seq_q, seq_k), check_dropout(dropout_p),
+    return _dropout_mask(seed, *dropout_mask_sizes(batch, heads, seq_q, seq_k), check_dropout(dropout_p)).bool()
+
+
+def _dropout_mask_body(seed: Tensor, batch: int, heads: int, seq_q: int, seq_k: int, dropout_p: float) -> Tensor:
+    # int(): under torch.compile the sizes may be SymInts; the plan specializes on them
+    plan = fa.dropout_mask_plan(int(batch), int(heads), int(seq_q), int(seq_k), float(dropout_p),
                                 device_facts(seed.device))
-    return launch(plan, seed)[0].bool()
+    return launch_traceable(plan, seed)[0]
+
+
+# A registered op, as the attention ops: torch.compile cannot trace the plan code nor the interpreter.
+_dropout_mask = kernel_op("flash_attention_dropout_mask", _dropout_mask_body)
