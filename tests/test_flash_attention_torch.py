@@ -128,6 +128,16 @@ def test_compile_dropout_mask_matches_eager():
             assert torch.equal(compiled(q), fn(q))
 
 
+def test_dropout_mask_under_vmap_over_seeds():
+    # Launched outside a registered op, the mask failed under torch.vmap over seed tensors; as the
+    # op ejkernel::flash_attention_dropout_mask it runs per seed (torch's batched fallback).
+    seeds = torch.tensor([5, -7, 2**31 - 1], dtype=torch.int32)
+    masks = torch.vmap(lambda s: ejk.flash_attention_dropout_mask(s, 1, 2, 5, 7, 0.25))(seeds)
+    assert masks.shape == (3, 1, 2, 5, 7) and masks.dtype == torch.bool
+    for seed, mask in zip(seeds.tolist(), masks):
+        assert torch.equal(mask, ejk.flash_attention_dropout_mask(seed, 1, 2, 5, 7, 0.25))
+
+
 def test_compile_checks_autotune():
     # Eager calls reject autotune="no" (bool("no") would turn tuning on); compiled ones skipped the check.
     q = torch.randn(1, 5, 2, 8)
