@@ -6,8 +6,12 @@ torch_xla's DLPack aborts the process, so a crash here means the bridge forgot t
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import traceback
+
+if __name__ == "__main__":  # before importing torch_xla, which only scripts/test_torch_xla.sh's venv has
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 
 import jax
 import jax.numpy as jnp

@@ -1,5 +1,6 @@
 """Sweep softmax forward tilings on a GPU (num_warps x rows per program) to pick the plan's
 heuristic. Prints the best per (dtype, n_cols) as a fraction of copy bandwidth."""
+import argparse
 import dataclasses
 import json
 import os
@@ -36,6 +37,11 @@ def variants(plan):
 
 
 def main():
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="configured by environment variables (comma-separated lists):\n"
+               "  TUNE_WARPS, TUNE_ROWS, TUNE_PER_SM (0: one program per block), TUNE_DTYPES, TUNE_COLS;\n"
+               "  OUT: directory for tune_softmax.json (default .)").parse_args()
     copy = copy_bandwidth_gbs()
     results = []
     for dtype in DTYPES:

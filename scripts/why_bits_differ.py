@@ -6,6 +6,7 @@ hint); jax-triton never does. The hint changes the layout the compiler picks, he
 which a row is summed. Marking runtime ints ``do_not_specialize_on_alignment`` makes both
 launchers compile the same binary.
 """
+import argparse
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -30,6 +31,7 @@ planned_softmax = triton.jit(do_not_specialize_on_alignment=["n_cols"])(softmax_
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     import jax
     import jax.numpy as jnp
 
