@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -99,7 +99,7 @@ def _launch_compiled(plan: LaunchPlan, inputs, outputs) -> None:
 # its compiled kernel is launched directly, with the arguments ``kernel[grid]`` would give it.
 # (Triton settings changed after that first launch, e.g. TRITON_DEBUG, do not reach it.)
 
-_compiled: dict[tuple, "object"] = {}
+_compiled: dict[tuple, Callable[..., None]] = {}  # alignment key -> the compiled kernel's runner
 _COMPILED_LIMIT = 4096
 
 
