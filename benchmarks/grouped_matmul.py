@@ -4,6 +4,7 @@ Forward and forward+backward, TFLOP/s on the useful FLOPs (2 * sum(group_sizes) 
 
     python benchmarks/grouped_matmul.py [--shapes quick|default|full] [--only 0 2 ..] [--sweep] [--out PATH]
     python benchmarks/grouped_matmul.py --smoke     # tiny shapes on CPU: checks the script runs
+                                                    # (writes to the temp dir unless --out)
 
 Writes benchmarks/results/grouped_matmul-<gpu>.json and an SVG bar chart next to it. ``--sweep``
 also times every config in SWEEP_CONFIGS for our forward (torch) and records the best per shape.
@@ -16,6 +17,7 @@ import itertools
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -268,12 +270,19 @@ def main() -> None:
         _write(args, device, rows, configs)  # after every shape: a run cut short keeps what it measured
 
 
+def default_out(smoke: bool, device: str) -> str:
+    """benchmarks/results/grouped_matmul-<gpu>.json; a --smoke run's JSON goes to the temp dir (in
+    results/ it left untracked files that read like measurements)."""
+    if smoke:
+        return os.path.join(tempfile.gettempdir(), "grouped_matmul-cpu-smoke.json")
+    return os.path.join(os.path.dirname(__file__), "results", f"grouped_matmul-{device}.json")
+
+
 def _write(args, device: str, rows: list[dict], configs: dict) -> None:
     import jax
     import torch
 
-    name = "cpu-smoke" if args.smoke else device
-    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"grouped_matmul-{name}.json")
+    out = args.out or default_out(args.smoke, device)
     ratios = {}
     for key in {k for r in rows for k in r if " vs " in k}:
         values = [r[key] for r in rows if key in r]

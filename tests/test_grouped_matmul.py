@@ -673,6 +673,16 @@ def test_benchmark_script_smoke(tmp_path):
     assert (tmp_path / "gmm.svg").exists()
 
 
+def test_benchmark_smoke_writes_outside_results():
+    import os
+
+    from benchmarks.grouped_matmul import default_out
+
+    results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+    assert os.path.dirname(default_out(False, "nvidia-h100")) == results
+    assert os.path.dirname(default_out(True, "cpu")) != results
+
+
 def test_jax_reference_matches_torch_reference(rng):
     """ejkernel_jax.reference's grouped matmuls (masks, traceable sizes) agree with the loops."""
     import jax
