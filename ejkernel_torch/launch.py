@@ -7,6 +7,7 @@ NaN under ``triton_kernels.debug.poison_outputs`` otherwise).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
@@ -104,8 +105,7 @@ _COMPILED_LIMIT = 4096
 
 
 def _alignment_key(plan: LaunchPlan, inputs, outputs) -> tuple:
-    return (plan, inputs[0].device.index, *[t.data_ptr() % 16 == 0 for t in inputs],
-            *[t.data_ptr() % 16 == 0 for t in outputs])
+    return (plan, inputs[0].device.index, *[t.data_ptr() % 16 == 0 for t in (*inputs, *outputs)])
 
 
 def _launch_known(plan: LaunchPlan, args, inputs, outputs) -> bool:
@@ -156,22 +156,31 @@ def launch(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def _launch_on(plan: LaunchPlan, inputs, device: torch.device) -> tuple[torch.Tensor, ...]:
-    outputs = [_allocate(o, device) for o in plan.outputs]
-    for i, o in plan.aliases:
-        outputs[o].copy_(inputs[i])
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{plan.name}: no Triton launcher for device {device}")
+    outputs = _outputs(plan, inputs, device)
     if plan.is_empty:
         return tuple(outputs)
     if device.type == "cpu":
         run_interpreted(plan, inputs, outputs)
-    elif device.type == "cuda":
-        if device.index == torch.cuda.current_device():  # skip the device guard when it is a no-op
-            _launch_compiled(plan, inputs, outputs)
-        else:
-            with torch.cuda.device(device):
-                _launch_compiled(plan, inputs, outputs)
     else:
-        raise ValueError(f"{plan.name}: no Triton launcher for device {device}")
+        with _on_device(device):
+            _launch_compiled(plan, inputs, outputs)
     return tuple(outputs)
+
+
+def _outputs(plan: LaunchPlan, inputs, device: torch.device) -> list[torch.Tensor]:
+    outputs = [_allocate(o, device) for o in plan.outputs]
+    for i, o in plan.aliases:
+        outputs[o].copy_(inputs[i])
+    return outputs
+
+
+def _on_device(device: torch.device):
+    """The CUDA device guard, skipped when it would be a no-op (it costs microseconds a launch)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 # -- launching inside torch.library ops ------------------------------------------------------------
@@ -276,38 +285,22 @@ def _interpret_plan_fake(inputs, plan):
 
 
 def launch_traceable(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``launch`` for use inside ``torch.library.triton_op`` bodies (inputs must be contiguous)."""
+    """``launch`` for use inside ``torch.library.triton_op`` bodies (inputs must be contiguous).
+    In plain eager mode it is ``launch``: neither indirection has anything to trace there (and
+    ``wrap_triton`` outside an op body would still route the launch through its higher-order op)."""
     device = _check_inputs(plan, inputs)
-    eager = plain_eager(*inputs)
+    if plain_eager(*inputs):
+        return _launch_on(plan, inputs, device)
     if device.type == "cpu":
-        if eager:  # what the interpret_plan op would run, without the op and the plan's JSON
-            return _launch_on(plan, inputs, device)
         return tuple(torch.ops.ejkernel.interpret_plan(list(inputs), plan_text(plan)))
     if device.type != "cuda":
         raise ValueError(f"{plan.name}: no Triton launcher for device {device}")
     if not plan.enable_fp_fusion:  # not a launch option torch.compile forwards
         raise NotImplementedError(f"{plan.name}: launch_traceable needs enable_fp_fusion=True")
-    outputs = [_allocate(o, device) for o in plan.outputs]
-    for i, o in plan.aliases:
-        outputs[o].copy_(inputs[i])
-    if plan.is_empty:
-        return tuple(outputs)
-    if device.index is None or device.index == torch.cuda.current_device():
-        _launch_wrapped(plan, inputs, outputs, eager)
-    else:
-        with torch.cuda.device(device):
-            _launch_wrapped(plan, inputs, outputs, eager)
+    outputs = _outputs(plan, inputs, device)
+    if not plan.is_empty:
+        with _on_device(device):
+            torch.library.wrap_triton(plan.kernel)[plan.grid](
+                *plan.runtime_args(inputs, outputs), **plan.constexpr_dict,
+                num_warps=plan.num_warps, num_stages=plan.num_stages)
     return tuple(outputs)
-
-
-def _launch_wrapped(plan: LaunchPlan, inputs, outputs, eager: bool) -> None:
-    # In plain eager mode wrap_triton has nothing to trace; called outside a triton_op body (the
-    # eager fast path of the ops) it would still route the launch through its higher-order op.
-    # Same launch either way: same arguments and options, so the same binary.
-    args = plan.runtime_args(inputs, outputs)
-    if eager and _launch_known(plan, args, inputs, outputs):
-        return
-    kernel = plan.kernel if eager else torch.library.wrap_triton(plan.kernel)
-    compiled = kernel[plan.grid](*args, **plan.constexpr_dict, num_warps=plan.num_warps, num_stages=plan.num_stages)
-    if eager:
-        _remember(plan, args, inputs, outputs, compiled)
