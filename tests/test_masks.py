@@ -122,12 +122,9 @@ def test_huge_windows_and_chunks_are_unbounded():
     assert M.LocalMask(shape, (huge, 0), 16).window_size == (huge, 0)  # as given
 
 
-@pytest.mark.parametrize("offset", [2**40, 2**31 - 5, -(2**31) - 1, -(2**40)])
-def test_offsets_beyond_int32_positions_raise(offset):
-    """Query positions i + offset are int32 token ids: an offset past that raised numpy's
-    OverflowError naming no argument, or (2**31 - 5) wrapped into a wrong mask."""
-    shape = (8, 8)
-    calls = [
+def _calls_with_offset(shape, offset) -> list:
+    """Every mask class and maker that takes an offset, called with ``offset``."""
+    return [
         lambda: M.CausalMask(shape, offset),
         lambda: M.LocalMask(shape, (2, 0), offset),
         lambda: M.ChunkedCausalMask(shape, 4, offset=offset),
@@ -135,7 +132,14 @@ def test_offsets_beyond_int32_positions_raise(offset):
         lambda: M.make_local_attention_mask(shape, (2, 0), offset=offset),
         lambda: M.make_chunk_attention_mask(shape, 4, offset=offset),
     ]
-    for call in calls:
+
+
+@pytest.mark.parametrize("offset", [2**40, 2**31 - 5, -(2**31) - 1, -(2**40)])
+def test_offsets_beyond_int32_positions_raise(offset):
+    """Query positions i + offset are int32 token ids: an offset past that raised numpy's
+    OverflowError naming no argument, or (2**31 - 5) wrapped into a wrong mask."""
+    shape = (8, 8)
+    for call in _calls_with_offset(shape, offset):
         with pytest.raises(ValueError, match="offset"):
             call()
     # The extremes that keep every position an int32 still work.
@@ -259,14 +263,7 @@ def test_integer_arguments_are_not_truncated(bad):
     cases = {
         "chunk_size": [lambda: M.ChunkedCausalMask(shape, bad), lambda: M.make_chunk_attention_mask(shape, bad)],
         "window_size": [lambda: M.LocalMask(shape, (bad, 0)), lambda: M.make_local_attention_mask(shape, (1, bad))],
-        "offset": [
-            lambda: M.CausalMask(shape, bad),
-            lambda: M.LocalMask(shape, (1, 1), bad),
-            lambda: M.ChunkedCausalMask(shape, 4, offset=bad),
-            lambda: M.make_causal_mask(shape, bad),
-            lambda: M.make_local_attention_mask(shape, (1, 1), offset=bad),
-            lambda: M.make_chunk_attention_mask(shape, 4, offset=bad),
-        ],
+        "offset": _calls_with_offset(shape, bad),
         "shard_count": [lambda: M.FullMask(shape, bad), lambda: M.CausalMask(shape, shard_count=bad)],
         "shape": [lambda: M.CausalMask((8, bad))],
     }
