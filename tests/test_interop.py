@@ -700,6 +700,29 @@ def test_decorator_forms_and_metadata():
     assert isinstance(rep, interop.BridgedFunction)
 
 
+def test_decorated_methods_bind_self_like_functions():
+    # Without __get__ the instance was never passed: m.scale(x) called fn(x) and failed inside jax.
+    class Scaler:
+        def __init__(self, factor):
+            self.factor = factor
+
+        @jax_to_torch(static_argnames="self")
+        def scale(self, x):
+            return x * self.factor
+
+        @jax_to_torch
+        def traced_self(self, x):
+            return x
+
+    x = _f64(4)
+    assert torch.equal(Scaler(3.0).scale(x), 3 * x)
+    assert torch.equal(Scaler(2.0).scale(x=x), 2 * x)
+    assert isinstance(Scaler.scale, interop.BridgedFunction)  # looked up on the class: unbound
+    assert torch.equal(Scaler.scale(Scaler(5.0), x), 5 * x)
+    with pytest.raises(TypeError, match=r"argument 'self' is a Scaler.*static_argnames"):
+        Scaler(1.0).traced_self(x)
+
+
 def test_modules_holding_a_bridged_function_can_be_deep_copied():
     # copy.deepcopy (EMA weights, model clones) failed: "cannot pickle '_thread.lock' object".
     import copy

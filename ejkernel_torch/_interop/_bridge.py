@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import types
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -159,6 +160,13 @@ class BridgedFunction:
 
     def __call__(self, *args, **kwargs):
         return _bridge_call(self, args, kwargs)
+
+    def __get__(self, instance, owner=None):
+        # A decorated method binds its instance as a plain function does; `self` is then an
+        # argument like any other (list it in static_argnames unless it is a pytree of tensors).
+        if instance is None:
+            return self
+        return types.MethodType(self, instance)
 
     def __deepcopy__(self, memo):
         # Like a Python function or a jax.jit: nothing to copy (the lock could not be copied, so
@@ -659,7 +667,8 @@ def jax_to_torch(
       ``with torch.autograd.set_multithreading_enabled(False):`` (only ever as a ``with``:
       calling it plainly switches the engine to one thread for good).
 
-    Usable as a decorator, with or without arguments.
+    Usable as a decorator, with or without arguments, also on methods: the instance is then
+    the first argument, so list ``"self"`` in ``static_argnames`` (it must be hashable).
     """
     if fn is None:
         return functools.partial(jax_to_torch, static_argnames=static_argnames, x64=x64)
