@@ -252,6 +252,32 @@ def test_stores_keep_the_file_readable_and_its_mode(cache):
     assert ConfigCache(cache.path).lookup(KEY) == {"BLOCK": 16}
 
 
+def test_the_lock_file_can_be_shared(cache, monkeypatch):
+    """The lock file was created 0644 whatever the umask: in a cache folder shared by a group
+    (umask 002), the next user could not open it for writing, and every store of theirs failed."""
+    umask = os.umask(0o002)
+    try:
+        cache.store(KEY, {"BLOCK": 16})
+    finally:
+        os.umask(umask)
+    lock = cache.path.with_name(cache.path.name + ".lock")
+    assert stat.S_IMODE(lock.stat().st_mode) == 0o664 == stat.S_IMODE(cache.path.stat().st_mode)
+    # Another user's lock file that is not writable to us: flock needs no write access.
+    real_open = os.open
+
+    def refuse_writing_the_lock(path, flags, *args):
+        if str(path).endswith(".lock") and flags & os.O_RDWR:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refuse_writing_the_lock)
+    other = CacheKey(KEY.device, "other", 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a store that fell back to memory would warn
+        assert cache.store(other, {"BLOCK": 32}) == {"BLOCK": 32}
+    assert ConfigCache(cache.path).lookup(other) == {"BLOCK": 32}
+
+
 def test_a_symlinked_cache_file_is_written_through(tmp_path):
     """A store replaced the link itself with a regular file: the file it named (a shared cache,
     say) never got the entry, and later stores went to the copy."""

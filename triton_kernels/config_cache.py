@@ -259,7 +259,10 @@ class ConfigCache:
     @contextlib.contextmanager
     def _file_lock(self, target: Path):
         lock_path = target.with_name(target.name + ".lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # 0666 less the umask, like the cache file: a group sharing the folder shares the lock
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        except PermissionError:  # another user's lock file: flock needs no write access
+            fd = os.open(lock_path, os.O_RDONLY)
         try:
             if fcntl is not None:
                 fcntl.flock(fd, fcntl.LOCK_EX)
