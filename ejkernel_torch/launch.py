@@ -219,6 +219,14 @@ def plain_eager(*tensors) -> bool:
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+def functorch_active() -> bool:
+    """True while a ``torch.func`` transform (grad, vjp, jacrev, vmap, ...) is running eagerly.
+    The registered ops' autograd (``register_autograd``) refuses these transforms (it builds an
+    ``autograd.Function`` without ``setup_context``: pytorch/pytorch#168393, #179652), so the ops
+    take their gradients from their own functions then."""
+    return not torch.compiler.is_compiling() and _C._functorch.peek_interpreter_stack() is not None
+
+
 def reject_forward_ad(*tensors) -> None:
     """Raise when forward-mode AD would differentiate a call on ``tensors``: the ops have no
     forward-mode rule, and torch would drop the tangents silently (``torch.func.jvp`` gave zero

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ejkernel_torch.launch import device_facts, dtype_name, plain_eager, reject_forward_ad
+from ejkernel_torch.launch import device_facts, dtype_name, functorch_active, plain_eager, reject_forward_ad
 from triton_kernels import checks
 
 
@@ -105,27 +105,60 @@ def kernel_op(name: str, body):
     the interpreter): it sees the registered op instead, and traces it with ``fullgraph=True``
     too, specialized on every size (see ``ejkernel_torch.ops.flash_attention``: new shapes
     recompile, ``mark_dynamic`` raises). Plain eager calls run ``body`` directly, without the
-    dispatcher's Python layers."""
+    dispatcher's Python layers. The op has no derivative of its own: gradients come from the
+    ``KernelFunction`` calling it (see ``no_grad_op``)."""
     op = torch.library.triton_op(f"ejkernel::{name}", body, mutates_args=())
 
     def call(*args):
         if plain_eager(*(a for a in args if isinstance(a, torch.Tensor))):
             return body(*args)
-        return op(*args)
+        return no_grad_op(op, *args)
 
     return call
+
+
+def no_grad_op(op, *args):
+    """``op(*args)`` for a registered op without a derivative of its own (an autograd function's
+    kernels). Under ``torch.func`` transforms it runs without grad mode: the op's autograd wrapper
+    refuses those transforms (see ``functorch_active``) and has nothing to record anyway."""
+    if not functorch_active():
+        return op(*args)
+    with torch.no_grad():
+        return op(*args)
+
+
+def saved_tensors(ctx) -> tuple:
+    """``ctx.saved_tensors`` for a backward to launch kernels on. The function ``torch.func.vjp``
+    returns runs the backward after its transform has ended: the tensors saved under it are then
+    dead functorch wrappers, which torch's own ops unwrap but which have no storage to launch on."""
+    tensors = ctx.saved_tensors
+    if not under_torch_func(ctx):
+        return tensors
+    unwrap = torch._C._functorch.unwrap_if_dead  # live wrappers stay as they are
+    return tuple(t if t is None else unwrap(t) for t in tensors)
+
+
+def under_torch_func(ctx) -> bool:
+    """Whether ``ctx`` was set up by a function ``autograd_function(transforms=True)`` made."""
+    return getattr(ctx, "under_torch_func", False)
 
 
 class _NoDoubleBackward(torch.autograd.Function):
     """Passes an op's gradients through; differentiating them raises. The backward kernels have
     no derivative: a create_graph=True gradient had no graph through them, so a second derivative
     silently dropped their terms. (``once_differentiable`` does not help: its error node has no
-    edge to the inputs, and ``torch.autograd.grad`` never reaches it.)"""
+    edge to the inputs, and ``torch.autograd.grad`` never reaches it.) ``torch.func.grad`` always
+    builds that graph, hence ``setup_context`` and the vmap rule (what torch.func requires)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, name, n_grads, *tensors):
-        ctx.name = name
+    def forward(name, n_grads, *tensors):
         return tuple(g.view_as(g) for g in tensors[:n_grads])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.name = inputs[0]
 
     @staticmethod
     def backward(ctx, *_):
@@ -143,20 +176,45 @@ def first_order(name: str, grads: tuple, inputs: tuple) -> tuple:
     return tuple(next(linked) if g is not None else None for g in grads)
 
 
-class _Context:
-    """Stands in for an autograd ctx when nothing needs a gradient: saves nothing."""
+def autograd_function(name: str, forward, setup_context, backward, *, transforms: bool) -> type:
+    """A ``torch.autograd.Function`` made of ``forward(*inputs)``, ``setup_context(ctx, inputs,
+    output)`` and ``backward``. ``transforms=True``: the setup_context form with a generated vmap
+    rule, which ``torch.func`` transforms (grad, vjp, jacrev, vmap) require. Else the combined
+    ``forward(ctx, *inputs)`` form, for everything else: torch's ``apply`` binds the setup_context
+    form's arguments with ``inspect.signature`` on every call (about 15 us of host time)."""
+    if transforms:
+        def setup(ctx, inputs, output):
+            ctx.under_torch_func = True
+            setup_context(ctx, inputs, output)
 
-    def save_for_backward(self, *tensors):
-        pass
+        methods = {"forward": forward, "setup_context": setup}
+    else:
+        def combined(ctx, *inputs):
+            output = forward(*inputs)
+            setup_context(ctx, inputs, output)
+            return output
 
-    def mark_non_differentiable(self, *tensors):
-        pass
+        methods = {"forward": combined}
+    methods = {k: staticmethod(f) for k, f in (*methods.items(), ("backward", backward))}
+    return type(name, (torch.autograd.Function,), {**methods, "generate_vmap_rule": transforms})
 
 
-def apply(function: type[torch.autograd.Function], *args):
-    """``function.apply(*args)``, skipping autograd's bookkeeping when no input needs a grad
-    (it costs about as much as the kernel launch itself on small inputs)."""
-    reject_forward_ad(*args)
-    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-        return function.apply(*args)
-    return function.forward(_Context(), *args)
+class KernelFunction:
+    """An op's ``forward(*inputs)`` with its gradient: ``setup_context`` and ``backward`` as
+    ``torch.autograd.Function`` takes them. Calling it runs ``forward`` alone when no input needs
+    a gradient (autograd's bookkeeping costs about as much as the kernel launch itself on small
+    inputs), else through an autograd function (see ``autograd_function``)."""
+
+    def __init__(self, name: str, forward, setup_context, backward):
+        self.forward = forward
+        self.function = autograd_function(name, forward, setup_context, backward, transforms=False)
+        self.transforms_function = autograd_function(f"{name}Transforms", forward, setup_context, backward,
+                                                     transforms=True)
+
+    def __call__(self, *args):
+        reject_forward_ad(*args)
+        if functorch_active():  # even with no requires_grad: vmap's batched tensors hide it (zero gradients)
+            return self.transforms_function.apply(*args)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return self.function.apply(*args)
+        return self.forward(*args)

@@ -3,7 +3,9 @@
 Both are registered ops (``torch.ops.ejkernel.flash_attention_fwd`` / ``_bwd``) made with
 ``torch.library.triton_op``: on CUDA their bodies launch the shared Triton kernels through
 ``wrap_triton``, so ``torch.compile(fullgraph=True)`` traces them without a graph break; on CPU
-they run the Triton interpreter inside an opaque op. Autograd is ``register_autograd``.
+they run the Triton interpreter inside an opaque op. Autograd is ``register_autograd``; under
+``torch.func`` transforms (grad, vjp, jacrev, vmap of those), which that refuses, the same setup
+and backward run in ``_FlashAttentionTransformsFn``.
 Plans are built from concrete sizes, so ``torch.compile`` and ``torch.export`` specialize on every
 tensor size: each new shape recompiles, even with ``dynamic=True`` (past
 ``torch._dynamo.config.recompile_limit`` shapes a ``fullgraph=True`` function raises), and
@@ -23,9 +25,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable, plain_eager, reject_forward_ad, torch_dtype
+from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch_traceable, plain_eager,
+                                   reject_forward_ad, torch_dtype)
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import autocast, kernel_op, name_of, same_device, tensor_arg, values_readable
+from ejkernel_torch.ops._common import (autocast, autograd_function, first_order, kernel_op, name_of, no_grad_op,
+                                        same_device, saved_tensors, tensor_arg, under_torch_func, values_readable)
 from triton_kernels import checks, flash_attention as fa
 from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
 from triton_kernels.params import BwdParams, FwdParams, decode_params, encode_params, op_params
@@ -176,7 +180,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, bias, q_seg, kv_seg, cu_q, cu_k, seed, out, lse = ctx.saved_tensors
+    q, k, v, bias, q_seg, kv_seg, cu_q, cu_k, seed, out, lse = saved_tensors(ctx)
     bias_grad = bias is not None and ctx.needs_input_grad[3]
     dout = torch.zeros_like(out) if dout is None else dout.to(q.dtype).contiguous()
     if dlse is not None:
@@ -187,9 +191,12 @@ def _backward(ctx, dout, dlse):
     if plain_eager(*tensors) and not _needs_grad(tensors):  # as in _call_forward: skip the dispatcher
         dq, dk, dv, ds = _backward_kernels(*args)
     else:
-        dq, dk, dv, ds = torch.ops.ejkernel.flash_attention_bwd(*args)
+        dq, dk, dv, ds = no_grad_op(torch.ops.ejkernel.flash_attention_bwd, *args)
     dbias = _sum_to(ds, bias.shape).to(bias.dtype) if bias_grad else None
-    return (dq, dk, dv, dbias) + (None,) * (ctx.n_inputs - 4)
+    grads = (dq, dk, dv, dbias) + (None,) * (ctx.n_inputs - 4)
+    if under_torch_func(ctx):  # torch.func.grad records the backward: a second derivative must raise
+        grads = first_order("flash_attention", grads, (q, k, v, bias, out, dout, dlse))
+    return grads
 
 
 def _sum_to(ds: Tensor, shape) -> Tensor:
@@ -216,6 +223,13 @@ class _FlashAttentionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         return *_backward(ctx, dout, dlse), None  # nothing for the spec
+
+
+# The same for calls under torch.func transforms (grad, vjp, jacrev, vmap), which the op's own
+# autograd refuses: the setup_context form with a generated vmap rule, running the registered op
+# (on vmap's batched tensors: the op's batching).
+_FlashAttentionTransformsFn = autograd_function("_FlashAttentionTransformsFn", torch.ops.ejkernel.flash_attention_fwd,
+                                                _setup_context, _backward, transforms=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,9 +305,12 @@ def _call_forward(spec: fa.FlashSpec, arrays: tuple, params: tuple) -> tuple[Ten
     would run exactly that body after tens of microseconds of Python (custom-op, autograd and
     triton_op wrappers, dynamo's disable guard): directly when no gradient is recorded, else
     through ``_FlashAttentionFn``, the op's own autograd functions. Anything else (torch.compile,
-    fake or functional tensors, modes, functorch transforms) calls the registered op."""
+    fake or functional tensors, modes) calls the registered op; torch.func transforms, which its
+    autograd refuses, call it through ``_FlashAttentionTransformsFn``."""
     if not plain_eager(*arrays):
         reject_forward_ad(*arrays)
+        if functorch_active():
+            return _FlashAttentionTransformsFn.apply(*arrays, *_op_scalars(spec), *params)
         return torch.ops.ejkernel.flash_attention_fwd(*arrays, *_op_scalars(spec), *params)
     if _needs_grad(arrays[:4]):
         return _FlashAttentionFn.apply(*arrays, *_op_scalars(spec), *params, spec)

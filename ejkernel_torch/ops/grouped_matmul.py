@@ -3,8 +3,10 @@
 Both are registered ops (``torch.ops.ejkernel.grouped_matmul`` / ``transposed_grouped_matmul``) made
 with ``torch.library.triton_op``: on CUDA their bodies launch the shared Triton kernels through
 ``wrap_triton``, so ``torch.compile(fullgraph=True)`` traces them without a graph break; on CPU they
-run the Triton interpreter inside an opaque op. Autograd is ``register_autograd``; the backward of
-each op is made of the two ops, so higher-order gradients run on the kernels too. Plans are built
+run the Triton interpreter inside an opaque op. Autograd is ``register_autograd`` (under
+``torch.func`` transforms, which that refuses, the same setup and backward in an autograd
+function); the backward of each op is made of the two ops, so higher-order gradients run on the
+kernels too (``torch.func.grad`` of ``grad`` included). Plans are built
 from concrete sizes: under ``torch.compile``/``torch.export`` every size is specialized, as
 ``flash_attention``'s module docstring details (new shapes recompile; ``mark_dynamic`` raises).
 
@@ -22,9 +24,11 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable, plain_eager, reject_forward_ad
+from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch_traceable, plain_eager,
+                                   reject_forward_ad)
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import autocast, name_of, same_device, tensor_arg, values_readable
+from ejkernel_torch.ops._common import (autocast, autograd_function, name_of, same_device, saved_tensors, tensor_arg,
+                                        values_readable)
 from triton_kernels import checks
 from triton_kernels import grouped_matmul as gm
 from triton_kernels.config_cache import check_autotune
@@ -85,7 +89,7 @@ def _gmm_setup(ctx, inputs, output):
 
 
 def _gmm_backward(ctx, grad):
-    lhs, rhs, group_sizes, group_offset = ctx.saved_tensors
+    lhs, rhs, group_sizes, group_offset = saved_tensors(ctx)
     grad = grad.to(lhs.dtype).contiguous()  # a bf16 model keeps a bf16 backward
     d_lhs = d_rhs = None
     if ctx.needs_input_grad[0]:  # d_lhs[rows_g] = grad[rows_g] @ rhs[g]^T
@@ -106,7 +110,7 @@ def _tgmm_setup(ctx, inputs, output):
 
 
 def _tgmm_backward(ctx, grad):
-    lhs, rhs, group_sizes, group_offset = ctx.saved_tensors
+    lhs, rhs, group_sizes, group_offset = saved_tensors(ctx)
     grad = grad.to(lhs.dtype).contiguous()  # [groups, k, n]
     d_lhs = d_rhs = None
     if ctx.needs_input_grad[0]:  # d_lhs[:, rows_g] = grad[g] @ rhs[rows_g]^T, built as [m, k]
@@ -129,42 +133,35 @@ _tgmm.register_autograd(_tgmm_backward, setup_context=_tgmm_setup)
 # millisecond per training step of one grouped matmul on an H100 host
 # (scripts/profile_gmm_step.py), which leaves the GPU idle when nothing else is queued. There the
 # bodies run directly, through these autograd functions (the ops' own setup and backward) when a
-# gradient is recorded. Anything else calls the registered ops.
+# gradient is recorded. Under torch.func transforms (grad, vjp, jacrev, vmap), which the registered
+# ops' autograd refuses, their setup_context-form twins run the registered ops (see
+# ``autograd_function``). Anything else calls those ops.
 
 
-def _autograd_function(name: str, body, setup, backward) -> type:
-    """A ``torch.autograd.Function`` running ``body`` with a registered op's setup and backward."""
-
-    def forward(ctx, *inputs):
-        out = body(*inputs)
-        setup(ctx, inputs, out)
-        return out
-
-    return type(name, (torch.autograd.Function,),
-                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+_GmmFn = autograd_function("_GmmFn", _gmm_body, _gmm_setup, _gmm_backward, transforms=False)
+_TgmmFn = autograd_function("_TgmmFn", _tgmm_body, _tgmm_setup, _tgmm_backward, transforms=False)
+_GmmTransformsFn = autograd_function("_GmmTransformsFn", _gmm, _gmm_setup, _gmm_backward, transforms=True)
+_TgmmTransformsFn = autograd_function("_TgmmTransformsFn", _tgmm, _tgmm_setup, _tgmm_backward, transforms=True)
 
 
-_GmmFn = _autograd_function("_GmmFn", _gmm_body, _gmm_setup, _gmm_backward)
-_TgmmFn = _autograd_function("_TgmmFn", _tgmm_body, _tgmm_setup, _tgmm_backward)
-
-
-def _call(op, body, fn, args):
-    """``op(*args)``, or the same work without the dispatcher in plain eager mode."""
+def _call(op, body, fn, transforms_fn, args):
+    """``op(*args)``, or the same work without the dispatcher in plain eager mode, or through
+    ``transforms_fn`` under torch.func transforms."""
     lhs, rhs, group_sizes, group_offset = args[:4]
     if not plain_eager(lhs, rhs, group_sizes, group_offset):
         reject_forward_ad(lhs, rhs)
-        return op(*args)
+        return transforms_fn.apply(*args) if functorch_active() else op(*args)
     if torch.is_grad_enabled() and (lhs.requires_grad or rhs.requires_grad):
         return fn.apply(*args)
     return body(*args)
 
 
 def _call_gmm(*args) -> torch.Tensor:
-    return _call(_gmm, _gmm_body, _GmmFn, args)
+    return _call(_gmm, _gmm_body, _GmmFn, _GmmTransformsFn, args)
 
 
 def _call_tgmm(*args) -> torch.Tensor:
-    return _call(_tgmm, _tgmm_body, _TgmmFn, args)
+    return _call(_tgmm, _tgmm_body, _TgmmFn, _TgmmTransformsFn, args)
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ from torch import Tensor
 
 from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import apply, autocast, first_order, kernel_op, n_pad_arg, name_of, same_device, static_shape, tensor_arg
+from ejkernel_torch.ops._common import (KernelFunction, autocast, first_order, kernel_op, n_pad_arg,
+                                        name_of, same_device, saved_tensors, static_shape, tensor_arg)
 from triton_kernels import checks
 from triton_kernels.tuning import PADDED_BWD, PADDED_FWD
 from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan
@@ -39,21 +40,26 @@ _forward_op = kernel_op("padded_attention_fwd", _forward)
 _backward_op = kernel_op("padded_attention_bwd", _backward)
 
 
-class _PaddedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, n_pad, softmax_scale, fwd_params=None, bwd_params=None):
-        out, lse2 = _forward_op(q, k, v, n_pad, softmax_scale, encode_params(fwd_params))
-        ctx.save_for_backward(q, k, v, out, lse2, n_pad)
-        ctx.softmax_scale = softmax_scale
-        ctx.bwd_params = bwd_params
-        return out
+def _setup(ctx, inputs, output):
+    # (out, lse2): lse2 is an output only to be saved (setup_context sees inputs and outputs only)
+    q, k, v, n_pad, softmax_scale, _, bwd_params = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(q, k, v, *output, n_pad)
+    ctx.softmax_scale = softmax_scale
+    ctx.bwd_params = bwd_params
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse2, n_pad = ctx.saved_tensors
-        dq, dk, dv = _backward_op(q, k, v, out, lse2, n_pad, dout.to(q.dtype).contiguous(), ctx.softmax_scale,
-                                  encode_params(ctx.bwd_params))
-        return first_order("padded_attention", (dq, dk, dv, None, None, None, None), (q, k, v, out, dout))
+
+def _grad(ctx, dout, _dlse2):
+    q, k, v, out, lse2, n_pad = saved_tensors(ctx)
+    dq, dk, dv = _backward_op(q, k, v, out, lse2, n_pad, dout.to(q.dtype).contiguous(), ctx.softmax_scale,
+                              encode_params(ctx.bwd_params))
+    return first_order("padded_attention", (dq, dk, dv, None, None, None, None), (q, k, v, out, dout))
+
+
+# Arguments: q, k, v, n_pad, softmax_scale, fwd_params, bwd_params (FwdParams/BwdParams or None)
+_padded_attention = KernelFunction(
+    "PaddedAttention", lambda q, k, v, n_pad, scale, fwd, bwd: _forward_op(q, k, v, n_pad, scale, encode_params(fwd)),
+    _setup, _grad)
 
 
 def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_pad: torch.Tensor,
@@ -88,4 +94,4 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_pad: t
     _tuning.autotune(PADDED_FWD, problem, device, args, autotune, fwd)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         _tuning.autotune(PADDED_BWD, problem, device, args, autotune, bwd)
-    return apply(_PaddedAttention, *args, scale, fwd, bwd)
+    return _padded_attention(*args, scale, fwd, bwd)[0]

@@ -7,7 +7,8 @@ import torch
 from torch import Tensor
 
 from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable
-from ejkernel_torch.ops._common import apply, first_order, kernel_op, n_pad_arg, name_of, same_device, static_shape, tensor_arg
+from ejkernel_torch.ops._common import (KernelFunction, first_order, kernel_op, n_pad_arg, name_of,
+                                        same_device, saved_tensors, static_shape, tensor_arg)
 from triton_kernels import checks
 from triton_kernels.padded_attention import scores_v_bwd_plans, scores_v_fwd_plan
 from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
@@ -57,51 +58,42 @@ def _softmax_rows_backward(y2d: Tensor, dy2d: Tensor) -> Tensor:
     return _rows_backward_op(y2d, dy2d.to(y2d.dtype).contiguous())
 
 
-class _SoftmaxRows(torch.autograd.Function):
-    """Softmax over the last axis of a contiguous 2-D tensor."""
+# Gradients (KernelFunction: forward, setup_context, backward)
 
-    @staticmethod
-    def forward(ctx, x2d):
-        y = _rows_forward_op(x2d)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        return first_order("softmax", (_softmax_rows_backward(y, dy),), (y, dy))
+def _save_probs(ctx, inputs, probs):
+    ctx.save_for_backward(probs)
 
 
-class _PaddedSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, scores, n_pad):
-        y = _padded_probs_op(scores, n_pad)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        # Same rule as plain softmax: y is 0 outside each row's window, so the gradient is too.
-        (y,) = ctx.saved_tensors
-        seq_len = y.shape[-1]
-        if seq_len == 0:  # no rows to view as [-1, 0]
-            return torch.zeros_like(y), None
-        dscores = _softmax_rows_backward(y.view(-1, seq_len), dy.reshape(-1, seq_len)).view_as(y)
-        return first_order("padded_softmax", (dscores, None), (y, dy))
+def _rows_grad(ctx, dy):
+    (y,) = saved_tensors(ctx)
+    return first_order("softmax", (_softmax_rows_backward(y, dy),), (y, dy))
 
 
-class _PaddedSoftmaxV(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, scores, v, n_pad):
-        out, lse = _scores_v_forward_op(scores, v, n_pad)
-        ctx.save_for_backward(scores, v, n_pad, out, lse)
-        return out
+def _padded_grad(ctx, dy):
+    # Same rule as plain softmax: y is 0 outside each row's window, so the gradient is too.
+    (y,) = saved_tensors(ctx)
+    seq_len = y.shape[-1]
+    if seq_len == 0:  # no rows to view as [-1, 0]
+        return torch.zeros_like(y), None
+    dscores = _softmax_rows_backward(y.view(-1, seq_len), dy.reshape(-1, seq_len)).view_as(y)
+    return first_order("padded_softmax", (dscores, None), (y, dy))
 
-    @staticmethod
-    def backward(ctx, dout):
-        scores, v, n_pad, out, lse = ctx.saved_tensors
-        dscores, dv = _scores_v_backward_op(scores, v, n_pad, out, lse, dout.to(v.dtype).contiguous())
-        return first_order("padded_softmax_v", (dscores, dv, None), (scores, v, out, dout))
+
+def _scores_v_setup(ctx, inputs, output):
+    # (out, lse): lse is an output only to be saved (setup_context sees inputs and outputs only)
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(*inputs, *output)
+
+
+def _scores_v_grad(ctx, dout, _dlse):
+    scores, v, n_pad, out, lse = saved_tensors(ctx)
+    dscores, dv = _scores_v_backward_op(scores, v, n_pad, out, lse, dout.to(v.dtype).contiguous())
+    return first_order("padded_softmax_v", (dscores, dv, None), (scores, v, out, dout))
+
+
+_softmax_rows = KernelFunction("SoftmaxRows", _rows_forward_op, _save_probs, _rows_grad)  # contiguous 2-D, last axis
+_padded_softmax = KernelFunction("PaddedSoftmax", _padded_probs_op, _save_probs, _padded_grad)
+_padded_softmax_v = KernelFunction("PaddedSoftmaxV", _scores_v_forward_op, _scores_v_setup, _scores_v_grad)
 
 
 def softmax(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
@@ -110,10 +102,10 @@ def softmax(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
     axis = checks.softmax(tuple(x.shape), name_of(x), axis)
     if axis == x.ndim - 1:  # the common case: no transposes
         shape = x.shape
-        return apply(_SoftmaxRows, x.contiguous().view(math.prod(shape[:-1]), shape[-1])).view(shape)
+        return _softmax_rows(x.contiguous().view(math.prod(shape[:-1]), shape[-1])).view(shape)
     moved = x.movedim(axis, -1)
     shape = moved.shape
-    y = apply(_SoftmaxRows, moved.contiguous().reshape(math.prod(shape[:-1]), shape[-1]))
+    y = _softmax_rows(moved.contiguous().reshape(math.prod(shape[:-1]), shape[-1]))
     return y.reshape(shape).movedim(-1, axis)
 
 
@@ -130,7 +122,7 @@ def padded_softmax(scores: torch.Tensor, n_pad: torch.Tensor) -> torch.Tensor:
     Row ``i`` of batch ``b`` normalises over columns ``n_pad[b] <= j <= i``; padding rows are 0.
     """
     scores, n_pad = _padded_inputs(scores, n_pad)
-    return apply(_PaddedSoftmax, scores, n_pad)
+    return _padded_softmax(scores, n_pad)
 
 
 def padded_softmax_v(scores: torch.Tensor, v: torch.Tensor, n_pad: torch.Tensor) -> torch.Tensor:
@@ -140,4 +132,4 @@ def padded_softmax_v(scores: torch.Tensor, v: torch.Tensor, n_pad: torch.Tensor)
     batch, seq_len = scores.shape[:2]
     checks.values_for_scores(tuple(v.shape), name_of(v), batch, seq_len, name_of(scores))
     same_device(scores=scores, v=v)
-    return apply(_PaddedSoftmaxV, scores, v.contiguous(), n_pad)
+    return _padded_softmax_v(scores, v.contiguous(), n_pad)[0]

@@ -1,0 +1,142 @@
+"""torch.func reverse mode over every torch op: grad, vjp, jacrev, and vmap of grad (per-sample
+gradients) give .backward()'s gradients. They all raised "In order to use an autograd.Function
+with functorch transforms ... it must override the setup_context staticmethod" (torch's custom-op
+autograd has none: pytorch/pytorch#168393), and .backward() through torch.func.vmap of softmax
+raised "no autograd formula was registered". Forward mode is refused: test_forward_mode_ad.py."""
+import numpy as np
+import pytest
+
+from tests.frameworks import rel_error
+
+OPS = ["softmax", "padded_softmax", "padded_softmax_v", "padded_attention", "flash_attention",
+       "flash_attention_varlen", "grouped_matmul", "transposed_grouped_matmul"]
+GRAD_TOLERANCE = 2e-5  # float32 gradients vs float64, as the ops' own gradient tests
+
+
+def _case(fw, rng, op, seq, dim):
+    """(the op as a function of its float arguments, its float64 reference, those arguments).
+    Tests that compare vmapped calls bit for bit take sizes that keep each slice 16-byte aligned
+    (seq 4): the kernels compiled for unaligned pointers may sum in another order on a GPU."""
+    import torch
+    from ejkernel_torch import reference as ref
+
+    ops = fw.ops
+    t = lambda *shape: fw.asarray(rng.standard_normal(shape), "float32")  # noqa: E731
+    n_pad = torch.tensor([1], dtype=torch.int32, device=fw.device)
+    cu = torch.tensor([0, 2, seq], dtype=torch.int32, device=fw.device)
+    sizes = torch.tensor([2, 0, seq - 2], dtype=torch.int32, device=fw.device)
+    varlen = lambda f: lambda q, k, v: f(q, k, v, cu, cu, seq, seq, causal=True)  # noqa: E731
+    return {
+        "softmax": (ops.softmax, ref.softmax, [t(2, seq)]),
+        "padded_softmax": (lambda s: ops.padded_softmax(s, n_pad), lambda s: ref.padded_softmax(s, n_pad),
+                           [t(1, seq, seq)]),
+        "padded_softmax_v": (lambda s, v: ops.padded_softmax_v(s, v, n_pad),
+                             lambda s, v: ref.padded_softmax_v(s, v, n_pad), [t(1, seq, seq), t(1, seq, dim)]),
+        "padded_attention": (lambda q, k, v: ops.padded_attention(q, k, v, n_pad),
+                             lambda q, k, v: ref.padded_attention(q, k, v, n_pad), [t(1, seq, dim) for _ in "qkv"]),
+        # GQA, causal, and a broadcast bias that gets a gradient too
+        "flash_attention": (lambda q, k, v, b: ops.flash_attention(q, k, v, causal=True, bias=b),
+                            lambda q, k, v, b: ref.flash_attention(q, k, v, causal=True, bias=b),
+                            [t(1, seq, 2, dim), t(1, seq, 1, dim), t(1, seq, 1, dim), t(1, 1, seq, seq)]),
+        "flash_attention_varlen": (varlen(ops.flash_attention_varlen), varlen(ref.flash_attention_varlen),
+                                   [t(seq, 2, dim), t(seq, 1, dim), t(seq, 1, dim)]),
+        "grouped_matmul": (lambda lhs, rhs: ops.grouped_matmul(lhs, rhs, sizes),
+                           lambda lhs, rhs: ref.grouped_matmul(lhs, rhs, sizes), [t(seq, dim), t(3, dim, 2)]),
+        "transposed_grouped_matmul": (lambda lhs, rhs: ops.transposed_grouped_matmul(lhs, rhs, sizes),
+                                      lambda lhs, rhs: ref.transposed_grouped_matmul(lhs, rhs, sizes),
+                                      [t(dim, seq), t(seq, 2)]),
+    }[op]
+
+
+def _backward(fn, primals, cotangent) -> list:
+    """Gradients of sum(fn(*primals) * cotangent) by .backward()."""
+    leaves = [p.detach().clone().requires_grad_(True) for p in primals]
+    (fn(*leaves) * cotangent).sum().backward()
+    return [p.grad for p in leaves]
+
+
+def _float64(fn, primals, cotangent) -> list:
+    return _backward(fn, [p.double() for p in primals], cotangent.double())
+
+
+def _equal(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.cpu().numpy(), w.cpu().numpy())
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_grad_and_vjp_equal_backward(torch_fw, rng, op):
+    import torch
+
+    fn, reference, primals = _case(torch_fw, rng, op, seq=5, dim=8)
+    cotangent = torch.randn_like(fn(*primals))
+    want = _backward(fn, primals, cotangent)
+    for g, r in zip(want, _float64(reference, primals, cotangent)):
+        assert rel_error(g.cpu().double().numpy(), r.cpu().numpy()) < GRAD_TOLERANCE
+    argnums = tuple(range(len(primals)))
+    _equal(torch.func.grad(lambda *p: (fn(*p) * cotangent).sum(), argnums=argnums)(*primals), want)
+    # vjp's function runs the backward after the transform has ended (on tensors it saved then)
+    _, vjp_fn = torch.func.vjp(fn, *primals)
+    _equal(vjp_fn(cotangent), want)
+    with torch.no_grad():
+        _equal(vjp_fn(cotangent), want)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_jacrev_equals_backward(torch_fw, rng, op):
+    """jacrev is vmap over vjp: the backward kernels under torch.func.vmap (tiny shapes: one
+    backward per output element)."""
+    import torch
+
+    fn, reference, primals = _case(torch_fw, rng, op, seq=4, dim=2)
+    argnums = tuple(range(len(primals)))
+    got = torch.func.jacrev(fn, argnums=argnums)(*primals)
+    _equal(got, torch.autograd.functional.jacobian(fn, tuple(primals)))
+    want = torch.autograd.functional.jacobian(reference, tuple(p.double() for p in primals))
+    for g, w in zip(got, want):
+        assert rel_error(g.cpu().double().numpy(), w.cpu().numpy()) < GRAD_TOLERANCE
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_per_sample_grads(torch_fw, rng, op):
+    """vmap(grad(loss)) over two samples, and .backward() through vmap(op), give each sample's
+    own .backward() gradients."""
+    import torch
+
+    fn, _, first = _case(torch_fw, rng, op, seq=4, dim=8)
+    _, _, second = _case(torch_fw, rng, op, seq=4, dim=8)
+    cotangents = torch.randn_like(torch.stack([fn(*first), fn(*second)]))
+    want = [_backward(fn, p, c) for p, c in zip((first, second), cotangents)]
+    want = [torch.stack(grads) for grads in zip(*want)]
+    batched = [torch.stack(pair) for pair in zip(first, second)]
+    loss = lambda *args: (fn(*args[:-1]) * args[-1]).sum()  # noqa: E731
+    per_sample = torch.func.vmap(torch.func.grad(loss, argnums=tuple(range(len(first)))))(*batched, cotangents)
+    _equal(per_sample, want)
+    _equal(_backward(torch.func.vmap(fn), batched, cotangents), want)
+
+
+@pytest.mark.parametrize("op", OPS[:6])
+def test_second_derivative_names_the_op(torch_fw, rng, op):
+    """grad of grad raises, as create_graph=True gradients do: the backward kernels have no derivative."""
+    import torch
+
+    fn, _, primals = _case(torch_fw, rng, op, seq=5, dim=8)
+    loss = lambda x: (fn(x, *primals[1:]) ** 2).sum()  # noqa: E731
+    name = "flash_attention" if op.startswith("flash") else op
+    with pytest.raises(NotImplementedError, match=f"{name} has no second derivative"):
+        torch.func.grad(lambda x: torch.func.grad(loss)(x).sum())(primals[0])
+
+
+@pytest.mark.parametrize("op", OPS[6:])
+def test_grouped_matmul_second_derivative(torch_fw, rng, op):
+    """The grouped matmuls' backward is made of the ops: grad of grad equals create_graph's."""
+    import torch
+
+    fn, _, (lhs, rhs) = _case(torch_fw, rng, op, seq=5, dim=8)
+    inner = lambda a, b: (torch.func.grad(lambda a: (fn(a, b) ** 2).sum())(a) ** 2).sum()  # noqa: E731
+    got = torch.func.grad(inner, argnums=(0, 1))(lhs, rhs)
+    a, b = (t.detach().clone().requires_grad_(True) for t in (lhs, rhs))
+    (ga,) = torch.autograd.grad((fn(a, b) ** 2).sum(), a, create_graph=True)
+    (ga ** 2).sum().backward()
+    _equal(got, [a.grad, b.grad])
