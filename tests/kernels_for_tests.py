@@ -11,6 +11,19 @@ def write_first_half_kernel(x_ptr, n, y_ptr, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n // 2), mask=offs < n // 2)
 
 
+@triton.jit
+def _in_first_half(offs, n):
+    return offs < n // 2
+
+
+@triton.jit(do_not_specialize_on_alignment=["n"])
+def first_half_by_helper_kernel(x_ptr, n, y_ptr, BLOCK: tl.constexpr):
+    # write_first_half_kernel with the mask from a jit helper: hashing it resolves the helper.
+    offs = tl.arange(0, BLOCK)
+    mask = _in_first_half(offs, n)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+
+
 @triton.jit(do_not_specialize_on_alignment=["n"])
 def accumulate_kernel(x_ptr, acc_ptr, n, sum_ptr, out_ptr, BLOCK: tl.constexpr):
     # sum_ptr is zeroed by the launcher; out_ptr aliases acc_ptr (starts as a copy of it).
@@ -27,8 +40,8 @@ def unmarked_scalar_kernel(x_ptr, n, y_ptr, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
 
 
-def half_plan(n: int, dtype: str = "float32") -> LaunchPlan:
-    return LaunchPlan(kernel=write_first_half_kernel, grid=(1,), inputs=("x_ptr",), input_dtypes=(dtype,),
+def half_plan(n: int, dtype: str = "float32", kernel=None) -> LaunchPlan:
+    return LaunchPlan(kernel=kernel or write_first_half_kernel, grid=(1,), inputs=("x_ptr",), input_dtypes=(dtype,),
                       scalars=(("n", n),), outputs=(Output("y_ptr", (n,), dtype),),
                       constexprs=(("BLOCK", triton.next_power_of_2(n)),))
 

@@ -115,6 +115,7 @@ def test_plans_built_during_another_threads_interpreted_launch(fw):
     from triton_kernels import interpret
 
     opened, done = threading.Event(), threading.Event()
+    hash(kt.write_first_half_kernel)  # an unhashed kernel's plan waits for the launch (next test)
 
     def launch_in_progress():
         with interpret._lock, interpret._interpreter_scope(kt.write_first_half_kernel.fn):
@@ -133,6 +134,45 @@ def test_plans_built_during_another_threads_interpreted_launch(fw):
     assert plan.kernel is kt.write_first_half_kernel
     y = fw.to_numpy(_launch(fw, plan, np.arange(6, dtype=np.float32))[0])
     np.testing.assert_array_equal(y[:3], np.arange(3))
+
+def test_plan_hashes_its_kernel_after_another_threads_interpreted_launch(fw):
+    # The first hash of a kernel resolves the helpers it calls in its module. While another
+    # thread's interpreted launch had twins there, that raised "Unsupported function referenced:
+    # <_Twin ...>" (an eager shard_map's gmm backward built its tgmm plan while a callback thread
+    # ran the gmm). The plan now waits for the launch to put its module back.
+    import threading
+
+    import triton
+
+    from triton_kernels import interpret
+
+    fresh = triton.jit(kt.first_half_by_helper_kernel.fn, do_not_specialize_on_alignment=["n"])  # never hashed
+    opened, done, plans, errors = threading.Event(), threading.Event(), [], []
+
+    def launch_in_progress():
+        with interpret._lock, interpret._interpreter_scope(fresh.fn):
+            opened.set()
+            done.wait(60)
+
+    def build_plan():
+        try:
+            plans.append(kt.half_plan(6, kernel=fresh))
+            hash(plans[0])  # what the launchers' caches do with it
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    launch, builder = threading.Thread(target=launch_in_progress), threading.Thread(target=build_plan)
+    launch.start()
+    assert opened.wait(60)
+    builder.start()
+    builder.join(1.0)  # unfixed, it failed at once; fixed, it waits for the launch's lock
+    done.set()
+    launch.join()
+    builder.join(60)
+    assert not errors, errors
+    y = fw.to_numpy(_launch(fw, plans[0], np.arange(6, dtype=np.float32))[0])
+    np.testing.assert_array_equal(y[:3], np.arange(3))
+
 
 # -- jax transformations -------------------------------------------------------------------------------
 

@@ -13,7 +13,8 @@ compiles kernels for a GPU:
   restored after it, so a later GPU compile in the same process sees pristine modules.
 
 Both steps hold one lock; do not compile GPU kernels from another thread while an interpreted
-launch runs (building plans there is fine: ``LaunchPlan`` swaps a twin back for its kernel).
+launch runs (building plans there is fine: ``LaunchPlan`` swaps a twin back for its kernel,
+and hashes the kernel under the lock, ``plan.twins_lock``).
 The interpreter reads and writes memory through torch-style CPU tensors (``data_ptr``,
 ``untyped_storage``); callers pass CPU torch tensors (the jax front wraps its numpy buffers
 without copying).
@@ -23,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -32,14 +32,14 @@ from triton.runtime import interpreter as _interpreter
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from .plan import LaunchPlan
+from .plan import LaunchPlan, twins_lock
 
 try:  # Imported lazily by the launch path; load it now, while jit functions are still unswapped.
     import triton.experimental.gluon  # noqa: F401
 except ImportError:
     pass
 
-_lock = threading.RLock()
+_lock = twins_lock  # held for a whole launch, twins and patches included
 
 
 class _Twin(InterpretedFunction):

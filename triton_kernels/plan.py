@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+import threading
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
@@ -105,6 +106,11 @@ class Output:
         return math.prod(self.shape)
 
 
+# Held by an interpreted launch while it has interpreted twins swapped into kernel modules
+# (``interpret``); a plan takes it to hash its kernel (``LaunchPlan.__post_init__``).
+twins_lock = threading.RLock()
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     kernel: Any  # a triton.JITFunction
@@ -124,6 +130,14 @@ class LaunchPlan:
         # Built while another thread runs an interpreted launch, a plan function reads that
         # launch's interpreted twin of its kernel from the module (``interpret``): use the kernel.
         object.__setattr__(self, "kernel", getattr(self.kernel, "jit_function", self.kernel))
+        # Its first hash parses the kernel and resolves every name it calls in its module, where
+        # such a launch may have put twins: "Unsupported function referenced: <_Twin ...>" (an
+        # eager shard_map's backward built the next plan while a callback thread ran the last).
+        # Hashed with no twins in place, the kernel keeps that hash for good; a hashed kernel
+        # (JITFunction.hash set) needs no wait.
+        if getattr(self.kernel, "hash", None) is None:
+            with twins_lock:
+                getattr(self.kernel, "cache_key", None)
         _check_plan(self)
 
     __hash__, __getstate__ = hash_fields_once, state_without_hash
