@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ejkernel_jax._vma import cast_varying, varying_axes
 from triton_kernels.plan import DeviceFacts, LaunchPlan
 
 
@@ -83,28 +84,15 @@ def launch(plan: LaunchPlan, *inputs: jax.Array) -> tuple[jax.Array, ...]:
     return _varying_like(outputs, inputs)
 
 
-def _varying_axes(x) -> frozenset:
-    """The manual mesh axes (inside ``shard_map``) over which ``x``'s value varies: the aval's
-    ``mat.varying`` (jax 0.10), ``vma`` before that."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
-
 def _varying_like(outputs: tuple, inputs) -> tuple:
     """``outputs`` typed as varying over every manual axis an input varies over. Neither a host
     callback nor a jax-triton call carries that type through: inside ``shard_map`` the outputs
     came out invariant, so a gradient failed the custom VJPs' type check and an ``out_specs=P()``
     for a per-shard result was accepted (keeping one shard's value) instead of refused."""
-    axes = frozenset().union(*map(_varying_axes, inputs))
+    axes = varying_axes(*inputs)
     if not axes:
         return outputs
-    return tuple(_cast_varying(o, axes) for o in outputs)
-
-
-def _cast_varying(x, axes: frozenset):
-    missing = axes - _varying_axes(x)
-    return jax.lax.pcast(x, tuple(missing), to="varying") if missing else x
+    return tuple(cast_varying(o, axes) for o in outputs)
 
 
 @functools.lru_cache(maxsize=1024)

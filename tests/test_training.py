@@ -48,6 +48,50 @@ def test_shard_map_gradients_match_the_plain_call(jax_fw, rng):
             np.testing.assert_array_equal(jax_fw.to_numpy(got), jax_fw.to_numpy(want), err_msg=name)
 
 
+def _replicated_cases(jax_fw, rng):
+    """(name, fn, inputs, which are replicated) for ops of batch-sharded and replicated inputs
+    (k/v shared by every batch row, a bias, an expert weight), broadcast inside ``fn``."""
+    import jax.numpy as jnp
+
+    fw, ek = jax_fw, jax_fw.ops
+    a = lambda *shape: fw.asarray(rng.standard_normal(shape))
+    rows = lambda x, like: jnp.broadcast_to(x, like.shape[:1] + x.shape[1:])
+    n_pad = fw.asarray(np.array([1], np.int32))
+    return [
+        ("flash_attention", lambda q, k, v, b: ek.flash_attention(q, rows(k, q), rows(v, q), causal=True, bias=b),
+         [a(2, 8, 2, 16), a(1, 8, 2, 16), a(1, 8, 2, 16), a(1, 2, 8, 8)], (False, True, True, True)),
+        ("padded_attention", lambda q, k, v: ek.padded_attention(q, rows(k, q), rows(v, q), rows(n_pad, q)),
+         [a(2, 8, 16), a(1, 8, 16), a(1, 8, 16)], (False, True, True)),
+        ("padded_softmax_v", lambda s, v: ek.padded_softmax_v(s, rows(v, s), rows(n_pad, s)),
+         [a(2, 8, 8), a(1, 8, 16)], (False, True)),
+        ("grouped_matmul", lambda lhs, rhs: ek.grouped_matmul(lhs, rhs, jnp.array([1, 0, 1], jnp.int32)),
+         [a(2, 8), a(3, 8, 6)], (False, True)),
+    ]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_shard_map_gradients_of_replicated_inputs(jax_fw, rng, jit):
+    # A custom VJP's backward must give each input's gradient that input's mesh-axis type. Ours
+    # computed every gradient from all inputs together, so an input replicated over the axis the
+    # others are sharded on (k/v, a bias, expert weights) got a varying gradient: ValueError
+    # "manual axis types do not match", with and without jit. Eager (no jit), the grouped matmul
+    # also failed on another thread's interpreted launch (see test_launch).
+    import jax
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
+    for name, fn, inputs, replicated in _replicated_cases(jax_fw, rng):
+        def vjp(*xs, fn=fn):
+            out, pullback = jax.vjp(fn, *xs)
+            return out, pullback(jax.numpy.cos(out))
+
+        specs = tuple(P() if r else P("batch") for r in replicated)
+        sharded = jax.shard_map(vjp, mesh=mesh, in_specs=specs, out_specs=(P("batch"), specs))
+        got = (jax.jit(sharded) if jit else sharded)(*inputs)
+        for g, want in zip(jax.tree.leaves(got), jax.tree.leaves(vjp(*inputs))):
+            np.testing.assert_array_equal(jax_fw.to_numpy(g), jax_fw.to_numpy(want), err_msg=name)
+
+
 def test_shard_map_refuses_a_per_shard_result_as_replicated(jax_fw, rng):
     # out_specs=P() says the result is the same on every shard; for an op of sharded inputs it is
     # not, and shard_map refuses that for jax's own ops. Ours passed, and the result was one shard's.
@@ -80,8 +124,23 @@ def test_batch_sharded_over_two_devices_gives_the_unsharded_result():
         plain = step(q, k, v, dout)
         sharded = [jax.device_put(t, NamedSharding(mesh, P("batch"))) for t in (q, k, v, dout)]
         shard_mapped = jax.shard_map(step, mesh=mesh, in_specs=P("batch"), out_specs=P("batch"))
-        for fn in (jax.jit(step), jax.jit(shard_mapped)):
+        for fn in (jax.jit(step), jax.jit(shard_mapped), shard_mapped):
             for got, want in zip(fn(*sharded), plain):
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+        # k/v shared by both batch rows, replicated on both devices: their gradients are summed
+        # over the shards, as the unsharded gradient sums them over the rows.
+        def shared_step(q, k, v, dout):
+            rows = lambda x: jnp.broadcast_to(x, q.shape)
+            attend = lambda q, k, v: ek.flash_attention(q, rows(k), rows(v), causal=True)
+            out, pullback = jax.vjp(attend, q, k, v)
+            return out, *pullback(dout)
+
+        plain = shared_step(q, k[:1], v[:1], dout)
+        shard_mapped = jax.shard_map(shared_step, mesh=mesh, in_specs=(P("batch"), P(), P(), P("batch")),
+                                     out_specs=(P("batch"), P("batch"), P(), P()))
+        for fn in (jax.jit(shard_mapped), shard_mapped):
+            for got, want in zip(fn(q, k[:1], v[:1], dout), plain):
                 np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     """)
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")

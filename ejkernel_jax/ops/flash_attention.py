@@ -11,7 +11,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from ejkernel_jax.launch import device_facts, launch
 from ejkernel_jax.ops import _tuning
-from ejkernel_jax.ops._common import array_arg, first_order, is_concrete, name_of
+from ejkernel_jax.ops._common import array_arg, first_order, is_concrete, name_of, vary_together
 from triton_kernels import checks, flash_attention as fa
 from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
 from triton_kernels.params import BwdParams, FwdParams, op_params
@@ -161,7 +161,7 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     params = _params(spec, fwd_params, bwd_params)
     aux = (_segment_ids(spec, q_seg), _segment_ids(spec, kv_seg), None, None, _seed(dropout_seed, spec.dropout_p))
     _autotune(spec, params, q, k, v, bias, aux, autotune)
-    out, lse = _flash(spec, params, q, k, v, bias, aux)
+    out, lse = _flash(spec, params, *vary_together((q, k, v, bias, aux)))
     return (out, lse) if return_lse else out
 
 
@@ -194,7 +194,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     params = _params(spec, fwd_params, bwd_params)
     aux = (None, None, cu_q, cu_k, _seed(dropout_seed, spec.dropout_p))
     _autotune(spec, params, q, k, v, None, aux, autotune)
-    out, lse = _flash(spec, params, q, k, v, None, aux)
+    out, lse = _flash(spec, params, *vary_together((q, k, v, None, aux)))
     return (out, lse) if return_lse else out
 
 

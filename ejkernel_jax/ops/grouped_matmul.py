@@ -20,7 +20,7 @@ import numpy as np
 
 from ejkernel_jax.launch import backend, device_facts, launch
 from ejkernel_jax.ops import _tuning
-from ejkernel_jax.ops._common import array_arg, is_concrete, name_of
+from ejkernel_jax.ops._common import array_arg, is_concrete, name_of, vary_together
 from triton_kernels import checks
 from triton_kernels import grouped_matmul as gm
 from triton_kernels.config_cache import check_autotune
@@ -200,7 +200,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     problem = (m, k, n, num_groups, num_selected, bool(transpose_rhs), name_of(lhs), out_dtype)
     gm.gmm_plan(*problem, device_facts(), params)  # bad fwd_params fail here, before tracing the op
     _tuning.autotune(GMM, problem, (lhs, rhs, group_sizes, offset), autotune, params)
-    return _gmm(lhs, rhs, group_sizes, offset, bool(transpose_rhs), out_dtype, params)
+    return _gmm(*vary_together((lhs, rhs, group_sizes, offset)), bool(transpose_rhs), out_dtype, params)
 
 
 def transposed_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -237,4 +237,4 @@ def transposed_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
     problem = (m, k, n, num_groups, num_selected, False, name_of(lhs), out_dtype)
     gm.tgmm_plan(*problem, device_facts(), params)
     _tuning.autotune(TGMM, problem, (lhs, rhs, group_sizes, offset), autotune, params)
-    return _tgmm(lhs, rhs, group_sizes, offset, num_selected, False, out_dtype, params)
+    return _tgmm(*vary_together((lhs, rhs, group_sizes, offset)), num_selected, False, out_dtype, params)

@@ -7,7 +7,7 @@ import jax
 
 from ejkernel_jax.launch import device_facts, launch
 from ejkernel_jax.ops import _tuning
-from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of
+from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of, vary_together
 from triton_kernels import checks
 from triton_kernels.tuning import PADDED_BWD, PADDED_FWD
 from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan
@@ -73,4 +73,4 @@ def padded_attention(q: jax.Array, k: jax.Array, v: jax.Array, n_pad: jax.Array,
     n_pad, problem = n_pad_arg(n_pad, batch, seq_len), (tuple(q.shape), name_of(q), scale)
     _tuning.autotune(PADDED_FWD, problem, (q, k, v, n_pad), autotune, fwd)
     _tuning.autotune(PADDED_BWD, problem, (q, k, v, n_pad), autotune, bwd)  # a gradient may follow
-    return _padded_attention(q, k, v, n_pad, scale, fwd, bwd)
+    return _padded_attention(*vary_together((q, k, v, n_pad)), scale, fwd, bwd)

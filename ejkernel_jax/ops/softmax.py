@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel_jax.launch import device_facts, launch
-from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of
+from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of, vary_together
 from triton_kernels import checks
 from triton_kernels.padded_attention import scores_v_bwd_plans, scores_v_fwd_plan
 from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
@@ -113,7 +113,7 @@ def padded_softmax(scores: jax.Array, n_pad: jax.Array) -> jax.Array:
     Row ``i`` of batch ``b`` normalises over columns ``n_pad[b] <= j <= i``; padding rows are 0.
     """
     scores, n_pad = _padded_inputs(scores, n_pad)
-    return _padded_softmax(scores, n_pad)
+    return _padded_softmax(*vary_together((scores, n_pad)))
 
 
 def padded_softmax_v(scores: jax.Array, v: jax.Array, n_pad: jax.Array) -> jax.Array:
@@ -121,4 +121,4 @@ def padded_softmax_v(scores: jax.Array, v: jax.Array, n_pad: jax.Array) -> jax.A
     scores, n_pad = _padded_inputs(scores, n_pad)
     v = array_arg("v", v)
     checks.values_for_scores(tuple(v.shape), name_of(v), *scores.shape[:2], name_of(scores))
-    return _padded_softmax_v(scores, v, n_pad)
+    return _padded_softmax_v(*vary_together((scores, v, n_pad)))
