@@ -28,7 +28,7 @@ def cast_varying(x, axes: frozenset):
 
 
 def vary_together(tree):
-    """``tree`` with each array typed as varying over every axis any of its arrays varies over.
+    """``tree`` with each float array typed as varying over every axis any of its arrays varies over.
 
     What jax does to a primitive's operands, done before a custom VJP: its backward rule must
     give each input's cotangent that input's type, and ours compute them from all inputs at
@@ -39,8 +39,14 @@ def vary_together(tree):
     axes = varying_axes(*(x for x in leaves if isinstance(x, jax.Array)))
     if not axes:
         return tree
-    leaves = [cast_varying(x, axes) if isinstance(x, jax.Array) else x for x in leaves]
+    leaves = [cast_varying(x, axes) if _differentiable(x) else x for x in leaves]
     return jax.tree.unflatten(treedef, leaves)
+
+
+def _differentiable(x) -> bool:
+    # Integer operands (sizes, offsets, ids, seeds) get no cotangent and keep their type: jax's
+    # Pallas interpreter cannot index with varying scalar-prefetch values (pallas/tpu/grouped_matmul).
+    return isinstance(x, jax.Array) and jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
 
 
 def out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:

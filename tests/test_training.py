@@ -92,6 +92,44 @@ def test_shard_map_gradients_of_replicated_inputs(jax_fw, rng, jit):
             np.testing.assert_array_equal(jax_fw.to_numpy(g), jax_fw.to_numpy(want), err_msg=name)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_shard_map_of_pallas_kernels_with_check_vma(jax_fw, rng, jit):
+    # The Pallas kernels (interpret mode here) refused shard_map's default check_vma=True:
+    # "manual_axis_type on jax.ShapeDtypeStruct must not be None" (their out_shapes carried no
+    # mesh-axis type). Outputs and gradients, k/v and expert weights replicated, as unsharded.
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from ejkernel_jax.pallas.tpu import grouped_matmul as pallas_gm
+    from ejkernel_jax.pallas.tpu.blocksparse_attention import blocksparse_attention
+
+    a = lambda *shape: jax_fw.asarray(rng.standard_normal(shape))
+    rows = lambda x, like: jnp.broadcast_to(x, like.shape[:1] + x.shape[1:])
+    sizes = jnp.array([96, 0, 32, 0], jnp.int32)
+    cases = [
+        ("blocksparse_attention", lambda q, k, v: blocksparse_attention(q, rows(k, q), rows(v, q), causal=True),
+         [a(1, 128, 2, 64), a(1, 128, 2, 64), a(1, 128, 2, 64)], (False, True, True)),
+        ("grouped_matmul", lambda lhs, rhs: pallas_gm.grouped_matmul(lhs, rhs, sizes), [a(128, 64), a(4, 64, 32)],
+         (False, True)),
+        ("transposed_grouped_matmul", lambda lhs, rhs: pallas_gm.transposed_grouped_matmul(lhs, rhs, sizes),
+         [a(64, 128), a(128, 32)], (True, True)),
+    ]
+    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
+    for name, fn, inputs, replicated in cases:
+        def vjp(*xs, fn=fn):
+            out, pullback = jax.vjp(fn, *xs)
+            return out, pullback(jnp.cos(out))
+
+        specs = tuple(P() if r else P("batch") for r in replicated)
+        out_spec = P() if all(replicated) else P("batch")
+        sharded = jax.shard_map(vjp, mesh=mesh, in_specs=specs, out_specs=(out_spec, specs))
+        plain = jax.jit(vjp) if jit else vjp
+        got = (jax.jit(sharded) if jit else sharded)(*inputs)
+        for g, want in zip(jax.tree.leaves(got), jax.tree.leaves(plain(*inputs))):
+            np.testing.assert_array_equal(jax_fw.to_numpy(g), jax_fw.to_numpy(want), err_msg=name)
+
+
 def test_shard_map_refuses_a_per_shard_result_as_replicated(jax_fw, rng):
     # out_specs=P() says the result is the same on every shard; for an op of sharded inputs it is
     # not, and shard_map refuses that for jax's own ops. Ours passed, and the result was one shard's.

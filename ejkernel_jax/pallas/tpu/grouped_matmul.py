@@ -32,6 +32,17 @@ Checking ``group_sizes``: dtype and shape are always checked. Negative sizes and
 ``jax.jit`` they cannot be checked; the kernels then clamp them (a negative size acts as 0, groups
 are cut at row ``m``), which keeps every memory access in bounds but makes the result meaningless.
 The same holds for a traced ``group_offset`` out of range (it is clamped into range).
+
+Inside ``jax.shard_map`` (``check_vma=True``, its default) the outputs are typed as varying over
+the mesh axes the operands vary over, and gradients of operands replicated over an axis (expert
+weights) are summed over it. One limit is jax's, in interpret mode only (off TPU): ``group_sizes``
+or ``group_offset`` that *vary* over a mesh axis (per-shard routing, ``in_specs=P("x")``) fail
+with "Primitive dynamic_slice requires varying manual axes to match" (jax 0.10.2). jax's Pallas
+interpreter (``jax/_src/pallas/hlo_interpreter.py``, ``BlockMapping.compute_start_indices_interpret``)
+evaluates the index maps, traced without mesh-axis types, on the varying scalar-prefetch values
+and the invariant grid indices, and nothing casts between them. There, pass ``check_vma=False``
+to ``shard_map`` or use the Triton path (``ejkernel_jax.grouped_matmul``, ``platform="cpu"``
+or ``"gpu"``), which takes varying sizes; replicated ``group_sizes`` work either way.
 """
 from __future__ import annotations
 
@@ -45,6 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..._vma import out_struct, vary_together
 from ._dot import dot as _dot
 from .blocksparse_attention.masks import check_flag
 from .blocksparse_attention.masks import check_int as _check_int
@@ -427,7 +439,7 @@ def _gmm(
     )
     call = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_shape=out_struct((m, n), out_dtype, aug_offsets, group_ids, m_tile_ids, lhs, rhs),  # typed for shard_map
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(tiles_n, num_tiles, tiles_k),
@@ -538,7 +550,7 @@ def _tgmm(
     )
     call = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_active, k, n), out_dtype),
+        out_shape=out_struct((num_active, k, n), out_dtype, g0, offsets, group_ids, m_tile_ids, lhs, rhs),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(tiles_n, tiles_k, num_tiles),
@@ -688,6 +700,8 @@ def grouped_matmul(
     out_dtype = _check_dtype_arg(preferred_element_type)
     tiling = _check_tiling(tiling)
     input_buffer_count = _check_buffer_count(input_buffer_count)
+    # Typed as jax types a primitive's operands (shard_map: see _vma.vary_together).
+    lhs, rhs, group_sizes, group_offset = vary_together((lhs, rhs, group_sizes, group_offset))
     return _gmm_jit(lhs, rhs, group_sizes, group_offset, out_dtype, tiling,
                     input_buffer_count, transpose_rhs, _resolve_interpret(interpret))
 
@@ -747,5 +761,6 @@ def transposed_grouped_matmul(
     out_dtype = _check_dtype_arg(preferred_element_type)
     tiling = _check_tiling(tiling)
     input_buffer_count = _check_buffer_count(input_buffer_count)
+    lhs, rhs, group_sizes, group_offset = vary_together((lhs, rhs, group_sizes, group_offset))
     return _tgmm_jit(lhs, rhs, group_sizes, group_offset, int(num_actual_groups), False, out_dtype,
                      tiling, input_buffer_count, _resolve_interpret(interpret))

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ...._vma import vary_together
 from . import info as info_lib
 from . import kernel as kernel_lib
 from . import masks as mask_lib
@@ -382,8 +383,8 @@ def blocksparse_attention(
         interpret=interpret,
     )
     to_heads = lambda x: jnp.swapaxes(x, 1, 2)  # [B, S, H, D] <-> [B, H, S, D]
-    out, lse = kernel_lib.attention(
-        cfg, to_heads(q), to_heads(k), to_heads(v), q_seg, kv_seg, fwd_info, dq_info, dkv_info
-    )
+    # Typed as jax types a primitive's operands (shard_map: see ejkernel_jax._vma.vary_together).
+    q, k, v, q_seg, kv_seg = vary_together((to_heads(q), to_heads(k), to_heads(v), q_seg, kv_seg))
+    out, lse = kernel_lib.attention(cfg, q, k, v, q_seg, kv_seg, fwd_info, dq_info, dkv_info)
     out = to_heads(out)
     return (out, lse) if return_lse else out

@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ...._vma import out_struct
 from .._dot import dot as _dot
 from .info import FULL, PARTIAL
 
@@ -235,6 +236,9 @@ class _Inputs:
         """``pallas_call`` with the schedule scalar-prefetched in front of the inputs."""
         names = ("_s",) * self.sched.count + tuple(self.names) + out_names
         names += tuple(f"scratch{n}" for n in range(len(scratch)))
+        operands = (*self.sched.arrays(self.info), *self.arrays)
+        # Typed for shard_map: varying over the mesh axes any operand varies over.
+        out_shape = jax.tree.map(lambda s: out_struct(s.shape, s.dtype, *operands), out_shape)
         return pl.pallas_call(
             functools.partial(kernel, names=names, sched=self.sched, **static),
             grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -248,7 +252,7 @@ class _Inputs:
             compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
             interpret=interpret,
             name=name,
-        )(*self.sched.arrays(self.info), *self.arrays)
+        )(*operands)
 
 
 def _q_major_inputs(sched, info, pc: PassConfig, q, k, v, q_seg, kv_seg) -> _Inputs:
