@@ -50,12 +50,29 @@ class TorchLinear(nn.Module):
         return y.astype(dtype)
 
 
+def _static_flag(name: str, value) -> bool:
+    """``checks.flag`` (a string such as "no" was truthy and ran without dropout), with a traced
+    value told how to keep it static: nn.remat/nn.jit trace call arguments not in static_argnums."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} is traced ({value!r}): it must be a static Python bool. Under nn.remat / "
+            f"nn.checkpoint / nn.jit, give it positionally and list it in static_argnums "
+            f"(nn.remat(MultiHeadAttention, static_argnums=(3,)): 0 is the module, then x, "
+            f"segment_ids, {name}); nn.remat traces keyword arguments")
+    return checks.flag(name, value)
+
+
 class MultiHeadAttention(nn.Module):
     """Self-attention for GPT-style models, the Flax twin of ``ejkernel_torch.nn.MultiHeadAttention``.
 
     ``x [batch, seq, embed_dim] -> [batch, seq, embed_dim]``. Dropout applies when
     ``deterministic=False``, with the seed drawn from the ``"dropout"`` rng stream.
     ``attention_fn`` swaps the attention itself (same signature as ``flash_attention``).
+
+    ``deterministic`` picks the kernel (with or without dropout), so it must be a Python bool,
+    also under lifted transforms that trace call arguments: give it positionally and mark it
+    static, ``nn.remat(MultiHeadAttention, static_argnums=(3,))(...)(x, segment_ids, False)``
+    (argument 0 is the module), or pass it to the enclosing module's constructor.
     """
 
     embed_dim: int
@@ -74,13 +91,13 @@ class MultiHeadAttention(nn.Module):
     attention_fn: Callable = flash_attention
 
     @nn.compact
-    def __call__(self, x, segment_ids=None, *, deterministic: bool = True):
+    def __call__(self, x, segment_ids=None, deterministic: bool = True):
         kv_heads, head_dim = checks.attention_layer(self.embed_dim, self.num_heads, self.num_kv_heads,
                                                     self.head_dim, self.dropout)
         checks.attention_layer_input(tuple(x.shape), self.embed_dim)
         checks.flag("use_bias", self.use_bias), checks.flag("causal", self.causal)  # before any weight
         fa.layer_options(head_dim, self.causal, self.sliding_window, self.logits_soft_cap, self.softmax_scale)
-        deterministic = checks.flag("deterministic", deterministic)  # "no" was truthy: ran without dropout
+        deterministic = _static_flag("deterministic", deterministic)
         batch, seq, _ = x.shape
         linear = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)
         qkv = TorchLinear((self.num_heads + 2 * kv_heads) * head_dim, name="qkv", **linear)(x)

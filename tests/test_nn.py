@@ -226,6 +226,23 @@ def test_flax_deterministic_must_be_a_bool(value):
     layer.apply(params, x, deterministic=np.True_)  # numpy's bools are bools
 
 
+def test_flax_traced_deterministic_says_how_to_keep_it_static():
+    # nn.remat traces call arguments outside static_argnums (keyword ones always): the error named
+    # a JitTracer and not what to do about it.
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    import ejkernel_jax.nn
+
+    x = jnp.ones((1, 4, 32))
+    layer = nn.remat(ejkernel_jax.nn.MultiHeadAttention)(32, 4, dropout=0.5)
+    params = layer.init(jax.random.PRNGKey(0), x)
+    for args, kwargs in (((x, None, False), {}), ((x,), {"deterministic": False})):
+        with pytest.raises(TypeError, match=r"deterministic is traced .*static_argnums=\(3,\)"):
+            layer.apply(params, *args, **kwargs, rngs={"dropout": jax.random.PRNGKey(1)})
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
 def test_params_from_torch_keeps_dtypes(dtype):
     # Every weight went through .float(): a bf16/fp16 torch layer gave float32 Flax params (not the

@@ -287,6 +287,31 @@ def test_checkpointed_attention_layer_in_training(fw, rng):
         np.testing.assert_array_equal(fw.to_numpy(got), fw.to_numpy(want))
 
 
+@pytest.mark.parametrize("remat", ["remat", "checkpoint"])
+def test_flax_remat_of_the_attention_layer_itself(jax_fw, rng, remat):
+    # Flax's idiom, nn.remat(Layer, static_argnums=...), failed on the layer itself: its
+    # deterministic was keyword-only, so it could not be static, and nn.remat traced it
+    # ("deterministic must be a bool, got JitTracer"). Gradients in training equal the plain call.
+    import flax.linen as nn
+    import jax
+
+    from ejkernel_jax.nn import MultiHeadAttention
+
+    x = jax_fw.asarray(rng.standard_normal((2, 8, 32)))
+    layer = MultiHeadAttention(32, 4, 2, dropout=0.3)
+    remat_layer = getattr(nn, remat)(MultiHeadAttention, static_argnums=(3,))(32, 4, 2, dropout=0.3)
+    params = layer.init(jax.random.key(0), x)
+
+    def loss(params, module):
+        out = module.apply(params, x, None, False, rngs={"dropout": jax.random.key(1)})
+        return (out * jax.numpy.sin(out)).sum(), out
+
+    plain = jax.grad(loss, has_aux=True)(params, layer)
+    got = jax.grad(loss, has_aux=True)(params, remat_layer)
+    for g, want in zip(jax.tree.leaves(got), jax.tree.leaves(plain)):
+        np.testing.assert_array_equal(jax_fw.to_numpy(g), jax_fw.to_numpy(want))
+
+
 def test_jax_scan_over_layers_matches_the_unrolled_layers(jax_fw, rng):
     # A stack of layers run by lax.scan (the usual way to compile a deep model once), each with
     # its own traced dropout seed, gives each layer's plain call, gradients too.
