@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pytest
 
+from tests import frameworks
 from tests import references as ref
 from tests.frameworks import TOLERANCE, rel_error
 
@@ -461,6 +462,38 @@ def test_check_values_false_skips_only_the_value_checks(fw, rng):
         fw.ops.grouped_matmul(lhs, rhs, fw.asarray(sizes), group_offset=9, check_values=False)
     with pytest.raises(TypeError, match="group_sizes must be an int32"):
         fw.ops.grouped_matmul(lhs, rhs, fw.asarray(sizes.astype(np.int16)), check_values=False)
+
+
+@pytest.mark.parametrize("offset", [2**31, 2**32, 2**40])
+def test_unread_int64_group_offset_is_clamped_not_wrapped(fw, rng, offset):
+    # An int64 group_offset whose value the fronts do not read (traced under jax.jit, or
+    # check_values=False) was cast to int32 before the kernels' clamp: 2**32 wrapped to 0 and
+    # silently selected groups [0, 2). Like any unread out-of-range offset it is now clamped
+    # into range, here to the last valid offset (1), in both fronts and on the Pallas path.
+    sizes = np.array([3, 2, 4], np.int32)
+    (lhs, rhs, lhs_t, rhs_t), (lhs_np, rhs_np, lhs_t_np, rhs_t_np) = _arrays(
+        fw, rng, "float32", (9, 8), (2, 8, 4), (8, 9), (9, 4))
+    gmm_want = ref.forward(ref.grouped_matmul, lhs_np, rhs_np, sizes, group_offset=1)
+    tgmm_want = ref.forward(ref.transposed_grouped_matmul, lhs_t_np, rhs_t_np, sizes, group_offset=1,
+                            num_actual_groups=2)
+    with frameworks.x64(fw):
+        big = fw.asarray(np.int64(offset))
+        gmm = lambda o, **kw: fw.ops.grouped_matmul(lhs, rhs, fw.asarray(sizes), group_offset=o, **kw)
+        tgmm = lambda o, **kw: fw.ops.transposed_grouped_matmul(lhs_t, rhs_t, fw.asarray(sizes), group_offset=o,
+                                                                num_actual_groups=2, **kw)
+        calls = [(gmm, gmm_want, {}), (tgmm, tgmm_want, {})]
+        if fw.name == "jax":
+            calls += [(gmm, gmm_want, {"platform": "tpu"}), (tgmm, tgmm_want, {"platform": "tpu"})]
+        for op, want, kw in calls:
+            outs = [op(big, check_values=False, **kw)]
+            if fw.name == "jax":
+                import jax
+
+                outs.append(jax.jit(lambda o: op(o, **kw))(big))
+            with pytest.raises(ValueError, match=f"group_offset={offset}"):  # read, it is refused
+                op(big, **kw)
+            for out in outs:
+                assert _err(fw.to_numpy(out), want, "float32"), kw
 
 
 # ---------------------------------------------------------------------------------------------

@@ -490,6 +490,23 @@ def test_int_group_offset_is_checked_under_jit():
         jax.jit(lambda a: gm.transposed_grouped_matmul(a.T, a, gs, group_offset=-1, num_actual_groups=2))(lhs)
 
 
+def test_traced_int64_group_offset_is_clamped_not_wrapped(rng):
+    # Traced, an int64 offset of 2**32 was cast to int32 (0) before the kernels' clamp and
+    # silently selected groups [0, 2); it is clamped into range (the last offset, 1) like any
+    # traced out-of-range offset.
+    lhs, rhs = rand(rng, (8, 16), jnp.float32), rand(rng, (2, 16, 4), jnp.float32)
+    sizes = np.array([3, 2, 3], np.int32)
+    with jax.enable_x64(True):
+        for offset in (2**31, 2**32):  # int32 casts: -2**31, 0
+            big = jnp.asarray(offset, jnp.int64)
+            out = jax.jit(lambda o: gm.grouped_matmul(lhs, rhs, jnp.asarray(sizes), group_offset=o))(big)
+            assert_close(out, ref_gmm(f64(lhs), f64(rhs), sizes, group_offset=1), "float32", str(offset))
+            out = jax.jit(lambda o: gm.transposed_grouped_matmul(lhs.T, lhs, jnp.asarray(sizes), group_offset=o,
+                                                                 num_actual_groups=2))(big)
+            assert_close(out, ref_tgmm(f64(lhs.T), f64(lhs), sizes, group_offset=1, num_actual_groups=2),
+                         "float32", str(offset))
+
+
 def test_traced_input_buffer_count_is_named():
     # It is static: a traced one failed with jax's TracerBoolConversionError, naming nothing.
     lhs, rhs, gs = jnp.zeros((8, 16), jnp.float32), jnp.zeros((2, 16, 4), jnp.float32), jnp.array([3, 5], jnp.int32)

@@ -266,6 +266,13 @@ def check_group_offset_value(g0: int, num_groups: int, num_selected: int) -> Non
                          f"but group_sizes has {num_groups}")
 
 
+def group_offset_bounds(num_groups: int, num_selected: int) -> tuple[int, int]:
+    """The range the kernels clamp an unchecked group_offset into. The fronts clamp an offset
+    array to it *before* narrowing it to int32: the cast wrapped an int64 2**32 + 1 to 1, a
+    valid offset, which selected other experts without an error (the kernels' clamp came after)."""
+    return 0, num_groups - num_selected
+
+
 def check_group_offset_shape(shape, dtype: str) -> None:
     if not dtype.startswith(("int", "uint")):
         raise TypeError(f"group_offset must be an int or an integer scalar array, got {dtype}")

@@ -8,7 +8,9 @@ through jax-triton on GPU, the Triton interpreter on CPU). ``platform=`` overrid
 Value checks on ``group_sizes`` (negative sizes, ``sum > m``) and ``group_offset`` run when the
 values are concrete (reading them is a device-to-host copy on GPU) unless ``check_values=False``.
 Under ``jax.jit`` they are traced and cannot be checked: the kernels then clamp them (no
-out-of-bounds access, meaningless result).
+out-of-bounds access, meaningless result). An unchecked ``group_offset`` is clamped into range
+in its own dtype before it is narrowed to int32, so an int64 offset past int32 is not wrapped
+into a valid-looking one.
 """
 from __future__ import annotations
 
@@ -124,7 +126,10 @@ def _group_offset_arg(group_offset, num_groups: int, num_selected: int, check_va
     gm.check_group_offset_shape(tuple(group_offset.shape), name_of(group_offset))
     if check_values and is_concrete(group_offset):
         gm.check_group_offset_value(int(np.asarray(group_offset).reshape(())), num_groups, num_selected)
-    return jnp.reshape(group_offset, (1,)).astype(jnp.int32)
+    # Unread values (traced, or check_values=False) clamped in their own dtype, then narrowed.
+    lo, hi = gm.group_offset_bounds(num_groups, num_selected)
+    clip = np.clip if isinstance(group_offset, np.ndarray) else jnp.clip  # numpy int64 without x64 too
+    return jnp.asarray(clip(group_offset, lo, min(hi, np.iinfo(group_offset.dtype).max))).reshape(1).astype(jnp.int32)
 
 
 def _out_dtype(preferred_element_type, default: str) -> str:

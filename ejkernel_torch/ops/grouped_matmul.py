@@ -15,7 +15,8 @@ read the values, a host sync on CUDA. They run eagerly, and are skipped while ``
 traces, while a CUDA graph is captured, or when the caller passes ``check_values=False`` (values
 known valid, e.g. a router's ``bincount``: the sync stalls the launch queue, which costs up to
 half the time of a small grouped matmul). Unchecked bad values are clamped by the kernels (no
-out-of-bounds access, meaningless result).
+out-of-bounds access, meaningless result); a tensor ``group_offset`` is clamped before it is
+narrowed to int32, so an int64 offset past int32 is not wrapped into a valid-looking one.
 """
 from __future__ import annotations
 
@@ -178,7 +179,10 @@ def _group_args(group_sizes, group_offset, m: int, num_groups: int, num_selected
         group_offset = 0
     if isinstance(group_offset, torch.Tensor):
         gm.check_group_offset_shape(tuple(group_offset.shape), name_of(group_offset))
-        offset = group_offset.reshape(1).to(device=device, dtype=torch.int32)
+        # Clamped before the int32 cast (see group_offset_bounds), through int64: torch has no
+        # clamp for uint16/32/64 (a uint64 past 2**63 still wraps, to a negative, clamped to 0).
+        offset = group_offset.reshape(1).to(device=device, dtype=torch.int64)
+        offset = offset.clamp(*gm.group_offset_bounds(num_groups, num_selected)).to(torch.int32)
         offset_value = None
     elif isinstance(group_offset, (int, np.integer)) and not isinstance(group_offset, bool):
         group_offset = int(group_offset)  # numpy integers too, as in the jax front

@@ -234,7 +234,11 @@ def _check_group_offset(group_offset, num_groups: int, num_selected: int) -> jax
     if _is_concrete(group_offset):
         # Read before narrowing to int32: an int64 / uint32 offset of 2**32 would wrap to 0.
         _check_offset_range(int(np.asarray(group_offset).reshape(())), num_groups, num_selected)
-    return jnp.reshape(group_offset, ()).astype(jnp.int32)
+    # The kernels clamp a traced offset into range; clamped here first, in its own dtype, since
+    # the int32 cast would wrap an int64 2**32 + 1 to 1, a valid offset selecting other groups.
+    hi = min(num_groups - num_selected, np.iinfo(group_offset.dtype).max)
+    clip = np.clip if isinstance(group_offset, np.ndarray) else jnp.clip
+    return jnp.asarray(clip(group_offset, 0, hi)).reshape(()).astype(jnp.int32)
 
 
 def _is_int(x) -> bool:
