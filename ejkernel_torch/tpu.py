@@ -442,7 +442,8 @@ def grouped_matmul(
     Same arguments as ``ejkernel_jax.pallas.tpu.grouped_matmul.grouped_matmul`` with torch
     tensors: ``lhs [m, k]`` and ``rhs [num_selected, k, n]`` (``[.., n, k]`` with
     ``transpose_rhs``) of one dtype (bfloat16/float16/float32), ``group_sizes`` int32
-    ``[num_groups]``; ``preferred_element_type`` a torch (or jax) dtype, default float32.
+    ``[num_groups]``; ``preferred_element_type`` a torch (or jax) dtype, default float32. There
+    is no ``check_values``: the values are always checked here, in one host sync (module docstring).
     Differentiable in lhs and rhs.
     """
     fn = "grouped_matmul"
@@ -477,7 +478,8 @@ def transposed_grouped_matmul(
 
     Same arguments as ``ejkernel_jax``'s ``transposed_grouped_matmul`` with torch tensors:
     ``lhs [k, m]``, ``rhs [m, n]``, ``group_sizes`` int32; returns
-    ``[num_actual_groups, k, n]``. Differentiable in lhs and rhs.
+    ``[num_actual_groups, k, n]``; no ``check_values``, as in ``grouped_matmul``. Differentiable
+    in lhs and rhs.
     """
     fn = "transposed_grouped_matmul"
     lhs, rhs, group_sizes, offset, static_offset, device = _group_args(

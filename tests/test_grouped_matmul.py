@@ -464,6 +464,33 @@ def test_check_values_false_skips_only_the_value_checks(fw, rng):
         fw.ops.grouped_matmul(lhs, rhs, fw.asarray(sizes.astype(np.int16)), check_values=False)
 
 
+def test_check_values_false_skips_the_value_checks_on_the_pallas_path(jax_fw, rng):
+    """check_values=False is documented to skip reading concrete group_sizes / group_offset (a
+    device-to-host copy); with platform="tpu" the Pallas function read and checked them anyway,
+    so bad sizes raised there (and on a TPU the copy it is meant to avoid still happened).
+    Unchecked, they are clamped, as on the Triton path."""
+    import jax.numpy as jnp
+
+    import ejkernel_jax as ejk
+
+    m, k, n, held = 37, 20, 19, 2
+    sizes = ragged_sizes(rng, m, 4)
+    (lhs, rhs, lhs_t, rhs_t), _ = _arrays(jax_fw, rng, "float32", (m, k), (held, k, n), (k, m), (m, n))
+    bad, offset = jnp.asarray(np.array([-5, 40, 40, 40], np.int32)), jnp.asarray(np.int32(7))
+    with pytest.raises(ValueError, match="group_sizes"):  # checked by default
+        ejk.grouped_matmul(lhs, rhs, bad, platform="tpu")
+    out = ejk.grouped_matmul(lhs, rhs, bad, group_offset=offset, check_values=False, platform="tpu")
+    assert np.isfinite(jax_fw.to_numpy(out)).all()
+    out = ejk.transposed_grouped_matmul(lhs_t, rhs_t, bad, group_offset=offset, num_actual_groups=held,
+                                        check_values=False, platform="tpu")
+    assert np.isfinite(jax_fw.to_numpy(out)).all()
+    for check in (True, False):  # valid values: the same result either way
+        out = ejk.grouped_matmul(lhs, rhs, jnp.asarray(sizes), group_offset=jnp.asarray(np.int32(1)),
+                                 check_values=check, platform="tpu")
+        want = ref.forward(ref.grouped_matmul, jax_fw.to_numpy(lhs), jax_fw.to_numpy(rhs), sizes, group_offset=1)
+        assert _err(jax_fw.to_numpy(out), want, "float32")
+
+
 @pytest.mark.parametrize("offset", [2**31, 2**32, 2**40])
 def test_unread_int64_group_offset_is_clamped_not_wrapped(fw, rng, offset):
     # An int64 group_offset whose value the fronts do not read (traced under jax.jit, or

@@ -507,6 +507,32 @@ def test_traced_int64_group_offset_is_clamped_not_wrapped(rng):
                          "float32", str(offset))
 
 
+def test_check_values_false_skips_reading_the_values(rng):
+    """check_values=False: concrete group_sizes / group_offset arrays are not read (a device-to-
+    host copy on TPU); bad values are clamped as under jit instead of raising. Shapes, dtypes and
+    an int offset are still checked, and the flag must be a bool."""
+    m, k, n, g, tiling = GMM_SHAPES["ragged"]
+    lhs, rhs = rand(rng, (m, k), jnp.float32), rand(rng, (g, k, n), jnp.float32)
+    bad = jnp.asarray([30, -5, 40, 3, 0, 2], jnp.int32)  # as clamped: [30, 0, 20, 0, 0, 0]
+    with pytest.raises(ValueError, match="non-negative"):
+        gm.grouped_matmul(lhs, rhs, bad, tiling=tiling)
+    out = gm.grouped_matmul(lhs, rhs, bad, tiling=tiling, check_values=False)
+    assert_close(out, ref_gmm(f64(lhs), f64(rhs), [30, 0, 20, 0, 0, 0]), "float32")
+    out = gm.transposed_grouped_matmul(lhs.T, lhs, bad, tiling=tiling, check_values=False)
+    assert_close(out, ref_tgmm(f64(lhs.T), f64(lhs), [30, 0, 20, 0, 0, 0]), "float32")
+    offset = jnp.int32(9)  # an out-of-range array offset: clamped to the last valid one, 4
+    out = gm.grouped_matmul(lhs, rhs[:2], bad, tiling=tiling, group_offset=offset, check_values=False)
+    assert_close(out, ref_gmm(f64(lhs), f64(rhs[:2]), [30, 0, 20, 0, 0, 0], group_offset=4), "float32")
+    with pytest.raises(ValueError, match="group_offset=9"):  # an int costs nothing to check
+        gm.grouped_matmul(lhs, rhs[:2], bad, group_offset=9, check_values=False)
+    with pytest.raises(TypeError, match="group_sizes"):
+        gm.grouped_matmul(lhs, rhs, bad.astype(jnp.int16), check_values=False)
+    with pytest.raises(TypeError, match="check_values must be a bool"):
+        gm.grouped_matmul(lhs, rhs, bad, check_values="no")
+    with pytest.raises(TypeError, match="check_values must be a bool"):
+        gm.transposed_grouped_matmul(lhs.T, lhs, bad, check_values=None)
+
+
 def test_traced_input_buffer_count_is_named():
     # It is static: a traced one failed with jax's TracerBoolConversionError, naming nothing.
     lhs, rhs, gs = jnp.zeros((8, 16), jnp.float32), jnp.zeros((2, 16, 4), jnp.float32), jnp.array([3, 5], jnp.int32)

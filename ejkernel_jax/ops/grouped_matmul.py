@@ -199,9 +199,11 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     if _platform(platform) == "tpu":
         from ejkernel_jax.pallas.tpu import grouped_matmul as pallas_gm
 
+        # check_values=False: the values were checked above if asked; read again there, they were
+        # checked even with check_values=False (raising, and a device-to-host copy on TPU).
         return pallas_gm.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.dtype(out_dtype),
                                         tiling=_pallas_tiling(params), group_offset=offset[0],
-                                        transpose_rhs=bool(transpose_rhs))
+                                        transpose_rhs=bool(transpose_rhs), check_values=False)
     problem = (m, k, n, num_groups, num_selected, bool(transpose_rhs), name_of(lhs), out_dtype)
     gm.gmm_plan(*problem, device_facts(), params)  # bad fwd_params fail here, before tracing the op
     _tuning.autotune(GMM, problem, (lhs, rhs, group_sizes, offset), autotune, params)
@@ -238,7 +240,7 @@ def transposed_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
 
         return pallas_gm.transposed_grouped_matmul(
             lhs, rhs, group_sizes, preferred_element_type=jnp.dtype(out_dtype), tiling=_pallas_tiling(params),
-            group_offset=offset[0], num_actual_groups=num_selected)
+            group_offset=offset[0], num_actual_groups=num_selected, check_values=False)  # as in grouped_matmul
     problem = (m, k, n, num_groups, num_selected, False, name_of(lhs), out_dtype)
     gm.tgmm_plan(*problem, device_facts(), params)
     _tuning.autotune(TGMM, problem, (lhs, rhs, group_sizes, offset), autotune, params)

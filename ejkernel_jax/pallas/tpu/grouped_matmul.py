@@ -28,10 +28,11 @@ for TPU from a machine without one, e.g.
 ``jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",))``.
 
 Checking ``group_sizes``: dtype and shape are always checked. Negative sizes and
-``sum(group_sizes) > m`` raise ``ValueError`` when the values are concrete (not traced). Under
-``jax.jit`` they cannot be checked; the kernels then clamp them (a negative size acts as 0, groups
-are cut at row ``m``), which keeps every memory access in bounds but makes the result meaningless.
-The same holds for a traced ``group_offset`` out of range (it is clamped into range).
+``sum(group_sizes) > m`` raise ``ValueError`` when the values are concrete (not traced), unless
+``check_values=False`` (reading them is a device-to-host copy). Under ``jax.jit`` they cannot be
+checked; the kernels then clamp them (a negative size acts as 0, groups are cut at row ``m``),
+which keeps every memory access in bounds but makes the result meaningless. The same holds for a
+traced (or unchecked) ``group_offset`` array out of range (it is clamped into range).
 
 Inside ``jax.shard_map`` (``check_vma=True``, its default) the outputs are typed as varying over
 the mesh axes the operands vary over, and gradients of operands replicated over an axis (expert
@@ -195,14 +196,14 @@ def _check_same_dtype(lhs, rhs) -> None:
         raise TypeError(f"lhs and rhs must have the same dtype, got {lhs.dtype} and {rhs.dtype}")
 
 
-def _check_group_sizes(group_sizes, m: int) -> None:
+def _check_group_sizes(group_sizes, m: int, check_values: bool) -> None:
     if not hasattr(group_sizes, "dtype"):
         raise TypeError(f"group_sizes must be an int32 array, got {type(group_sizes).__name__}")
     if group_sizes.dtype != jnp.int32:
         raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
     if group_sizes.ndim != 1:
         raise ValueError(f"group_sizes must be 1-D, got shape {tuple(group_sizes.shape)}")
-    if _is_concrete(group_sizes):  # values are only known outside of tracing
+    if check_values and _is_concrete(group_sizes):  # values are only known outside of tracing
         sizes = np.asarray(group_sizes)
         if (sizes < 0).any():
             raise ValueError(f"group_sizes must be non-negative, got {sizes.tolist()}")
@@ -218,7 +219,7 @@ def _check_offset_range(g0: int, num_groups: int, num_selected: int) -> None:
         )
 
 
-def _check_group_offset(group_offset, num_groups: int, num_selected: int) -> jax.Array:
+def _check_group_offset(group_offset, num_groups: int, num_selected: int, check_values: bool) -> jax.Array:
     if group_offset is None:
         return jnp.zeros((), jnp.int32)
     if isinstance(group_offset, (bool, np.bool_)):
@@ -231,7 +232,7 @@ def _check_group_offset(group_offset, num_groups: int, num_selected: int) -> jax
         raise TypeError(f"group_offset must be an integer scalar, got {group_offset!r}")
     if group_offset.shape not in ((), (1,)):
         raise ValueError(f"group_offset must be a scalar, got shape {tuple(group_offset.shape)}")
-    if _is_concrete(group_offset):
+    if check_values and _is_concrete(group_offset):
         # Read before narrowing to int32: an int64 / uint32 offset of 2**32 would wrap to 0.
         _check_offset_range(int(np.asarray(group_offset).reshape(())), num_groups, num_selected)
     # The kernels clamp a traced offset into range; clamped here first, in its own dtype, since
@@ -655,6 +656,8 @@ def grouped_matmul(
     group_offset: jax.Array | int | None = None,
     transpose_rhs: bool = False,
     interpret: Any = None,
+    *,
+    check_values: bool = True,
 ) -> jax.Array:
     """Grouped matmul (gmm): ``out[rows_g] = lhs[rows_g] @ rhs[g - group_offset]``.
 
@@ -675,12 +678,16 @@ def grouped_matmul(
         ``[group_offset, group_offset + num_selected)`` are computed, other rows give zeros.
       transpose_rhs: ``rhs`` holds ``[n, k]`` matrices.
       interpret: ``None`` = auto (Pallas interpret mode off TPU); an explicit value wins.
+      check_values: read concrete ``group_sizes`` (and a ``group_offset`` array) to check their
+        values (a device-to-host copy); ``False`` for values known valid: unchecked values are
+        clamped, as under ``jax.jit``.
 
     Returns:
       ``[m, n]`` in ``preferred_element_type``. Rows outside the selected groups (including rows
       past ``sum(group_sizes)``) are zeros. Differentiable w.r.t. ``lhs`` and ``rhs``.
     """
     transpose_rhs = check_flag("transpose_rhs", transpose_rhs)
+    check_values = check_flag("check_values", check_values)
     _check_float("lhs", lhs)
     _check_float("rhs", rhs)
     if lhs.ndim != 2:
@@ -695,12 +702,12 @@ def grouped_matmul(
         raise ValueError(
             f"rhs {tuple(rhs.shape)} ({layout}) does not match lhs {tuple(lhs.shape)} in k"
         )
-    _check_group_sizes(group_sizes, m)
+    _check_group_sizes(group_sizes, m, check_values)
     if rhs.shape[0] > group_sizes.shape[0]:
         raise ValueError(
             f"rhs has {rhs.shape[0]} groups but group_sizes only {group_sizes.shape[0]}"
         )
-    group_offset = _check_group_offset(group_offset, group_sizes.shape[0], rhs.shape[0])
+    group_offset = _check_group_offset(group_offset, group_sizes.shape[0], rhs.shape[0], check_values)
     out_dtype = _check_dtype_arg(preferred_element_type)
     tiling = _check_tiling(tiling)
     input_buffer_count = _check_buffer_count(input_buffer_count)
@@ -720,6 +727,8 @@ def transposed_grouped_matmul(
     group_offset: jax.Array | int | None = None,
     num_actual_groups: int | None = None,
     interpret: Any = None,
+    *,
+    check_values: bool = True,
 ) -> jax.Array:
     """Transposed grouped matmul (tgmm): ``out[i] = lhs[:, rows_g] @ rhs[rows_g]``.
 
@@ -736,11 +745,13 @@ def transposed_grouped_matmul(
       group_offset: first group to compute (int or int32 scalar, may be traced).
       num_actual_groups: how many groups to compute (static); default ``num_groups``.
       interpret: ``None`` = auto (Pallas interpret mode off TPU); an explicit value wins.
+      check_values: as in ``grouped_matmul``.
 
     Returns:
       ``[num_actual_groups, k, n]``; empty groups give zeros. Differentiable w.r.t. ``lhs`` and
       ``rhs``.
     """
+    check_values = check_flag("check_values", check_values)
     _check_float("lhs", lhs)
     _check_float("rhs", rhs)
     if lhs.ndim != 2:
@@ -753,7 +764,7 @@ def transposed_grouped_matmul(
             f"lhs {tuple(lhs.shape)} ([k, m]) and rhs {tuple(rhs.shape)} ([m, n]) disagree on m"
         )
     m = rhs.shape[0]
-    _check_group_sizes(group_sizes, m)
+    _check_group_sizes(group_sizes, m, check_values)
     num_groups = group_sizes.shape[0]
     if num_actual_groups is None:
         num_actual_groups = num_groups
@@ -761,7 +772,7 @@ def transposed_grouped_matmul(
         raise ValueError(
             f"num_actual_groups must be an int in [0, {num_groups}], got {num_actual_groups!r}"
         )
-    group_offset = _check_group_offset(group_offset, num_groups, int(num_actual_groups))
+    group_offset = _check_group_offset(group_offset, num_groups, int(num_actual_groups), check_values)
     out_dtype = _check_dtype_arg(preferred_element_type)
     tiling = _check_tiling(tiling)
     input_buffer_count = _check_buffer_count(input_buffer_count)
