@@ -163,6 +163,20 @@ def test_make_group_metadata_matches_brute_force(rng):
                 assert np.all((np.asarray(tiles) >= 0) & (np.asarray(tiles) < -(-m // tm)))
 
 
+def test_make_group_metadata_without_groups():
+    # An empty group_sizes (a valid [0] array; the grouped matmuls take it) failed inside jax with
+    # "sub got incompatible shapes for broadcasting: (2,), (0,)": there is nothing to visit.
+    (offs, gids, tiles), num_tiles = gm.make_group_metadata(
+        group_sizes=jnp.zeros((0,), jnp.int32), m=10, tm=4, start_group=0, num_nonzero_groups=0)
+    assert int(num_tiles) == 0
+    np.testing.assert_array_equal(offs, [0])
+    assert gids.shape == tiles.shape == (2,) and gids.dtype == tiles.dtype == offs.dtype == jnp.int32
+    assert np.all((np.asarray(tiles) >= 0) & (np.asarray(tiles) < 3))  # still valid indices
+    (_, _, _), num_tiles = _metadata(group_sizes=jnp.zeros((0,), jnp.int32), m=10, tm=4,
+                                     start_group=jnp.int32(0), num_nonzero_groups=jnp.int32(0))
+    assert int(num_tiles) == 0
+
+
 @pytest.mark.parametrize(
     "override, exc, match",
     [  # once a ZeroDivisionError, silent results, or a lax.div dtype error

@@ -117,6 +117,11 @@ def make_group_metadata(
     # A group spans its own tiles; consecutive groups share at most one boundary tile, and an
     # empty group adds at most one visit, hence this bound.
     max_visits = max(tiles_m + num_groups - 1, 1)
+    if num_groups == 0:
+        # Nothing to visit. Below, gathers by group id from an empty group axis fail inside jax
+        # ("sub got incompatible shapes"); the padding entries are tile 0 of group 0.
+        padding = jnp.zeros((max_visits,), jnp.int32)
+        return (jnp.zeros((1,), jnp.int32), padding, padding), jnp.zeros((), jnp.int32)
 
     ends = jnp.cumsum(group_sizes, dtype=jnp.int32)
     starts = ends - group_sizes
