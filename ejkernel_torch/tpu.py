@@ -398,7 +398,9 @@ def _group_args(fn: str, lhs, rhs, group_sizes, group_offset, m_axis: int, num_s
     n_sel = num_selected if num_selected is not None else group_sizes.shape[0]
     if static_offset is not None:
         _check_offset_range(fn, static_offset, group_sizes.shape[0], n_sel)
-    if values_readable() and (group_sizes.numel() or offset_tensor is not None):
+    # values_readable(these tensors): not for torch.func-wrapped ones (no storage to read: "Cannot
+    # access data pointer"); the bridge then refuses them by name.
+    if values_readable(group_sizes, offset_tensor) and (group_sizes.numel() or offset_tensor is not None):
         # Also with no groups: an offset tensor must then be 0, as jax checks a concrete one.
         m = lhs.shape[m_axis] if lhs.ndim == 2 else None
         checks = [(group_sizes < 0).any().to(torch.int64), group_sizes.sum(dtype=torch.int64)]

@@ -211,6 +211,22 @@ def test_tgmm_matches_jax_bitwise_and_float64(rng):
     assert torch.all(out[1] == 0)  # the empty group
 
 
+def test_grouped_matmuls_under_torch_func_vmap_fail_loudly():
+    """The bridge cannot run under torch.func transforms and says so, naming the argument. A
+    vmap over group_sizes (or a group_offset tensor) failed earlier, in the value checks, with
+    torch's "Cannot access data pointer of Tensor that doesn't have storage"."""
+    lhs, rhs, rhs_t = torch.randn(9, 8), torch.randn(2, 8, 4), torch.randn(9, 4)
+    sizes = torch.tensor([[3, 0, 6], [1, 4, 2]], dtype=torch.int32)
+    offsets = torch.tensor([0, 1], dtype=torch.int32)
+    wrapped = r"argument '{}': the tensor is a torch.func .*jax.vmap"
+    with pytest.raises(TypeError, match=wrapped.format("group_sizes")):
+        torch.func.vmap(lambda g: tpu.grouped_matmul(lhs, rhs, g))(sizes)
+    with pytest.raises(TypeError, match=wrapped.format("group_sizes")):
+        torch.func.vmap(lambda g: tpu.transposed_grouped_matmul(lhs.T, rhs_t, g))(sizes)
+    with pytest.raises(TypeError, match=wrapped.format("group_offset")):
+        torch.func.vmap(lambda o: tpu.grouped_matmul(lhs, rhs, sizes[1], group_offset=o))(offsets)
+
+
 def test_make_group_metadata_matches_jax():
     sizes = np.array([5, 0, 11, 0, 7], np.int32)
     # jax side under jit too: eagerly it would compile each of its small ops separately
