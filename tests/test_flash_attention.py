@@ -570,3 +570,33 @@ def test_mismatched_devices_or_types(torch_fw):
         torch_fw.ops.flash_attention(x, np.zeros((1, 4, 1, 16)), x)
     with pytest.raises(ValueError, match="meta"):
         torch_fw.ops.flash_attention(x, x.to("meta"), x)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_non_dense_tensors_are_refused_by_name(torch_fw):
+    # The kernels read strided memory. A jagged nested tensor (SDPA takes them) passed the checks
+    # with its ragged size and failed in the dispatcher ("NotImplementedError:
+    # ejkernel.flash_attention_fwd.default"); sparse, mkldnn and strided nested ones failed inside
+    # torch ("unsupported memory format option Contiguous", ...), none naming the argument.
+    import torch
+
+    x = torch.zeros(1, 4, 1, 16)
+    jagged = torch.nested.nested_tensor([torch.zeros(3, 1, 16), torch.zeros(5, 1, 16)], layout=torch.jagged)
+    nested = torch.nested.nested_tensor([torch.zeros(3, 1, 16), torch.zeros(5, 1, 16)])
+    with pytest.raises(TypeError, match="q must be a dense tensor .*got a nested tensor"):
+        torch_fw.ops.flash_attention(jagged, jagged, jagged)
+    for name, bad, match in (("k", jagged, "a nested tensor"), ("q", nested, "a nested tensor"),
+                             ("v", x.to_sparse(), "layout torch.sparse_coo"),
+                             ("q", x.to_mkldnn(), "layout torch._mkldnn")):
+        args = dict(q=x, k=x, v=x) | {name: bad}
+        with pytest.raises(TypeError, match=f"{name} must be a dense tensor .*got {match}"):
+            torch_fw.ops.flash_attention(**args)
+    for name, kwargs in (("bias", dict(bias=torch.zeros(1, 1, 4, 4).to_sparse())),
+                         ("q_segment_ids", dict(q_segment_ids=torch.ones(1, 4, dtype=torch.int32).to_sparse(),
+                                                kv_segment_ids=torch.ones(1, 4, dtype=torch.int32))),
+                         ("dropout_seed", dict(dropout_p=0.5, dropout_seed=torch.tensor([3]).to_sparse()))):
+        with pytest.raises(TypeError, match=f"{name} must be a dense tensor"):
+            torch_fw.ops.flash_attention(x, x, x, **kwargs)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be a dense tensor"):
+        torch_fw.ops.flash_attention_varlen(x[0], x[0], x[0], cu.to_sparse(), cu, 4, 4)

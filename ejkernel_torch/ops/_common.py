@@ -10,6 +10,12 @@ from triton_kernels import checks
 def tensor_arg(name: str, x) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    # The kernels read strided memory: a jagged nested tensor passed the shape checks with its
+    # ragged size and failed in the dispatcher, sparse/mkldnn/nested ones inside torch, naming
+    # no argument.
+    if x.is_nested or x.layout != torch.strided:
+        got = "a nested tensor" if x.is_nested else f"layout {x.layout}"
+        raise TypeError(f"{name} must be a dense tensor (layout torch.strided), got {got}")
     return x
 
 

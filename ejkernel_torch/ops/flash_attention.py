@@ -259,6 +259,7 @@ def _seed_tensor(dropout_seed, device) -> Tensor:
     if dropout_seed is None:
         return torch.randint(-(2**31), 2**31 - 1, (1,), dtype=torch.int32, device=device)
     if isinstance(dropout_seed, Tensor):
+        tensor_arg("dropout_seed", dropout_seed)  # dense: a sparse seed failed in reshape
         fa.seed_array(tuple(dropout_seed.shape), name_of(dropout_seed))
         if dropout_seed.device != device:
             raise ValueError(f"dropout_seed is on {dropout_seed.device} but q is on {device}")
