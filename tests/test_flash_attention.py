@@ -600,3 +600,15 @@ def test_non_dense_tensors_are_refused_by_name(torch_fw):
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(TypeError, match="cu_seqlens_q must be a dense tensor"):
         torch_fw.ops.flash_attention_varlen(x[0], x[0], x[0], cu.to_sparse(), cu, 4, 4)
+
+
+def test_dropout_mask_seed_on_another_device_names_device(torch_fw):
+    # flash_attention_dropout_mask has no q: a seed tensor on another device than device= (a CUDA
+    # seed with the default device="cpu") said "dropout_seed is on cuda:0 but q is on cpu".
+    import torch
+
+    with pytest.raises(ValueError, match="dropout_seed is on meta but device= is cpu"):
+        torch_fw.ops.flash_attention_dropout_mask(torch.tensor([3], device="meta"), 1, 1, 4, 4, 0.5)
+    x = torch.zeros(1, 4, 1, 16)
+    with pytest.raises(ValueError, match="dropout_seed is on meta but q is on cpu"):  # flash_attention has a q
+        torch_fw.ops.flash_attention(x, x, x, dropout_p=0.5, dropout_seed=torch.tensor([3], device="meta"))

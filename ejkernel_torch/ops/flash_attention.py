@@ -253,16 +253,16 @@ def _seed(dropout_seed, dropout_p: float, device) -> Tensor | None:
     return _seed_tensor(dropout_seed, device)
 
 
-def _seed_tensor(dropout_seed, device) -> Tensor:
+def _seed_tensor(dropout_seed, device, where: str = "q is on") -> Tensor:
     """int32 [1] seed on ``device``; None draws one from torch's generator (torch.manual_seed
-    reproduces it)."""
+    reproduces it). ``where`` names ``device``'s source in the device error."""
     if dropout_seed is None:
         return torch.randint(-(2**31), 2**31 - 1, (1,), dtype=torch.int32, device=device)
     if isinstance(dropout_seed, Tensor):
         tensor_arg("dropout_seed", dropout_seed)  # dense: a sparse seed failed in reshape
         fa.seed_array(tuple(dropout_seed.shape), name_of(dropout_seed))
         if dropout_seed.device != device:
-            raise ValueError(f"dropout_seed is on {dropout_seed.device} but q is on {device}")
+            raise ValueError(f"dropout_seed is on {dropout_seed.device} but {where} {device}")
         seed = dropout_seed.reshape(1)
         return seed.view(torch.int32) if seed.dtype == torch.uint32 else seed.to(torch.int32)  # uint32: same bits
     return torch.full((1,), fa.seed_value(dropout_seed), dtype=torch.int32, device=device)
@@ -433,7 +433,8 @@ def flash_attention_dropout_mask(dropout_seed: int | Tensor, batch: int, heads: 
                                  dropout_p: float, *, device: str | torch.device = "cpu") -> Tensor:
     """The bool keep-mask ``[batch, heads, seq_q, seq_k]`` flash attention draws for this seed
     (element offset ((b * heads + h) * seq_q + i) * seq_k + j); the same in torch and jax."""
-    seed = _seed_tensor(dropout_seed, torch.device(device))
+    # No q here: the seed's device is checked against device= (a CUDA seed with the default "cpu").
+    seed = _seed_tensor(dropout_seed, torch.device(device), where="device= is")
     return _dropout_mask(seed, *dropout_mask_sizes(batch, heads, seq_q, seq_k), check_dropout(dropout_p)).bool()
 
 
