@@ -121,7 +121,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, sliding_window
     keep = flash_attention_keep(q.shape[1], k.shape[1], causal=causal, sliding_window=sliding_window,
                                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     s = jnp.where(keep, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
+    # initial: with no keys at all max has nothing to reduce (it raised); every row attends nothing.
+    m = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)
     m = jnp.where(jnp.isneginf(m), 0.0, m)
     e = jnp.exp(s - m)
     total = jnp.sum(e, axis=-1, keepdims=True)

@@ -612,3 +612,31 @@ def test_dropout_mask_seed_on_another_device_names_device(torch_fw):
     x = torch.zeros(1, 4, 1, 16)
     with pytest.raises(ValueError, match="dropout_seed is on meta but q is on cpu"):  # flash_attention has a q
         torch_fw.ops.flash_attention(x, x, x, dropout_p=0.5, dropout_seed=torch.tensor([3], device="meta"))
+
+
+@pytest.mark.parametrize("seq_k", [0, 7])
+def test_jax_flash_reference_matches_torch_reference(jax_fw, rng, seq_k):
+    # ejkernel_jax.reference.flash_attention (the torch reference's mirror) failed without keys:
+    # "ValueError: zero-size array to reduction operation max which has no identity", where the
+    # torch reference and both fronts' kernels give 0 and lse -inf.
+    import jax
+    import jax.numpy as jnp
+
+    from ejkernel_jax import reference as jax_ref
+
+    q, k = rng.standard_normal((2, 5, 4, 16)), rng.standard_normal((2, seq_k, 2, 16))
+    bias = rng.standard_normal((1, 4, 5, seq_k))
+    opts = dict(causal=True, logits_soft_cap=3.0)
+    with jax.enable_x64(True):
+        out, lse = jax_ref.flash_attention(*map(jnp.asarray, (q, k, k)), bias=jnp.asarray(bias), return_lse=True,
+                                           **opts)
+        dq = jax.grad(lambda q: jax_ref.flash_attention(q, *map(jnp.asarray, (k, k)), bias=jnp.asarray(bias),
+                                                        **opts).sum())(jnp.asarray(q))
+    want_out, want_lse = ref.flash_attention(*map(ref._t, (q, k, k)), bias=ref._t(bias), return_lse=True, **opts)
+    want_dq = ref.vjp(lambda q: ref.flash_attention(q, ref._t(k), ref._t(k), bias=ref._t(bias), **opts), [q],
+                      np.ones(q.shape), n_diff=1)[0]
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse.numpy()))
+    finite = ~np.isneginf(want_lse.numpy())
+    assert lse_error(np.asarray(lse)[finite], want_lse.numpy()[finite]) < 1e-12
+    assert rel_error(np.asarray(out), want_out.numpy()) < 1e-12 if seq_k else not np.asarray(out).any()
+    assert rel_error(np.asarray(dq), want_dq) < 1e-12 if seq_k else not np.asarray(dq).any()
