@@ -846,6 +846,24 @@ def test_bridge_bad_input_names_the_argument():
     assert jax_to_torch(fn, x64=np.False_).x64 is False
 
 
+def test_static_torch_tensors_are_refused_not_baked_in():
+    """A torch tensor hashes by identity, so one listed in static_argnames was accepted and baked
+    into the trace: after an in-place update the call returned the old values, and a tensor
+    requiring grad got no gradient (None), silently."""
+    b = jax_to_torch(lambda x, m: x * jnp.asarray(m), static_argnames="m")
+    x = torch.ones(3)
+    for m in (torch.tensor([1.0, 2.0, 3.0]), torch.ones(3, requires_grad=True), (1, torch.ones(3))):
+        with pytest.raises(TypeError, match=r"static argument 'm' is or holds a torch.Tensor.*static_argnames"):
+            b(x, m)
+        with pytest.raises(TypeError, match=r"static argument 'm' is or holds a torch.Tensor"):
+            b(x, m=m)
+    assert b.cache_info()["traces"] == 0  # refused before anything is traced
+    traced = jax_to_torch(lambda x, m: x * m)
+    m = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    traced(x, m).sum().backward()
+    torch.testing.assert_close(m.grad, x)
+
+
 # =====================================================================================
 # CUDA: stream ordering, device mapping (run by the lead on a GPU machine)
 # =====================================================================================

@@ -102,6 +102,15 @@ class _Entry:
         self.vjp_bwd: dict[tuple[int, ...], Callable] = {}
 
 
+def _holds_tensor(value) -> bool:
+    """Is a static value a torch tensor, or a (nested) tuple/frozenset holding one?"""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (tuple, frozenset)):  # the hashable containers; namedtuples too
+        return any(_holds_tensor(v) for v in value)
+    return False
+
+
 def _argnames(static_argnames) -> tuple[str, ...]:
     """static_argnames as a tuple of names (a lone string or None as jax.jit takes them)."""
     if static_argnames is None:
@@ -211,6 +220,14 @@ class BridgedFunction:
                 raise TypeError(
                     f"{self!r}: static argument {name!r} must be hashable, got {type(value).__name__}"
                 ) from None
+            # A tensor hashes by identity: it would be baked into the trace, so an in-place update
+            # (or any later value) and its gradient would be ignored, silently.
+            if _holds_tensor(value):
+                raise TypeError(
+                    f"{self!r}: static argument {name!r} is or holds a torch.Tensor; static values "
+                    "are baked into the compiled function (later values and gradients would be "
+                    "ignored) -- pass tensors as traced arguments, not in static_argnames"
+                )
         return (tuple(args_l) if args_l is not None else args), kwargs, statics
 
     def _argname(self, args, kwargs, index: int) -> str:
