@@ -864,6 +864,18 @@ def test_static_torch_tensors_are_refused_not_baked_in():
     torch.testing.assert_close(m.grad, x)
 
 
+def test_traced_jax_values_get_a_clear_error():
+    """A bridged function called from JAX code (inside jax.jit, or another jax_to_torch function)
+    got "is a DynamicJaxprTracer; ... or list the argument in static_argnames", which would not help."""
+    inner = jax_to_torch(jnp.sin)
+    outer = jax_to_torch(lambda x: inner(x) * 2)
+    for call in (lambda: outer(torch.ones(2)), lambda: jax.jit(inner)(jnp.ones(2))):
+        with pytest.raises(TypeError, match=r"argument 'x' is a traced jax value .*call the JAX function directly") as err:
+            call()
+        assert "static_argnames" not in str(err.value)
+    torch.testing.assert_close(jax_to_torch(lambda x: inner.fn(x) * 2)(torch.ones(2)), 2 * torch.sin(torch.ones(2)))
+
+
 # =====================================================================================
 # CUDA: stream ordering, device mapping (run by the lead on a GPU machine)
 # =====================================================================================

@@ -568,7 +568,15 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
         if isinstance(leaf, torch.Tensor):
             tpos.append(i)
             tensors.append(leaf)
-        elif not isinstance(leaf, _PASSTHROUGH) or isinstance(leaf, jax.core.Tracer):
+        elif isinstance(leaf, jax.core.Tracer):
+            # Called from JAX code (jax.jit, another bridged function): static_argnames would
+            # not help, the JAX function itself is what belongs there.
+            raise TypeError(
+                f"{b._describe(args, kwargs, i)} is a traced jax value (this torch function was called "
+                "inside a jax transformation or another jax_to_torch function); in JAX code, call the "
+                "JAX function directly (it is this wrapper's .fn)"
+            )
+        elif not isinstance(leaf, _PASSTHROUGH):
             raise TypeError(
                 f"{b._describe(args, kwargs, i)} is a {type(leaf).__name__}; pass tensors or numbers, "
                 "or list the argument in static_argnames"
