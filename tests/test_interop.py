@@ -876,6 +876,21 @@ def test_traced_jax_values_get_a_clear_error():
     torch.testing.assert_close(jax_to_torch(lambda x: inner.fn(x) * 2)(torch.ones(2)), 2 * torch.sin(torch.ones(2)))
 
 
+def test_python_ints_out_of_range_name_the_argument():
+    """jax.jit's OverflowError named the bridge's internals ("argument path is leaves[1]")."""
+    b = jax_to_torch(lambda x, n: x * n)
+    x = torch.ones(2)
+    for n in (2**31, -(2**31) - 1, 2**40):
+        with pytest.raises(ValueError, match=rf"argument 'n' is the Python int {n}, which does not fit in int32.*x64=True"):
+            b(x, n)
+    with pytest.raises(ValueError, match=r"argument 'n' is the Python int .* does not fit in int64"):
+        b(x.double(), 2**63)  # a float64 input turns 64-bit mode on for the call
+    assert b(x, -(2**31)).tolist() == [-(2**31)] * 2
+    assert b(x.double(), 2**40).tolist() == [2.0**40] * 2
+    assert jax_to_torch(lambda x, n: x * n, x64=True)(x, 2**40).tolist() == [2.0**40] * 2
+    assert b(x, True).tolist() == [1.0, 1.0]
+
+
 # =====================================================================================
 # CUDA: stream ordering, device mapping (run by the lead on a GPU machine)
 # =====================================================================================

@@ -564,10 +564,13 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
 
     tpos: list[int] = []
     tensors: list[torch.Tensor] = []
+    ints: list[int] = []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             tpos.append(i)
             tensors.append(leaf)
+        elif type(leaf) is int:  # not bool
+            ints.append(i)
         elif isinstance(leaf, jax.core.Tracer):
             # Called from JAX code (jax.jit, another bridged function): static_argnames would
             # not help, the JAX function itself is what belongs there.
@@ -605,6 +608,16 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
         use_x64 = wide and not cv.x64_enabled()
     else:
         use_x64 = b.x64 and not cv.x64_enabled()
+    if ints:
+        # jax.jit would raise an OverflowError naming our internals ("argument path is leaves[1]").
+        bits = 64 if use_x64 or cv.x64_enabled() else 32
+        for i in ints:
+            if not -(1 << (bits - 1)) <= leaves[i] < 1 << (bits - 1):
+                raise ValueError(
+                    f"{b._describe(args, kwargs, i)} is the Python int {leaves[i]}, which does not fit "
+                    f"in int{bits}, jax's integer type for this call"
+                    + ("" if bits == 64 else " (64-bit mode is off: pass x64=True to jax_to_torch)")
+                )
     if wide and not use_x64 and not cv.x64_enabled():
         # x64=False: canonicalize as jax does for numpy inputs. The import keeps 64-bit dtypes,
         # and jax mishandles 64-bit arrays with x64 off (a * b stays float64, a[i]'s backward
