@@ -833,6 +833,9 @@ def test_bridge_bad_input_names_the_argument():
         s(x, x, "slow", opts="fast")
     with pytest.raises(ValueError, match="static_argnames names 'nope'"):
         jax_to_torch(fn, static_argnames=("nope",))
+    # was accepted, then every call said "list the argument in static_argnames" (it is listed)
+    with pytest.raises(ValueError, match=r"static_argnames names 'opts', the \*opts parameter"):
+        jax_to_torch(lambda x, *opts: x, static_argnames="opts")
     # [0] was accepted for a function taking **kwargs (and ignored), 3 was "'int' object is not iterable"
     for names in ([0], 3):
         with pytest.raises(TypeError, match="static_argnames must be a string or strings"):

@@ -149,10 +149,17 @@ class BridgedFunction:
         ]
         names = {p.name for p in params}
         has_var_kw = any(p.kind == p.VAR_KEYWORD for p in params)
+        var_pos = [p.name for p in params if p.kind == p.VAR_POSITIONAL]
         specs = []
         for name in self.static_argnames:
             if params and name not in names and not has_var_kw:
                 raise ValueError(f"jax_to_torch: static_argnames names {name!r}, which {fn!r} does not take")
+            if name in var_pos:  # no keyword reaches *name: it was accepted, then never static
+                raise ValueError(
+                    f"jax_to_torch: static_argnames names {name!r}, the *{name} parameter of {fn!r}; "
+                    "arguments gathered by *args cannot be static by name (as in jax.jit): make them "
+                    "named parameters"
+                )
             pos = self._param_names.index(name) if name in self._param_names else None
             specs.append((name, pos))
         self._static_specs = tuple(specs)
