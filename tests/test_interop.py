@@ -756,6 +756,21 @@ def test_torch_func_transforms_fail_loudly():
         torch.func.grad(lambda x: b(x).sum())(x)
 
 
+def test_batched_gradients_fail_loudly():
+    """torch.autograd.grad(is_grads_batched=True) and jacobian(vectorize=True) hand the backward
+    legacy-vmap batched gradients: it failed with "Cannot access data pointer of Tensor that
+    doesn't have storage". The unbatched jacobian works."""
+    b = jax_to_torch(lambda x: jnp.sin(x) * x[::-1])
+    x = _f64(3)
+    want = torch.autograd.functional.jacobian(lambda x: torch.sin(x) * x.flip(0), x)
+    torch.testing.assert_close(torch.autograd.functional.jacobian(b, x), want)
+    match = r"gradient of output leaf 0: the tensor is batched by torch's legacy vmap.*vectorize=False"
+    with pytest.raises(TypeError, match=match):
+        torch.autograd.grad(b(x), x, torch.eye(3, dtype=torch.float64), is_grads_batched=True)
+    with pytest.raises(TypeError, match=match):
+        torch.autograd.functional.jacobian(b, x, vectorize=True)
+
+
 def test_forward_mode_dual_tensors_fail_loudly():
     """A dual tensor's tangent used to vanish (None) without requires_grad; with it torch's
     generic 'implement the jvp function' error came. Constants under a dual level still work."""

@@ -317,6 +317,16 @@ def _unexportable(tensor: torch.Tensor) -> str | None:
             "the tensor is a torch.func (vmap / grad / jacrev ...) wrapped tensor; JAX code cannot run under "
             "torch.func transforms -- use jax.vmap / jax.grad inside the JAX function instead"
         )
+    try:
+        legacy = torch._C._functorch.is_legacy_batchedtensor(tensor)
+    except Exception:  # pragma: no cover - private API moved
+        legacy = False
+    if legacy:  # the backward's incoming grads under is_grads_batched=True / vectorize=True
+        return (
+            "the tensor is batched by torch's legacy vmap (torch.autograd.grad(is_grads_batched=True), "
+            "torch.autograd.functional.jacobian/hessian(vectorize=True)), which JAX code cannot receive -- "
+            "use vectorize=False (one backward per row), or jax.jacrev inside the JAX function"
+        )
     if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
         return f"the tensor is a {type(tensor).__name__} (a subclass without exportable storage)"
     return None
