@@ -752,8 +752,21 @@ def test_torch_func_transforms_fail_loudly():
     x = torch.randn(4, 3)
     with pytest.raises(TypeError, match=r"argument 'x': the tensor is a torch.func .*jax.vmap"):
         torch.func.vmap(b)(x)
-    with pytest.raises(RuntimeError, match="setup_context"):
+    # torch's own error here said to override setup_context on our autograd.Function
+    match = r"argument 'x' requires grad under a torch.func transform.*jax.grad / jax.vmap"
+    with pytest.raises(NotImplementedError, match=match):
         torch.func.grad(lambda x: b(x).sum())(x)
+    with pytest.raises(NotImplementedError, match=match):
+        torch.func.vjp(b, x)
+    with pytest.raises(NotImplementedError, match=match):
+        torch.func.jacrev(b)(x)
+    w = torch.randn(3, requires_grad=True)  # unbatched, but autograd records under vmap
+    with pytest.raises(NotImplementedError, match=r"argument 'x' requires grad under a torch.func transform"):
+        torch.func.vmap(lambda r: b(w) * r)(x)
+    # constants inside a transform still work
+    c = x[0].clone()  # made outside: ops inside a transform return wrapped tensors
+    torch.testing.assert_close(torch.func.grad(lambda r: (r * b(c)).sum())(x[1]), torch.sin(c) * 2)
+    torch.testing.assert_close(torch.func.vmap(lambda r: b(c) * r)(x), torch.sin(c) * 2 * x)
 
 
 def test_batched_gradients_fail_loudly():

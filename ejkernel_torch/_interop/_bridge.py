@@ -554,6 +554,20 @@ def _reject_tangents(b, args, kwargs, tpos, tensors) -> None:
             )
 
 
+_functorch_level = getattr(torch._C._functorch, "maybe_current_level", lambda: None)
+
+
+def _reject_functorch(b, args, kwargs, tpos, tensors) -> None:
+    """torch.func transforms (grad, vjp, jacrev, vmap) refuse our autograd.Function with torch's
+    generic "must override the setup_context staticmethod", which points at the wrong fix."""
+    k = next(k for k, t in enumerate(tensors) if t.requires_grad)
+    raise NotImplementedError(
+        f"{b._describe(args, kwargs, tpos[k])} requires grad under a torch.func transform (grad / vjp / "
+        "jacrev / vmap ...); jax_to_torch functions are differentiated by torch autograd only -- use "
+        "backward / torch.autograd.grad outside torch.func, or jax.grad / jax.vmap inside the JAX function"
+    )
+
+
 def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
     """The hot path. torch.compile graph-breaks here (documented; never traced by dynamo)."""
     if torch._C._get_tracing_state() is not None:
@@ -610,6 +624,8 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
                 need_grad = True
             if t.dtype in cv.WIDE_TORCH_DTYPES:
                 wide = True
+        if need_grad and _functorch_level() is not None:
+            _reject_functorch(b, args, kwargs, tpos, tensors)
 
     if b.x64 is None:
         use_x64 = wide and not cv.x64_enabled()
@@ -706,6 +722,9 @@ def jax_to_torch(
       always, ``False`` never (jax then canonicalizes 64-bit inputs to 32 bits).
     * **torch.compile**: the wrapper is ``torch.compiler.disable``-d, so dynamo graph-breaks
       around it and runs it eagerly (values and gradients are right; ``fullgraph=True`` raises).
+    * **torch.func**: reverse mode through torch autograd only. ``grad``/``vjp``/``jacrev`` (and
+      ``vmap`` of tensors that require grad, or are batched) raise, as forward-mode AD does; use
+      ``jax.grad``/``jax.vmap`` inside the JAX function instead.
     * **Small CUDA calls with grad**: torch runs CUDA backward functions on its own device
       thread, and waking it (then jax, then the caller again) costs about 0.4 ms a step on an
       H200 (``scripts/probe_grad_overhead.py``). When that matters, call ``backward`` inside
