@@ -665,6 +665,17 @@ def test_x64_policy():
     assert narrow(torch.tensor([3])).dtype == torch.int32  # jax's canonicalization
 
 
+def test_x64_false_keeps_jax_global_64_bit_mode():
+    """The docstring said x64=False canonicalizes 64-bit inputs to 32 bits, which holds only with
+    jax's 64-bit mode off: x64 never turns a global jax_enable_x64 off (documented now)."""
+    narrow = jax_to_torch(lambda i, x: (i * 2, x * 2, jnp.zeros(2)), x64=False)
+    i, x = torch.tensor([3]), torch.ones(2, dtype=torch.float64)
+    assert [t.dtype for t in narrow(i, x)] == [torch.int32, torch.float32, torch.float32]
+    with jax.enable_x64(True):
+        assert [t.dtype for t in narrow(i, x)] == [torch.int64, torch.float64, torch.float64]
+    assert "with ``jax_enable_x64`` set globally" in jax_to_torch.__doc__
+
+
 def test_x64_false_canonicalizes_64_bit_inputs_with_gradients():
     """x64=False used to hand jax 64-bit arrays with x64 off: x * y came back float64 and the
     backward of x[i] failed ('lax.scatter requires arguments to have the same dtypes')."""

@@ -719,7 +719,9 @@ def jax_to_torch(
       gradients follow torch's convention (the conjugate of jax's).
     * **x64**: ``None`` (default) turns jax's 64-bit mode on for the call when an input tensor
       is 64-bit (float64/int64/complex128/uint64), so dtypes are what torch passed; ``True``
-      always, ``False`` never (jax then canonicalizes 64-bit inputs to 32 bits).
+      always, ``False`` never (jax then canonicalizes 64-bit inputs to 32 bits). None of them
+      turns it off: with ``jax_enable_x64`` set globally, every call runs in 64-bit mode and
+      64-bit inputs stay 64-bit, ``x64=False`` too.
     * **torch.compile**: the wrapper is ``torch.compiler.disable``-d, so dynamo graph-breaks
       around it and runs it eagerly (values and gradients are right; ``fullgraph=True`` raises).
     * **torch.func**: reverse mode through torch autograd only. ``grad``/``vjp``/``jacrev`` (and
