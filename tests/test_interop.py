@@ -835,6 +835,31 @@ def test_torch_compile_graph_breaks_and_stays_correct():
     torch._dynamo.reset()
 
 
+def test_compiled_autograd_graph_breaks_in_the_backward(monkeypatch):
+    """With compiled autograd, dynamo traces custom backwards: it stepped into the JAX pullback
+    and failed inside jax with "flatten(): incompatible function arguments"."""
+    bridged = jax_to_torch(lambda h, w: jnp.sin(h) * w)
+    monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", True)
+    torch._dynamo.reset()
+
+    @torch.compile(backend="aot_eager")
+    def step(x, w):
+        loss = (bridged(torch.tanh(x), w) * 2).square().sum()
+        loss.backward()
+        return loss
+
+    try:
+        for seed in range(2):
+            x, w = _f64(5, seed=seed), _f64(5, seed=seed + 10)
+            want = torch.autograd.grad((torch.sin(torch.tanh(x)) * w * 2).square().sum(), [x, w])
+            loss = step(x, w)
+            torch.testing.assert_close(loss, (torch.sin(torch.tanh(x)) * w * 2).square().sum())
+            torch.testing.assert_close(x.grad, want[0])
+            torch.testing.assert_close(w.grad, want[1])
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_torch_jit_trace_is_refused_not_baked_in():
     # The trace used to hold the JAX call's outputs as constants: sin(0) for any input.

@@ -692,6 +692,11 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
 
 
 _bridge_call = _compiler_disable(_bridge_call, _GRAPH_BREAK_REASON)
+# Compiled autograd (torch._dynamo.config.compiled_autograd) traces custom backwards with dynamo,
+# which then stepped into jax and failed there ("flatten(): incompatible function arguments").
+_backward = _compiler_disable(
+    _backward, "ejkernel_torch.interop.jax_to_torch's backward runs a jitted JAX pullback; it graph-breaks by design"
+)
 
 
 def jax_to_torch(
@@ -724,6 +729,7 @@ def jax_to_torch(
       64-bit inputs stay 64-bit, ``x64=False`` too.
     * **torch.compile**: the wrapper is ``torch.compiler.disable``-d, so dynamo graph-breaks
       around it and runs it eagerly (values and gradients are right; ``fullgraph=True`` raises).
+      Under compiled autograd the backward graph-breaks the same way.
     * **torch.func**: reverse mode through torch autograd only. ``grad``/``vjp``/``jacrev`` (and
       ``vmap`` of tensors that require grad, or are batched) raise, as forward-mode AD does; use
       ``jax.grad``/``jax.vmap`` inside the JAX function instead.
