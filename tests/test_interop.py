@@ -870,6 +870,19 @@ def test_torch_jit_trace_is_refused_not_baked_in():
     torch.testing.assert_close(bridged(x), torch.sin(x))
 
 
+@pytest.mark.parametrize("tracing_mode", ["real", "fake"])
+def test_make_fx_is_refused_not_baked_in(tracing_mode):
+    """make_fx(tracing_mode='real') recorded no DLPack exchange: its graph held the JAX call's
+    outputs as a constant (sin(0) * 2 = 0 for any input), silently; 'fake' failed unclearly."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    bridged = jax_to_torch(jnp.sin)
+    with pytest.raises(RuntimeError, match="cannot be recorded by make_fx"):
+        make_fx(lambda x: bridged(x) * 2, tracing_mode=tracing_mode)(torch.zeros(3))
+    x = _f64(3, requires_grad=False)
+    torch.testing.assert_close(bridged(x), torch.sin(x))
+
+
 # -- bad input ------------------------------------------------------------------------------
 
 

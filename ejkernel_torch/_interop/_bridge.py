@@ -554,6 +554,11 @@ def _reject_tangents(b, args, kwargs, tpos, tensors) -> None:
             )
 
 
+def _proxy_mode(_get=torch._C._get_dispatch_mode, _key=torch._C._TorchDispatchModeKey.PROXY):
+    """The active make_fx tracing mode (a ProxyTorchDispatchMode), if any."""
+    return _get(_key)
+
+
 _functorch_level = getattr(torch._C._functorch, "maybe_current_level", lambda: None)
 
 
@@ -576,6 +581,13 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
         raise RuntimeError(
             f"{b!r} cannot be recorded by torch.jit.trace (or a tracing exporter): the JAX call "
             "would become a constant; use torch.compile, which runs it eagerly between graphs"
+        )
+    if _proxy_mode() is not None:
+        # make_fx / torch.export / AOT tracing record aten ops: the DLPack exchange is none, so
+        # the outputs became graph constants (make_fx's graph returned sin(0) for any input).
+        raise RuntimeError(
+            f"{b!r} cannot be recorded by make_fx, torch.export or another graph tracer: the JAX "
+            "call would become a constant; use torch.compile, which runs it eagerly between graphs"
         )
     b.calls += 1
     statics = ()
