@@ -870,6 +870,22 @@ def test_torch_jit_trace_is_refused_not_baked_in():
     torch.testing.assert_close(bridged(x), torch.sin(x))
 
 
+def test_fx_symbolic_trace_and_torch_export_errors_say_what_to_do():
+    """symbolic_trace said "argument 'x' is a Proxy; ... or list the argument in static_argnames"
+    and torch.export "the tensor is a FakeTensor (a subclass without exportable storage)"."""
+    bridged = jax_to_torch(jnp.sin)
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return bridged(x) * 2
+
+    with pytest.raises(TypeError, match=r"argument 'x' is a torch.fx Proxy.*torch.fx.wrap") as err:
+        torch.fx.symbolic_trace(Model())
+    assert "static_argnames" not in str(err.value)
+    with pytest.raises(TypeError, match=r"argument 'x': the tensor is a FakeTensor \(torch.export.*torch.compile"):
+        torch.export.export(Model(), (torch.zeros(3),))
+
+
 @pytest.mark.parametrize("tracing_mode", ["real", "fake"])
 def test_make_fx_is_refused_not_baked_in(tracing_mode):
     """make_fx(tracing_mode='real') recorded no DLPack exchange: its graph held the JAX call's

@@ -612,6 +612,12 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
                 "inside a jax transformation or another jax_to_torch function); in JAX code, call the "
                 "JAX function directly (it is this wrapper's .fn)"
             )
+        elif isinstance(leaf, torch.fx.Proxy):  # static_argnames would not help here either
+            raise TypeError(
+                f"{b._describe(args, kwargs, i)} is a torch.fx Proxy: torch.fx.symbolic_trace cannot "
+                "record a JAX call; keep the call out of the graph with torch.fx.wrap (or a leaf module), "
+                "or use torch.compile, which runs it eagerly between graphs"
+            )
         elif not isinstance(leaf, _PASSTHROUGH):
             raise TypeError(
                 f"{b._describe(args, kwargs, i)} is a {type(leaf).__name__}; pass tensors or numbers, "

@@ -327,6 +327,12 @@ def _unexportable(tensor: torch.Tensor) -> str | None:
             "torch.autograd.functional.jacobian/hessian(vectorize=True)), which JAX code cannot receive -- "
             "use vectorize=False (one backward per row), or jax.jacrev inside the JAX function"
         )
+    if isinstance(tensor, torch._subclasses.FakeTensor):  # torch.export (non-strict) traces with these
+        return (
+            "the tensor is a FakeTensor (torch.export or another fake-tensor tracer): it has no data "
+            "for JAX, and a JAX call cannot be traced into a torch graph; use torch.compile, which "
+            "runs it eagerly between graphs"
+        )
     if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
         return f"the tensor is a {type(tensor).__name__} (a subclass without exportable storage)"
     return None
