@@ -835,11 +835,14 @@ def test_torch_compile_graph_breaks_and_stays_correct():
     torch._dynamo.reset()
 
 
-def test_compiled_autograd_graph_breaks_in_the_backward(monkeypatch):
+def test_compiled_autograd_graph_breaks_in_the_backward():
     """With compiled autograd, dynamo traces custom backwards: it stepped into the JAX pullback
     and failed inside jax with "flatten(): incompatible function arguments"."""
     bridged = jax_to_torch(lambda h, w: jnp.sin(h) * w)
-    monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", True)
+    # config.patch, not monkeypatch: pytest's undo deletes the attribute, and a deleted torch
+    # config is hidden ("compiled_autograd does not exist" in every later torch.compile).
+    patch = torch._dynamo.config.patch(compiled_autograd=True)
+    patch.__enter__()
     torch._dynamo.reset()
 
     @torch.compile(backend="aot_eager")
@@ -857,6 +860,7 @@ def test_compiled_autograd_graph_breaks_in_the_backward(monkeypatch):
             torch.testing.assert_close(x.grad, want[0])
             torch.testing.assert_close(w.grad, want[1])
     finally:
+        patch.__exit__(None, None, None)
         torch._dynamo.reset()
 
 
