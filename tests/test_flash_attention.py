@@ -291,6 +291,49 @@ def test_dropout_masks_agree(torch_fw, jax_fw):
     np.testing.assert_array_equal(*masks)
 
 
+@pytest.mark.parametrize("bias_mapped", [False, True], ids=["shared-bias", "mapped-bias"])
+def test_vmap_folds_the_mapped_axis_into_the_batch(fw, rng, monkeypatch, bias_mapped):
+    # vmap ran the kernels once per sample (torch: its fallback for ops without a batching rule,
+    # jax: the launches' lax.map). A dense call without dropout now folds the mapped axis into the
+    # batch: one launch of each kernel, made for n * batch rows, with the per-sample values.
+    from triton_kernels import flash_attention as fa
+
+    n, b, sq, sk, h, d = 3, 2, 9, 11, 2, 16
+    batches = []
+    for name in ("forward_plan", "backward_plans"):
+        real = getattr(fa, name)
+        monkeypatch.setattr(fa, name, lambda spec, *a, _real=real: (batches.append(spec.batch), _real(spec, *a))[1])
+    q = rng.standard_normal((n, b, sq, h, d))
+    k = rng.standard_normal((b, sk, h, d))  # the same for every sample
+    v = rng.standard_normal((b, sk, h, d, n))  # mapped over its last axis
+    bias = rng.standard_normal((n, 1, h, sq, sk) if bias_mapped else (1, h, sq, sk))
+    in_dims = (0, 4, 0 if bias_mapped else None)
+
+    def loss(q, v, bias):
+        return (fw.ops.flash_attention(q, fw.asarray(k), v, causal=True, bias=bias) ** 2).sum()
+
+    args = [fw.asarray(x) for x in (q, v, bias)]
+    if fw.name == "torch":
+        import torch
+
+        grads = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)), in_dims=in_dims)(*args)
+    else:
+        import jax
+
+        grads = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=in_dims)(*args)
+        jaxpr = str(jax.make_jaxpr(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=in_dims))(*args))
+        assert "scan[" not in jaxpr and "while[" not in jaxpr  # no per-sample loop left
+    assert set(batches) == ({n * b, b} if fw.name == "jax" else {n * b})  # jax also traces the unfolded call
+    assert batches.count(n * b) >= 2  # the forward and the backward ran folded
+
+    for i in range(n):  # each sample's gradients, the shared bias's too
+        qi, vi = ref._t(q[i]).requires_grad_(), ref._t(v[..., i]).requires_grad_()
+        bi = ref._t(bias[i] if bias_mapped else bias).requires_grad_()
+        (ref.flash_attention(qi, ref._t(k), vi, causal=True, bias=bi) ** 2).sum().backward()
+        for got, want in zip(grads, (qi, vi, bi)):
+            assert rel_error(fw.to_numpy(got)[i], want.grad.numpy()) < GRAD_TOLERANCE["float32"]
+
+
 # -- jax transforms ---------------------------------------------------------------------------------
 
 

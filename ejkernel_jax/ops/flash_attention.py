@@ -2,6 +2,7 @@
 custom VJP. Works under jit, grad and vmap; options are static Python values."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -27,15 +28,115 @@ def _features(q, k, v, bias, aux) -> list[jax.Array]:
     return [q, k, v, dummy_float if bias is None else bias] + [dummy_int if a is None else a for a in aux]
 
 
-def _forward(spec, params, q, k, v, bias, aux):
+def _forward_kernel(spec, params, q, k, v, bias, aux):
     plan = fa.forward_plan(spec, device_facts(), _tuning.resolve(FLASH_FWD, spec, params[0]))
-    return launch(plan, *_features(q, k, v, bias, aux))
+    return tuple(launch(plan, *_features(q, k, v, bias, aux)))
+
+
+def _backward_kernels(spec, params, bias_grad, use_dlse, q, k, v, bias, aux, out, lse, dout, dlse):
+    """(dq, dk, dv, ds): ds is the float32 gradient of the full scores, a [1] stand-in unless
+    bias_grad; ``dlse`` is None unless use_dlse."""
+    delta_plan, dkdv_plan, dq_plan = fa.backward_plans(spec, device_facts(), bias_grad, use_dlse,
+                                                       _tuning.resolve(FLASH_BWD, spec, params[1]))
+    features = _features(q, k, v, bias, aux)
+    dlse_arg = dlse if use_dlse else jnp.zeros((1,), jnp.float32)
+    (delta,) = launch(delta_plan, out, dout, dlse_arg, features[6], features[7])
+    dk, dv, ds = launch(dkdv_plan, *features, dout, lse, delta)
+    (dq,) = launch(dq_plan, *features, dout, lse, delta)
+    return dq, dk, dv, ds
+
+
+# -- vmap: the mapped axis folded into the batch --------------------------------------------------
+# The launches' own vmap rule runs one launch per sample, in sequence (lax.map). The kernels treat
+# every (batch row, head) on its own, so a dense call maps instead by folding the mapped axis into
+# the batch: one launch for all samples. Not with dropout (the mask is drawn by batch-row index, so
+# a folded sample would draw another row's mask) nor varlen (cu_seqlens index packed tokens).
+
+
+def _foldable(spec) -> bool:
+    return not spec.varlen and spec.dropout_p == 0.0
+
+
+def _fold(x, batched, n: int, batch: int):
+    """``x`` as ``[n * batch, ...]``: it is ``[n, batch|1, ...]`` when mapped, else
+    ``[batch|1, ...]`` (the same for every sample)."""
+    if not batched:
+        x = jnp.broadcast_to(x, (n,) + x.shape)
+    x = jnp.broadcast_to(x, (n, batch) + x.shape[2:])
+    return x.reshape((n * batch,) + x.shape[2:])
+
+
+def _unfold(x, n: int):
+    return x.reshape((n, x.shape[0] // n) + x.shape[1:])
+
+
+def _fold_call(spec, n, in_batched, arrays):
+    """The spec of the folded call and its arrays (q, k, v, bias, q_seg, kv_seg, then more
+    ``[batch, ...]`` arrays; None stays None). A bias the same for every batch row and sample
+    (``[1, ...]``, unmapped) stays so; the kernels broadcast it."""
+    bias, bias_spec = arrays[3], spec.bias
+    shared_bias = bias is not None and not in_batched[3] and bias.shape[0] == 1
+    folded = [x if x is None or (i == 3 and shared_bias) else _fold(x, b, n, spec.batch)
+              for i, (x, b) in enumerate(zip(arrays, in_batched))]
+    if bias is not None and not shared_bias:
+        bias_spec = (n * spec.batch, spec.bias[1])
+    return dataclasses.replace(spec, batch=n * spec.batch, bias=bias_spec), folded
+
+
+@functools.lru_cache(maxsize=256)
+def _folding_forward(spec, params):
+    """The forward kernel on (q, k, v, bias, q_seg, kv_seg) with a vmap rule that folds."""
+
+    @jax.custom_batching.custom_vmap
+    def run(q, k, v, bias, q_seg, kv_seg):
+        return _forward_kernel(spec, params, q, k, v, bias, (q_seg, kv_seg, None, None, None))
+
+    @run.def_vmap
+    def _rule(n, in_batched, *arrays):
+        folded_spec, folded = _fold_call(spec, n, in_batched, arrays)
+        out, lse = _folding_forward(folded_spec, params)(*folded)
+        return (_unfold(out, n), _unfold(lse, n)), (True, True)
+
+    return run
+
+
+@functools.lru_cache(maxsize=256)
+def _folding_backward(spec, params, bias_grad, use_dlse):
+    """``_backward_kernels`` on (q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse) with a vmap
+    rule that folds."""
+
+    @jax.custom_batching.custom_vmap
+    def run(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse):
+        return _backward_kernels(spec, params, bias_grad, use_dlse, q, k, v, bias, (q_seg, kv_seg, None, None, None),
+                                 out, lse, dout, dlse)
+
+    @run.def_vmap
+    def _rule(n, in_batched, *arrays):
+        folded_spec, folded = _fold_call(spec, n, in_batched, arrays)
+        dq, dk, dv, ds = _folding_backward(folded_spec, params, bias_grad, use_dlse)(*folded)
+        ds = _unfold(ds, n) if bias_grad else ds  # else a [1] stand-in, the same for every sample
+        return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n), ds), (True, True, True, bias_grad)
+
+    return run
+
+
+def _forward(spec, params, q, k, v, bias, aux):
+    if _foldable(spec):
+        return _folding_forward(spec, params)(q, k, v, bias, aux[0], aux[1])
+    return _forward_kernel(spec, params, q, k, v, bias, aux)
+
+
+def _backward(spec, params, bias_grad, use_dlse, q, k, v, bias, aux, out, lse, dout, dlse):
+    if _foldable(spec):
+        return _folding_backward(spec, params, bias_grad, use_dlse)(q, k, v, bias, aux[0], aux[1], out, lse, dout,
+                                                                     dlse)
+    return _backward_kernels(spec, params, bias_grad, use_dlse, q, k, v, bias, aux, out, lse, dout, dlse)
 
 
 # params: (FwdParams | None, BwdParams | None), static like the spec.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _flash(spec, params, q, k, v, bias, aux):
-    return tuple(_forward(spec, params, q, k, v, bias, aux))
+    return _forward(spec, params, q, k, v, bias, aux)
 
 
 def _flash_fwd(spec, params, q, k, v, bias, aux):
@@ -53,13 +154,8 @@ def _flash_bwd(spec, params, residuals, cotangents):
     (q, k, v, bias, aux, out, lse, bias_grad), (dout, dlse) = first_order("flash_attention", (residuals, cotangents))
     dout = jnp.zeros_like(out) if isinstance(dout, SymbolicZero) else dout.astype(q.dtype)
     use_dlse = not isinstance(dlse, SymbolicZero)
-    delta_plan, dkdv_plan, dq_plan = fa.backward_plans(spec, device_facts(), bias_grad, use_dlse,
-                                                       _tuning.resolve(FLASH_BWD, spec, params[1]))
-    features = _features(q, k, v, bias, aux)
-    dlse_arg = dlse.astype(jnp.float32) if use_dlse else jnp.zeros((1,), jnp.float32)
-    (delta,) = launch(delta_plan, out, dout, dlse_arg, features[6], features[7])
-    dk, dv, ds = launch(dkdv_plan, *features, dout, lse, delta)
-    (dq,) = launch(dq_plan, *features, dout, lse, delta)
+    dlse = dlse.astype(jnp.float32) if use_dlse else None
+    dq, dk, dv, ds = _backward(spec, params, bias_grad, use_dlse, q, k, v, bias, aux, out, lse, dout, dlse)
     dbias = _sum_to(ds, bias.shape).astype(bias.dtype) if bias_grad else None
     return dq, dk, dv, dbias, (None,) * len(aux)
 

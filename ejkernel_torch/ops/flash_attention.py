@@ -162,6 +162,18 @@ def _backward_kernels(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor
 flash_attention_bwd = torch.library.triton_op("ejkernel::flash_attention_bwd", _backward_kernels, mutates_args=())
 
 
+@flash_attention_bwd.register_vmap
+def _bwd_vmap(info, in_dims, *args):
+    op, bias_grad, n = torch.ops.ejkernel.flash_attention_bwd, args[20], info.batch_size
+    ds_dim = 0 if bias_grad else None  # else a one-element placeholder, the same for every sample
+    if not _foldable(args, 10, args[19]):
+        return _per_sample(op, info, in_dims, args, (0, 0, 0, ds_dim))
+    q, q_dim = args[2], in_dims[2]
+    batch = q.shape[0 if q_dim is None else (1 if q_dim == 0 else 0)]
+    dq, dk, dv, ds = op(*_fold_args(args, in_dims, n, batch, 7, range(10)))
+    return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n), _unfold(ds, n) if bias_grad else ds), (0, 0, 0, ds_dim)
+
+
 def _needs_grad(tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -205,6 +217,61 @@ def _sum_to(ds: Tensor, shape) -> Tensor:
 
 
 flash_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.func.vmap: the mapped axis folded into the batch, one launch for every sample (the
+# kernels treat each (batch row, head) on its own). Not with dropout (the mask is drawn by
+# batch-row index: a folded sample would draw another row's mask) nor varlen (cu_seqlens index
+# packed tokens): those run once per sample, as torch's fallback for ops without a rule does.
+
+
+def _fold(x: Optional[Tensor], dim: Optional[int], n: int, batch: int) -> Optional[Tensor]:
+    """``x`` as ``[n * batch, ...]``: mapped over ``dim`` with ``[batch|1, ...]`` samples, or the
+    same ``[batch|1, ...]`` for every sample (``dim`` None)."""
+    if x is None:
+        return None
+    x = x.expand(n, *x.shape) if dim is None else x.movedim(dim, 0)
+    return x.expand(n, batch, *x.shape[2:]).reshape(n * batch, *x.shape[2:]).contiguous()
+
+
+def _unfold(x: Tensor, n: int) -> Tensor:
+    return x.unflatten(0, (n, x.shape[0] // n))
+
+
+def _fold_args(args: tuple, in_dims: tuple, n: int, batch: int, bias_at: int, batched_at: range) -> list:
+    """The op's arguments with those at ``batched_at`` ([batch, ...] arrays) folded. A bias the
+    same for every batch row and sample (``[1, ...]``, unmapped) stays so: the kernels broadcast it."""
+    out = list(args)
+    for i in batched_at:
+        if i == bias_at and args[i] is not None and in_dims[i] is None and args[i].shape[0] == 1:
+            continue
+        out[i] = _fold(args[i], in_dims[i], n, batch)
+    return out
+
+
+def _per_sample(op, info, in_dims: tuple, args: tuple, out_dims: tuple):
+    """``op`` once per sample, outputs stacked (where folding does not apply)."""
+    results = []
+    for i in range(info.batch_size):
+        sample = [a if d is None else a.select(d, i) for a, d in zip(args, in_dims)]
+        results.append(op(*sample))
+    return tuple(torch.stack(r) if d == 0 else r[0] for r, d in zip(zip(*results), out_dims)), out_dims
+
+
+def _foldable(args: tuple, cu_at: int, dropout_p: float) -> bool:
+    return args[cu_at] is None and dropout_p == 0.0
+
+
+@flash_attention_fwd.register_vmap
+def _fwd_vmap(info, in_dims, *args):
+    op = torch.ops.ejkernel.flash_attention_fwd
+    if not _foldable(args, 6, args[15]):
+        return _per_sample(op, info, in_dims, args, (0, 0))
+    q, q_dim = args[0], in_dims[0]
+    batch = q.shape[0 if q_dim is None else (1 if q_dim == 0 else 0)]
+    out, lse = op(*_fold_args(args, in_dims, info.batch_size, batch, 3, range(6)))
+    return (_unfold(out, info.batch_size), _unfold(lse, info.batch_size)), (0, 0)
 
 
 class _FlashAttentionFn(torch.autograd.Function):
