@@ -177,6 +177,23 @@ def test_make_group_metadata_without_groups():
     assert int(num_tiles) == 0
 
 
+def test_make_group_metadata_without_rows():
+    # m = 0 (no m-tiles): every tile id was -1, and with visit_empty_groups the empty groups'
+    # visits (num_tiles = 3) overflowed the 2 entries of group_ids. They are visited on tile 0.
+    sizes = jnp.zeros((3,), jnp.int32)
+    for start, num in ((0, 3), (1, 2)):
+        for visit_empty in (True, False):
+            (offs, gids, tiles), num_tiles = _metadata(group_sizes=sizes, m=0, tm=4, start_group=jnp.int32(start),
+                                                       num_nonzero_groups=jnp.int32(num),
+                                                       visit_empty_groups=visit_empty)
+            want = list(range(start, start + num)) if visit_empty else []
+            np.testing.assert_array_equal(offs, [0, 0, 0, 0])
+            assert int(num_tiles) == len(want) <= gids.shape[0] == tiles.shape[0] == 3
+            assert np.asarray(gids)[: len(want)].tolist() == want
+            assert np.all((np.asarray(gids) >= 0) & (np.asarray(gids) < 3))
+            assert not np.asarray(tiles).any(), tiles  # tile 0 only
+
+
 @pytest.mark.parametrize(
     "override, exc, match",
     [  # once a ZeroDivisionError, silent results, or a lax.div dtype error

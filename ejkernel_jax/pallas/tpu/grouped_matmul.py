@@ -105,18 +105,22 @@ def make_group_metadata(
 
       * ``group_offsets``: int32 ``[num_groups + 1]``, ``[0, cumsum(group_sizes)]``; group ``i``
         owns rows ``[group_offsets[i], group_offsets[i + 1])``.
-      * ``group_ids``, ``m_tile_ids``: int32 ``[cdiv(m, tm) + num_groups - 1]``; visit ``v``
-        works on m-tile ``m_tile_ids[v]`` for group ``group_ids[v]``. Visits are sorted by group
-        and by tile, so the visits to one tile (or of one group) are consecutive.
+      * ``group_ids``, ``m_tile_ids``: int32 ``[max(cdiv(m, tm), 1) + num_groups - 1]`` (at
+        least 1); visit ``v`` works on m-tile ``m_tile_ids[v]`` for group ``group_ids[v]``.
+        Visits are sorted by group and by tile, so the visits to one tile (or of one group) are
+        consecutive. With ``m = 0`` there is no tile: empty groups are visited on tile 0.
       * ``num_tiles``: int32 scalar, the number of valid visits. Entries past it are padding
         (copies of the last valid visit) and must not be used.
     """
     m, tm = _check_metadata_args(group_sizes, m, tm, start_group, num_nonzero_groups)
     num_groups = group_sizes.shape[0]
     tiles_m = pl.cdiv(m, tm)
+    # With m = 0 (no tiles) tile ids were clamped into [0, -1], giving -1, and the empty groups'
+    # visits overflowed the arrays: counted as one tile, tile 0 stands in for the missing one.
+    last_tile_id = max(tiles_m, 1) - 1
     # A group spans its own tiles; consecutive groups share at most one boundary tile, and an
     # empty group adds at most one visit, hence this bound.
-    max_visits = max(tiles_m + num_groups - 1, 1)
+    max_visits = max(last_tile_id + num_groups, 1)
     if num_groups == 0:
         # Nothing to visit. Below, gathers by group id from an empty group axis fail inside jax
         # ("sub got incompatible shapes"); the padding entries are tile 0 of group 0.
@@ -129,7 +133,7 @@ def make_group_metadata(
 
     empty = group_sizes == 0
     # An empty group starting at row m (m a multiple of tm) is parked in the last tile.
-    first_tile = jnp.minimum(starts // tm, tiles_m - 1)
+    first_tile = jnp.minimum(starts // tm, last_tile_id)
     last_tile = (ends - 1) // tm
     visits = jnp.where(empty, int(visit_empty_groups), last_tile - first_tile + 1)
     group = jnp.arange(num_groups, dtype=jnp.int32)
@@ -147,7 +151,7 @@ def make_group_metadata(
     last = jnp.maximum(num_tiles - 1, 0)
     group_ids = jnp.where(v < num_tiles, group_ids, group_ids[last])
     m_tile_ids = jnp.where(v < num_tiles, m_tile_ids, m_tile_ids[last])
-    m_tile_ids = jnp.clip(m_tile_ids, 0, tiles_m - 1).astype(jnp.int32)
+    m_tile_ids = jnp.clip(m_tile_ids, 0, last_tile_id).astype(jnp.int32)
     return (group_offsets, group_ids, m_tile_ids), num_tiles
 
 
