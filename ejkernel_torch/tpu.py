@@ -522,19 +522,27 @@ def make_group_metadata(
 ):
     """The grouped matmul's visit schedule as torch tensors:
     ``((group_offsets, group_ids, m_tile_ids), num_tiles)``; see ``ejkernel_jax``'s
-    ``make_group_metadata``. ``start_group`` may be an int or an integer scalar tensor."""
+    ``make_group_metadata``. ``start_group`` may be an int or an integer scalar tensor; its value
+    is checked as jax checks a concrete one (a tensor's in one host sync)."""
     fn = "make_group_metadata"
     group_sizes = _int32(fn, "group_sizes", group_sizes)
+    start_value = None  # known value of start_group: jax checks a concrete one, but here it is traced
     if isinstance(start_group, torch.Tensor):
-        start_group = _tensor(fn, "start_group", start_group, _INT_DTYPES, "an integer tensor").to(torch.int32)
+        start_group = _tensor(fn, "start_group", start_group, _INT_DTYPES, "an integer tensor")
         _device(fn, group_sizes=group_sizes, start_group=start_group)
+        if start_group.ndim == 0 and values_readable(start_group):  # read (one host sync) before the int32 cast
+            start_value = int(start_group)
+        start_group = start_group.to(torch.int32)
     elif isinstance(start_group, bool) or not isinstance(start_group, numbers.Integral):
         raise TypeError(f"{fn}: argument 'start_group' must be an int or an integer tensor, got {start_group!r}")
     else:
-        start_group = int(start_group)  # traced like jax.jit traces a Python int: no retrace per value
+        start_group = start_value = int(start_group)  # traced like jax.jit traces a Python int: no retrace per value
     # The jax version's checks, before tracing (a float m is a TypeError, m=-1 a ValueError, as there).
     m, tm, num_nonzero_groups = (_gmm._check_count(name, value, least, traced_ok=False) for name, value, least in
                                  (("m", m, 0), ("tm", tm, 1), ("num_nonzero_groups", num_nonzero_groups, 0)))
+    if start_value is not None:
+        _gmm._check_count("start_group", start_value, 0, traced_ok=False)
+    _gmm._check_selection(start_value, num_nonzero_groups, group_sizes.shape[0])
     return _metadata(group_sizes, start_group, m=m, tm=tm, num_nonzero_groups=num_nonzero_groups,
                      visit_empty_groups=bool(visit_empty_groups))
 

@@ -202,6 +202,11 @@ def test_make_group_metadata_without_rows():
         (dict(m=8.0), TypeError, r"'m' must be an int, got float"),
         (dict(num_nonzero_groups=-1), ValueError, r"'num_nonzero_groups' must be a non-negative int"),
         (dict(start_group=0.5), TypeError, r"'start_group' must be an int"),
+        # groups past the end were accepted and never visited (group_offset is refused there)
+        (dict(start_group=1), ValueError, r"start_group \+ num_nonzero_groups must be at most the 2 groups of "
+                                          r"group_sizes, got start_group=1, num_nonzero_groups=2"),
+        (dict(start_group=jnp.int32(3), num_nonzero_groups=0), ValueError, r"got start_group=3, num_nonzero"),
+        (dict(num_nonzero_groups=3), ValueError, r"at most the 2 groups of group_sizes, got start_group=0, num_"),
         (dict(start_group=jnp.zeros((2,), jnp.int32)), TypeError, r"'start_group' must be an int or an integer scalar"),
         (dict(group_sizes=jnp.array([3.0, 5.0])), TypeError, r"'group_sizes' must be an int32 array, got float32"),
         (dict(group_sizes=[3, 5]), TypeError, r"'group_sizes' must be an int32 array, got list"),
@@ -212,6 +217,15 @@ def test_make_group_metadata_bad_arguments(override, exc, match):
     args = dict(group_sizes=jnp.array([3, 5], jnp.int32), m=8, tm=4, start_group=0, num_nonzero_groups=2)
     with pytest.raises(exc, match=match):
         gm.make_group_metadata(**{**args, **override})
+
+
+def test_make_group_metadata_checks_the_known_part_of_a_traced_selection():
+    args = dict(group_sizes=jnp.array([3, 5], jnp.int32), m=8, tm=4)
+    with pytest.raises(ValueError, match=r"at most the 2 groups of group_sizes, got num_nonzero_groups=3"):
+        jax.jit(lambda s: gm.make_group_metadata(**args, start_group=s, num_nonzero_groups=3))(0)
+    with pytest.raises(ValueError, match=r"at most the 2 groups of group_sizes, got start_group=3(?!,)"):
+        jax.jit(lambda n: gm.make_group_metadata(**args, start_group=3, num_nonzero_groups=n))(0)
+    jax.jit(lambda s: gm.make_group_metadata(**args, start_group=s, num_nonzero_groups=2))(0)  # unknown: clamped
 
 
 def test_make_group_metadata_matches_megablox(rng):

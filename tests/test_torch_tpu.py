@@ -383,6 +383,17 @@ BAD = {
                           r"'tiling' must be hashable"),
     "tm = 0": (lambda: tpu.make_group_metadata(group_sizes=_gs, m=8, tm=0, start_group=0, num_nonzero_groups=2),
                ValueError, r"'tm' must be a positive int"),
+    # start groups past the end (or negative, traced into jax unchecked) were accepted, never visited
+    "start_group past the groups": (lambda: tpu.make_group_metadata(group_sizes=_gs, m=8, tm=4, start_group=1,
+                                                                    num_nonzero_groups=2), ValueError,
+                                    r"start_group \+ num_nonzero_groups must be at most the 2 groups of group_sizes, "
+                                    r"got start_group=1, num_nonzero_groups=2"),
+    "start_group tensor past the groups": (lambda: tpu.make_group_metadata(
+        group_sizes=_gs, m=8, tm=4, start_group=torch.tensor(2**32), num_nonzero_groups=0), ValueError,
+        r"got start_group=4294967296, num_nonzero_groups=0"),
+    "negative start_group tensor": (lambda: tpu.make_group_metadata(group_sizes=_gs, m=8, tm=4,
+                                                                    start_group=torch.tensor(-1), num_nonzero_groups=1),
+                                    ValueError, r"'start_group' must be a non-negative int, got -1"),
     "float m": (lambda: tpu.make_group_metadata(group_sizes=_gs, m=8.0, tm=4, start_group=0, num_nonzero_groups=2),
                 TypeError, r"'m' must be an int, got float 8.0"),
     "dynamic mask not bool": (lambda: tpu.process_dynamic_mask(torch.ones(1, 8, 8), (8, 8)), TypeError,

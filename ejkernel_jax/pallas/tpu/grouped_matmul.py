@@ -96,7 +96,8 @@ def make_group_metadata(
       m: rows of the grouped operand.
       tm: rows per m-tile.
       start_group: first group to visit (may be traced).
-      num_nonzero_groups: how many consecutive groups, from ``start_group``, to visit.
+      num_nonzero_groups: how many consecutive groups, from ``start_group``, to visit (may be
+        traced); ``start_group + num_nonzero_groups <= num_groups``, checked when concrete.
       visit_empty_groups: give each empty group one visit (tgmm needs it to write the group's
         zero output); otherwise empty groups get none.
 
@@ -188,9 +189,22 @@ def _check_metadata_args(group_sizes, m, tm, start_group, num_nonzero_groups) ->
         raise ValueError(
             f"make_group_metadata: argument 'group_sizes' must be 1-D, got shape {tuple(group_sizes.shape)}"
         )
-    _check_count("start_group", start_group, 0, traced_ok=True)
-    _check_count("num_nonzero_groups", num_nonzero_groups, 0, traced_ok=True)
+    start = _check_count("start_group", start_group, 0, traced_ok=True)
+    count = _check_count("num_nonzero_groups", num_nonzero_groups, 0, traced_ok=True)
+    _check_selection(start, count, group_sizes.shape[0])
     return _check_count("m", m, 0, traced_ok=False), _check_count("tm", tm, 1, traced_ok=False)
+
+
+def _check_selection(start_group, num_nonzero_groups, num_groups: int) -> None:
+    """``start_group + num_nonzero_groups <= num_groups``, over the values known (ints; a traced
+    one counts as 0). Groups past the end were accepted and silently never visited, where the
+    grouped matmuls refuse such a ``group_offset``."""
+    known = [(name, v) for name, v in (("start_group", start_group), ("num_nonzero_groups", num_nonzero_groups))
+             if isinstance(v, int)]
+    if sum(v for _, v in known) > num_groups:
+        got = ", ".join(f"{name}={v}" for name, v in known)
+        raise ValueError(f"make_group_metadata: start_group + num_nonzero_groups must be at most the {num_groups} "
+                         f"groups of group_sizes, got {got}")
 
 
 def _check_float(name: str, x) -> None:
