@@ -22,6 +22,8 @@ a dict of block sizes in ``BlockSizes``, a list in a tuple). Integer tensors (``
 segment ids, a ``group_offset`` tensor) are traced and get no gradient; a bool tensor mask is a
 dynamic mask. Bad inputs raise ``TypeError`` / ``ValueError`` naming the argument before any
 kernel runs; ``group_sizes`` / ``group_offset`` tensor values are checked too (one host sync).
+Where they cannot be read (during CUDA graph capture), a ``group_offset`` tensor is clamped into
+range before it is narrowed to int32, as the jax version clamps a traced one.
 
 ``torch.compile``: every op here is ``torch.compiler.disable``-d, a documented graph break; the
 op runs eagerly with the right values and gradients (``fullgraph=True`` raises).
@@ -94,6 +96,8 @@ __all__ = [
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+# group_offset takes any integer dtype, as the jax version and the Triton fronts do.
+_OFFSET_DTYPES = _INT_DTYPES + (torch.uint16, torch.uint32, torch.uint64)
 
 
 # -- argument checks (torch side, before anything reaches jax) -----------------------------------
@@ -385,7 +389,7 @@ def _group_args(fn: str, lhs, rhs, group_sizes, group_offset, m_axis: int, num_s
     group_sizes = _int32(fn, "group_sizes", group_sizes)
     offset_tensor = static_offset = None
     if isinstance(group_offset, torch.Tensor):
-        offset_tensor = _tensor(fn, "group_offset", group_offset, _INT_DTYPES, "an integer tensor")
+        offset_tensor = _tensor(fn, "group_offset", group_offset, _OFFSET_DTYPES, "an integer tensor")
         if offset_tensor.shape not in ((), (1,)):
             raise ValueError(f"{fn}: argument 'group_offset' must be a scalar, got shape {tuple(offset_tensor.shape)}")
     elif group_offset is not None:
@@ -414,14 +418,21 @@ def _group_args(fn: str, lhs, rhs, group_sizes, group_offset, m_axis: int, num_s
         if offset_tensor is not None:
             _check_offset_range(fn, got[2], group_sizes.shape[0], n_sel)
     if offset_tensor is not None:
-        # Cast after the range check: an int64 offset of 2**32 would wrap to 0 in int32.
-        offset_tensor = offset_tensor.to(torch.int32)
+        # Unread (values_readable() False), an int64 2**32 was cast to int32 0, a valid offset:
+        # clamped first into the kernels' range, as the Triton fronts do (gm.group_offset_bounds).
+        # Through int64: torch has no clamp for uint16/32/64.
+        hi = group_sizes.shape[0] - n_sel if _is_count(n_sel) else group_sizes.shape[0]
+        offset_tensor = offset_tensor.to(torch.int64).clamp(0, max(hi, 0)).to(torch.int32)
     return lhs, rhs, group_sizes, offset_tensor, static_offset, device
+
+
+def _is_count(num_selected) -> bool:
+    return isinstance(num_selected, numbers.Integral)
 
 
 def _check_offset_range(fn: str, g0: int, num_groups: int, num_selected) -> None:
     # A num_selected that is not an int is left for jax to reject while tracing.
-    if isinstance(num_selected, numbers.Integral) and not 0 <= g0 <= num_groups - num_selected:
+    if _is_count(num_selected) and not 0 <= g0 <= num_groups - num_selected:
         raise ValueError(
             f"{fn}: group_offset={g0} selects groups [{g0}, {g0 + num_selected}) but group_sizes has {num_groups}"
         )

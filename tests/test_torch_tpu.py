@@ -227,6 +227,29 @@ def test_grouped_matmuls_under_torch_func_vmap_fail_loudly():
         torch.func.vmap(lambda o: tpu.grouped_matmul(lhs, rhs, sizes[1], group_offset=o))(offsets)
 
 
+def test_group_offset_tensor_of_any_integer_dtype(monkeypatch):
+    """uint16/32/64 offsets were refused as "must be an integer tensor, got torch.uint32" (the jax
+    version and the Triton fronts take them). An offset whose value is not read (values_readable()
+    False, as during CUDA graph capture) was narrowed to int32 unclamped: int64 2**32 became 0 and
+    uint32 2**32 - 1 became -1, selecting groups [0, 2) silently; it is clamped to the last valid
+    offset (1), as the jax version clamps a traced one."""
+    lhs, rhs = torch.randn(8, 4), torch.randn(2, 4, 4)
+    gs = torch.tensor([3, 2, 3], dtype=torch.int32)
+    opts = dict(tiling=(8, 8, 8))
+    gmm = lambda o: tpu.grouped_matmul(lhs, rhs, gs, group_offset=o, **opts)
+    tgmm = lambda o: tpu.transposed_grouped_matmul(lhs.T, lhs, gs, group_offset=o, num_actual_groups=2, **opts)
+    for op in (gmm, tgmm):
+        want = op(1)
+        for dtype in (torch.uint16, torch.uint32, torch.uint64, torch.uint8, torch.int64):
+            assert torch.equal(op(torch.tensor(1, dtype=dtype)), want), dtype
+        with pytest.raises(ValueError, match=r"group_offset=2 selects groups \[2, 4\)"):
+            op(torch.tensor(2, dtype=torch.uint32))
+        monkeypatch.setattr(tpu, "values_readable", lambda *tensors: False)
+        for big in (torch.tensor(2**32), torch.tensor(2**32 - 1, dtype=torch.uint32)):
+            assert torch.equal(op(big), want), big
+        monkeypatch.undo()
+
+
 def test_make_group_metadata_matches_jax():
     sizes = np.array([5, 0, 11, 0, 7], np.int32)
     # jax side under jit too: eagerly it would compile each of its small ops separately
