@@ -427,7 +427,8 @@ def _group_args(fn: str, lhs, rhs, group_sizes, group_offset, m_axis: int, num_s
 
 
 def _is_count(num_selected) -> bool:
-    return isinstance(num_selected, numbers.Integral)
+    # Not a bool: num_actual_groups=True, counted as 1 here, was refused by range, not by type.
+    return isinstance(num_selected, numbers.Integral) and not isinstance(num_selected, (bool, np.bool_))
 
 
 def _check_offset_range(fn: str, g0: int, num_groups: int, num_selected) -> None:

@@ -597,8 +597,10 @@ def test_tgmm_bad_inputs():
         tg(lhs, jnp.zeros((2, 16, 4), jnp.float32), gs)
     with pytest.raises(ValueError, match="num_actual_groups"):
         tg(lhs, rhs, gs, num_actual_groups=3)
-    with pytest.raises(ValueError, match="num_actual_groups"):
-        tg(lhs, rhs, gs, num_actual_groups=True)  # once 1 group
+    with pytest.raises(TypeError, match=r"num_actual_groups must be an int or None, got True"):
+        tg(lhs, rhs, gs, num_actual_groups=True)  # once 1 group, then a ValueError
+    with pytest.raises(TypeError, match=r"num_actual_groups must be an int or None, got 2.0"):
+        tg(lhs, rhs, gs, num_actual_groups=2.0)
     with pytest.raises(ValueError, match="group_offset"):
         tg(lhs, rhs, gs, group_offset=1, num_actual_groups=2)
     with pytest.raises(ValueError, match="exceeds"):

@@ -458,6 +458,10 @@ JAX_CHECKED = {  # shape/dtype rules that jax checks while tracing: still before
     "float head_shards": (lambda: tpu.process_dynamic_mask(torch.ones(2, 8, 8, dtype=torch.bool), (8, 8),
                                                            head_shards=2.0),
                           TypeError, r"head_shards must be an int"),
+    # a bool count, as the Triton fronts refuse it; with group_offset=2 it was refused as [2, 3) of 2 groups
+    "bool num_actual_groups": (lambda: tpu.transposed_grouped_matmul(_lhs.T, _lhs, _gs, group_offset=2,
+                                                                     num_actual_groups=True),
+                               TypeError, r"num_actual_groups must be an int or None, got True"),
     "lhs/rhs dtypes differ": (lambda: tpu.grouped_matmul(_lhs, _rhs.bfloat16(), _gs), TypeError,
                               r"lhs and rhs must have the same dtype"),
     "rhs k mismatch": (lambda: tpu.grouped_matmul(_lhs, _rhs[:, :3], _gs), ValueError, r"does not match lhs"),

@@ -791,7 +791,9 @@ def transposed_grouped_matmul(
     num_groups = group_sizes.shape[0]
     if num_actual_groups is None:
         num_actual_groups = num_groups
-    if not _is_int(num_actual_groups) or not 0 <= num_actual_groups <= num_groups:
+    if not _is_int(num_actual_groups):  # True (once 1 group) was a ValueError; a wrong type is a TypeError
+        raise TypeError(f"num_actual_groups must be an int or None, got {num_actual_groups!r}")
+    if not 0 <= num_actual_groups <= num_groups:
         raise ValueError(
             f"num_actual_groups must be an int in [0, {num_groups}], got {num_actual_groups!r}"
         )
