@@ -425,6 +425,19 @@ def test_torch_rejects_mixed_devices_and_non_tensors(torch_fw):
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="group_sizes is on"):
             ejk.grouped_matmul(lhs.cuda(), rhs.cuda(), torch.tensor([2, 3], dtype=torch.int32))
+    # group_offset on another device is refused like group_sizes; it was moved silently (from
+    # meta, which holds no value, it failed inside torch's copy, naming nothing)
+    sizes, meta = torch.tensor([2, 3], dtype=torch.int32), torch.device("meta")
+    with pytest.raises(ValueError, match="group_sizes is on meta but lhs is on cpu"):
+        ejk.grouped_matmul(lhs, rhs, sizes.to(meta))
+    with pytest.raises(ValueError, match="group_offset is on meta but lhs is on cpu"):
+        ejk.grouped_matmul(lhs, rhs[:1], sizes, group_offset=torch.tensor(1, device=meta))
+    with pytest.raises(ValueError, match="group_offset is on meta but lhs is on cpu"):
+        ejk.transposed_grouped_matmul(lhs.T, lhs, sizes, group_offset=torch.tensor(1, device=meta),
+                                      num_actual_groups=1)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="group_offset is on cpu but lhs is on cuda"):
+            ejk.grouped_matmul(lhs.cuda(), rhs[:1].cuda(), sizes.cuda(), group_offset=torch.tensor(1))
 
 
 def test_check_values_false_skips_only_the_value_checks(fw, rng):

@@ -179,6 +179,8 @@ def _group_args(group_sizes, group_offset, m: int, num_groups: int, num_selected
         group_offset = 0
     if isinstance(group_offset, torch.Tensor):
         gm.check_group_offset_shape(tuple(group_offset.shape), name_of(group_offset))
+        if group_offset.device != device:  # was moved silently (a meta one failed inside the copy)
+            raise ValueError(f"group_offset is on {group_offset.device} but lhs is on {device}")
         # Clamped before the int32 cast (see group_offset_bounds), through int64: torch has no
         # clamp for uint16/32/64 (a uint64 past 2**63 still wraps, to a negative, clamped to 0).
         offset = group_offset.reshape(1).to(device=device, dtype=torch.int64)
