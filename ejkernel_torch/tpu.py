@@ -126,7 +126,9 @@ def _int_ids(fn: str, name: str, x) -> torch.Tensor | None:
     if x is None:
         return None
     x = _tensor(fn, name, x, _INT_DTYPES, "an integer tensor")
-    if x.dtype == torch.int64 and x.numel() and values_readable():
+    # values_readable(x): a torch.func-wrapped x has no storage to read (vmap crashed here in
+    # .item()); unread, the bridge then refuses it by name.
+    if x.dtype == torch.int64 and x.numel() and values_readable(x):
         lo, hi = torch.aminmax(x)
         try:
             _bsa_attention.check_segment_id_range(name, int(lo), int(hi))

@@ -227,6 +227,17 @@ def test_grouped_matmuls_under_torch_func_vmap_fail_loudly():
         torch.func.vmap(lambda o: tpu.grouped_matmul(lhs, rhs, sizes[1], group_offset=o))(offsets)
 
 
+def test_blocksparse_attention_under_torch_func_vmap_fails_loudly():
+    """A vmap over int64 segment ids failed in their range check with torch's "vmap: It looks like
+    you're calling .item() on a Tensor"; the bridge refuses them by name, as it does int32 ones."""
+    q = torch.zeros(1, 8, 2, 8)
+    wrapped = r"argument 'q_segment_ids': the tensor is a torch.func .*jax.vmap"
+    for dtype in (torch.int64, torch.int32):
+        ids = torch.zeros(2, 1, 8, dtype=dtype)
+        with pytest.raises(TypeError, match=wrapped):
+            torch.func.vmap(lambda s: tpu.blocksparse_attention(q, q, q, q_segment_ids=s, kv_segment_ids=s))(ids)
+
+
 def test_group_offset_tensor_of_any_integer_dtype(monkeypatch):
     """uint16/32/64 offsets were refused as "must be an integer tensor, got torch.uint32" (the jax
     version and the Triton fronts take them). An offset whose value is not read (values_readable()
