@@ -138,8 +138,13 @@ def _launch_gpu(plan: LaunchPlan, inputs: Sequence[jax.Array]):
 
 
 def _launch_interpreted(plan: LaunchPlan, inputs: Sequence[jax.Array]):
+    # Imported here, while tracing, not first inside the callback: a result nobody waited for runs
+    # its callback during interpreter shutdown, where torch's import fails ("can't register atexit
+    # after shutdown") and jax prints the traceback from its atexit handlers.
+    from ejkernel_torch.launch import launch as torch_launch  # the interpreter speaks torch tensors
+
     return jax.pure_callback(
-        functools.partial(_run_on_host, plan), _out_shapes(plan), *inputs, vmap_method="sequential"
+        functools.partial(_run_on_host, torch_launch, plan), _out_shapes(plan), *inputs, vmap_method="sequential"
     )
 
 
@@ -166,8 +171,6 @@ def _to_numpy(t) -> np.ndarray:
     return t.numpy()
 
 
-def _run_on_host(plan: LaunchPlan, *arrays: np.ndarray):
-    from ejkernel_torch.launch import launch as torch_launch  # the interpreter speaks torch tensors
-
+def _run_on_host(torch_launch, plan: LaunchPlan, *arrays: np.ndarray):
     outputs = torch_launch(plan, *(_to_torch(a) for a in arrays))
     return tuple(_to_numpy(o) for o in outputs)

@@ -247,6 +247,24 @@ def test_jax_triton_import_restores_triton_cache_dir(tmp_path, cache_dir):
     assert out.stdout.strip() == repr(cache_dir)
 
 
+def test_jax_result_not_waited_for_exits_cleanly():
+    # A jax-only CPU script that exits with a kernel still queued (behind slow matmuls): the callback
+    # ran during interpreter shutdown, imported torch there for the first time and printed "can't
+    # register atexit after shutdown" tracebacks from jax's atexit handlers.
+    script = textwrap.dedent("""
+        import jax.numpy as jnp
+        import ejkernel_jax as ek
+        x = jnp.ones((2048, 2048)) / 2048
+        for _ in range(4):
+            x = x @ x
+        y = ek.softmax(x[:8, :8])  # not waited for
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stderr == "", done.stderr[-3000:]
+
+
 def test_grids_past_cuda_limits_are_errors_before_launch():
     # Grid axes 1 and 2 hold at most 65535 programs on CUDA. Flash attention checked its batch and
     # heads; the padded-attention, scores-v and dropout-mask plans went on to a launch error.
