@@ -286,6 +286,13 @@ def test_torch_and_jax_agree(torch_fw, jax_fw, rng, options):
         assert np.max(np.abs(a[finite] - b[finite]), initial=0) <= 1e-6
 
 
+def test_dropout_mask_needs_a_seed(fw):
+    # The mask reproduces a given seed's: torch drew a random seed for None (a mask of no known
+    # call), where jax raised.
+    with pytest.raises(TypeError, match="dropout_seed must be an int or an integer array, got None"):
+        fw.ops.flash_attention_dropout_mask(None, 1, 1, 4, 4, 0.5)
+
+
 def test_dropout_masks_agree(torch_fw, jax_fw):
     masks = [f.to_numpy(f.ops.flash_attention_dropout_mask(-5, 2, 3, 33, 70, 0.1)) for f in (torch_fw, jax_fw)]
     np.testing.assert_array_equal(*masks)

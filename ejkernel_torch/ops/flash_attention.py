@@ -499,7 +499,10 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
 def flash_attention_dropout_mask(dropout_seed: int | Tensor, batch: int, heads: int, seq_q: int, seq_k: int,
                                  dropout_p: float, *, device: str | torch.device = "cpu") -> Tensor:
     """The bool keep-mask ``[batch, heads, seq_q, seq_k]`` flash attention draws for this seed
-    (element offset ((b * heads + h) * seq_q + i) * seq_k + j); the same in torch and jax."""
+    (element offset ((b * heads + h) * seq_q + i) * seq_k + j); the same in torch and jax.
+    ``dropout_seed`` is required (an int or an integer tensor), as in jax."""
+    if dropout_seed is None:  # flash_attention's default draw would give the mask of no known call
+        fa.seed_value(dropout_seed)  # raises jax's TypeError for None
     # No q here: the seed's device is checked against device= (a CUDA seed with the default "cpu").
     seed = _seed_tensor(dropout_seed, torch.device(device), where="device= is")
     return _dropout_mask(seed, *dropout_mask_sizes(batch, heads, seq_q, seq_k), check_dropout(dropout_p)).bool()
