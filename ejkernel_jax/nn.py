@@ -67,7 +67,8 @@ class MultiHeadAttention(nn.Module):
 
     ``x [batch, seq, embed_dim] -> [batch, seq, embed_dim]``. Dropout applies when
     ``deterministic=False``, with the seed drawn from the ``"dropout"`` rng stream.
-    ``attention_fn`` swaps the attention itself (same signature as ``flash_attention``).
+    ``attention_fn`` swaps the attention itself (same signature as ``flash_attention``); with the
+    default one, ``head_dim`` (given, or ``embed_dim // num_heads``) must be 1..256.
 
     ``deterministic`` picks the kernel (with or without dropout), so it must be a Python bool,
     also under lifted transforms that trace call arguments: give it positionally and mark it
@@ -97,6 +98,8 @@ class MultiHeadAttention(nn.Module):
         checks.attention_layer_input(tuple(x.shape), self.embed_dim)
         checks.flag("use_bias", self.use_bias), checks.flag("causal", self.causal)  # before any weight
         fa.layer_options(head_dim, self.causal, self.sliding_window, self.logits_soft_cap, self.softmax_scale)
+        if self.attention_fn is flash_attention:  # another attention_fn (a reference run) may take wider heads
+            fa.layer_head_dim(self.embed_dim, self.num_heads, self.head_dim, head_dim)
         deterministic = _static_flag("deterministic", deterministic)
         batch, seq, _ = x.shape
         linear = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)

@@ -17,7 +17,8 @@ class MultiHeadAttention(nn.Module):
     seeds drawn from torch's generator. Parameters: ``qkv.weight [(heads + 2 * kv_heads) *
     head_dim, embed_dim]``, ``out.weight [embed_dim, heads * head_dim]`` (and biases), the same
     names and shapes as ``ejkernel_jax.nn.MultiHeadAttention``. ``attention_fn`` swaps the
-    attention itself (same signature as ``flash_attention``), e.g. for a reference run.
+    attention itself (same signature as ``flash_attention``), e.g. for a reference run; with the
+    default one, ``head_dim`` (given, or ``embed_dim // num_heads``) must be 1..256.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *,
@@ -29,6 +30,8 @@ class MultiHeadAttention(nn.Module):
         # checked here, not read by truthiness: bias="no" built biased projections
         bias, causal = checks.flag("bias", bias), checks.flag("causal", causal)
         fa.layer_options(self.head_dim, causal, sliding_window, logits_soft_cap, softmax_scale)  # not at forward
+        if attention_fn is flash_attention:  # another attention_fn (a reference run) may take wider heads
+            fa.layer_head_dim(embed_dim, num_heads, head_dim, self.head_dim)
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.causal, self.dropout, self.attention_fn = causal, dropout, attention_fn
         self.options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale)

@@ -130,6 +130,30 @@ def test_bad_layer_arguments(kwargs, error, match):
         ejkernel_jax.nn.MultiHeadAttention(**kwargs).init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 32)))
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(embed_dim=600, num_heads=2), r"between 1 and 256 for flash_attention, got 300 \(embed_dim=600 / num_heads=2"),
+    (dict(embed_dim=32, num_heads=4, head_dim=512), r"between 1 and 256 for flash_attention, got 512 \(head_dim=512"),
+])
+def test_head_dim_past_the_kernels_limit_fails_when_the_layer_is_built(kwargs, match):
+    # The torch layer was built and failed at its first forward (the Flax one at init, after its
+    # projection), both with "head_dim must be between 1 and 256, got 300", naming no layer size.
+    import jax
+    import jax.numpy as jnp
+
+    import ejkernel_jax.nn
+    import ejkernel_torch.nn
+
+    x = jnp.zeros((1, 4, kwargs["embed_dim"]))
+    with pytest.raises(ValueError, match=match):
+        ejkernel_torch.nn.MultiHeadAttention(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        ejkernel_jax.nn.MultiHeadAttention(**kwargs).init(jax.random.PRNGKey(0), x)
+    ejkernel_torch.nn.MultiHeadAttention(512, 2)  # head_dim 256: the kernels' limit, built
+    plain = lambda q, k, v, **options: v  # another attention_fn may take wider heads
+    ejkernel_torch.nn.MultiHeadAttention(**kwargs, attention_fn=plain)
+    ejkernel_jax.nn.MultiHeadAttention(**kwargs, attention_fn=plain).init(jax.random.PRNGKey(0), x)
+
+
 @pytest.mark.parametrize("torch_kwargs, flax_kwargs, match", [
     (dict(bias="no"), dict(use_bias="no"), "bias must be a bool, got 'no'"),  # built biased layers
     (dict(bias=0), dict(use_bias=0), "bias must be a bool, got 0"),

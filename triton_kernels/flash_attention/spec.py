@@ -147,6 +147,16 @@ def layer_options(head_dim: int, causal, sliding_window, logits_soft_cap, softma
     checks.softmax_scale(softmax_scale, head_dim)
 
 
+def layer_head_dim(embed_dim: int, num_heads: int, head_dim: int | None, resolved: int) -> None:
+    """A ``MultiHeadAttention`` layer's head size (``resolved``, from ``head_dim`` or ``embed_dim //
+    num_heads``) within the kernels' range, checked when the layer is built: the kernels' own
+    check came only at the first call and named neither size it came from."""
+    if not MIN_HEAD_DIM <= resolved <= MAX_HEAD_DIM:
+        source = f"head_dim={head_dim}" if head_dim is not None else f"embed_dim={embed_dim} / num_heads={num_heads}"
+        raise ValueError(f"head_dim must be between {MIN_HEAD_DIM} and {MAX_HEAD_DIM} for flash_attention, "
+                         f"got {resolved} ({source})")
+
+
 def dropout(dropout_p) -> float:
     dropout_p = checks.float_arg("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
