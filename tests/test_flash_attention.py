@@ -622,6 +622,64 @@ def test_mismatched_devices_or_types(torch_fw):
         torch_fw.ops.flash_attention(x, x.to("meta"), x)
 
 
+_JAX_DEVICES_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import ejkernel_jax as ek
+
+d0, d1 = jax.devices()
+on0 = lambda x: jax.device_put(np.asarray(x), d0)  # committed to that device
+on1 = lambda x: jax.device_put(np.asarray(x), d1)
+x = np.random.default_rng(0).standard_normal((2, 4, 2, 16)).astype(np.float32)
+q, q1, x3 = on0(x), on1(x), on0(x[:, :, 0])
+cu, n_pad, sizes = np.array([0, 3, 4], np.int32), np.array([0, 1], np.int32), np.array([5, 3], np.int32)
+lhs, rhs = on0(np.ones((8, 16), np.float32)), np.ones((2, 16, 4), np.float32)
+both = jax.device_put(x, NamedSharding(Mesh(np.array([d0, d1]), ("b",)), P("b")))
+cases = [
+    (lambda: ek.flash_attention(q, q1, q), "k is on cpu:1 but q is on cpu:0"),
+    (lambda: ek.flash_attention(q, q, q, bias=on1(np.zeros((1, 2, 4, 4), np.float32))), "bias is on cpu:1"),
+    (lambda: ek.flash_attention(q, q, q, q_segment_ids=on1(np.ones((2, 4), np.int32)),
+                                kv_segment_ids=np.ones((2, 4), np.int32)), "q_segment_ids is on cpu:1"),
+    (lambda: ek.flash_attention(q, q, q, dropout_p=0.5, dropout_seed=on1(np.int32(3))), "dropout_seed is on cpu:1"),
+    (lambda: ek.flash_attention(both, q1, q1), "k is on cpu:1 but q is on [cpu:0, cpu:1]"),
+    (lambda: ek.flash_attention_varlen(q[0], q[0], q[0], cu, on1(cu), 3, 3), "cu_seqlens_k is on cpu:1 but q"),
+    # the other jax ops share the check
+    (lambda: ek.padded_attention(x3, x3, on1(x[:, :, 0]), n_pad), "v is on cpu:1 but q is on cpu:0"),
+    (lambda: ek.padded_softmax(on0(x[:, :, 0, :4]), on1(n_pad)), "n_pad is on cpu:1 but scores is on cpu:0"),
+    (lambda: ek.padded_softmax_v(on0(x[:, :, 0, :4]), q1[:, :, 0], n_pad), "v is on cpu:1 but scores"),
+    (lambda: ek.grouped_matmul(lhs, on1(rhs), sizes), "rhs is on cpu:1 but lhs is on cpu:0"),
+    (lambda: ek.transposed_grouped_matmul(lhs.T, lhs, on1(sizes)), "group_sizes is on cpu:1 but lhs"),
+]
+for call, match in cases:
+    try:
+        call()
+    except ValueError as e:
+        assert match in str(e) and "device_put" in str(e), str(e)
+    else:
+        raise AssertionError(f"no error: {match}")
+# One committed device (uncommitted arrays follow it) or one device set: runs, as before.
+want = np.asarray(ek.flash_attention(x, x, x))
+for args in [(q1, q1, q1), (q1, x, jnp.asarray(x)), (both, jax.device_put(x, both.sharding), both)]:
+    np.testing.assert_array_equal(np.asarray(ek.flash_attention(*args)), want)
+"""
+
+
+def test_jax_arrays_on_different_devices_are_named():
+    # Concrete arrays committed to different devices failed in jax with "Received incompatible
+    # devices for jitted computation. Got argument args[0] of pure_callback ...", naming no
+    # argument. Two host CPU devices need a flag set before jax is imported: a subprocess.
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _JAX_DEVICES_SCRIPT], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
 def test_non_dense_tensors_are_refused_by_name(torch_fw):
     # The kernels read strided memory. A jagged nested tensor (SDPA takes them) passed the checks

@@ -32,6 +32,26 @@ def is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
+def same_device(**arrays) -> None:
+    """Concrete arrays committed to different devices (``jax.device_put(x, device)``) are refused
+    by name: jax's own error named only the callback's "args[1]". Uncommitted arrays follow the
+    committed ones; others (ints, numpy, tracers: jit checks its arguments) are not looked at."""
+    first = None
+    for name, x in arrays.items():
+        if not isinstance(x, jax.Array) or not is_concrete(x) or not x.committed:
+            continue
+        if first is None:
+            first = name, x.devices()
+        elif x.devices() != first[1]:
+            raise ValueError(f"{name} is on {_where(x.devices())} but {first[0]} is on {_where(first[1])}; "
+                             "move them to one device (jax.device_put)")
+
+
+def _where(devices) -> str:
+    names = [str(d) for d in sorted(devices, key=lambda d: d.id)]
+    return names[0] if len(names) == 1 else "[" + ", ".join(names) + "]"
+
+
 def n_pad_arg(n_pad, batch: int, seq_len: int) -> jax.Array:
     """Validate ``n_pad`` and return it as int32.
 

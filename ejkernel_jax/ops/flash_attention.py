@@ -12,7 +12,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from ejkernel_jax.launch import device_facts, launch
 from ejkernel_jax.ops import _tuning
-from ejkernel_jax.ops._common import array_arg, first_order, is_concrete, name_of, vary_together
+from ejkernel_jax.ops._common import array_arg, first_order, is_concrete, name_of, same_device, vary_together
 from triton_kernels import checks, flash_attention as fa
 from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
 from triton_kernels.params import BwdParams, FwdParams, op_params
@@ -247,6 +247,7 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     bias = _optional("bias", bias)
     q_seg = _optional("q_segment_ids", q_segment_ids)
     kv_seg = _optional("kv_segment_ids", kv_segment_ids)
+    same_device(q=q, k=k, v=v, bias=bias, q_segment_ids=q_seg, kv_segment_ids=kv_seg, dropout_seed=dropout_seed)
     (bias_shape, bias_dtype), (qs_shape, qs_dtype), (ks_shape, ks_dtype) = map(_shape_dtype, (bias, q_seg, kv_seg))
     spec = fa.dense_spec(
         tuple(q.shape), tuple(k.shape), tuple(v.shape), (name_of(q), name_of(k), name_of(v)), causal=causal,
@@ -277,6 +278,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     if bias is not None or q_segment_ids is not None or kv_segment_ids is not None:
         raise ValueError("flash_attention_varlen takes no bias or segment ids (sequences are given by cu_seqlens)")
     cu_q, cu_k = array_arg("cu_seqlens_q", cu_seqlens_q), array_arg("cu_seqlens_k", cu_seqlens_k)
+    same_device(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, dropout_seed=dropout_seed)
     spec = fa.varlen_spec(
         tuple(q.shape), tuple(k.shape), tuple(v.shape), (name_of(q), name_of(k), name_of(v)),
         tuple(cu_q.shape), name_of(cu_q), tuple(cu_k.shape), name_of(cu_k), max_seqlen_q, max_seqlen_k,

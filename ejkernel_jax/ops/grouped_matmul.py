@@ -22,7 +22,7 @@ import numpy as np
 
 from ejkernel_jax.launch import backend, device_facts, launch
 from ejkernel_jax.ops import _tuning
-from ejkernel_jax.ops._common import array_arg, is_concrete, name_of, vary_together
+from ejkernel_jax.ops._common import array_arg, is_concrete, name_of, same_device, vary_together
 from triton_kernels import checks
 from triton_kernels import grouped_matmul as gm
 from triton_kernels.config_cache import check_autotune
@@ -187,6 +187,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     """
     lhs, rhs = array_arg("lhs", lhs), array_arg("rhs", rhs)
     group_sizes = array_arg("group_sizes", group_sizes)
+    same_device(lhs=lhs, rhs=rhs, group_sizes=group_sizes, group_offset=group_offset)
     m, k, n, num_groups, num_selected = gm.check_gmm(
         tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
         tuple(group_sizes.shape), name_of(group_sizes), transpose_rhs)
@@ -226,6 +227,7 @@ def transposed_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
     """
     lhs, rhs = array_arg("lhs", lhs), array_arg("rhs", rhs)
     group_sizes = array_arg("group_sizes", group_sizes)
+    same_device(lhs=lhs, rhs=rhs, group_sizes=group_sizes, group_offset=group_offset)
     m, k, n, num_groups, num_selected = gm.check_tgmm(
         tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
         tuple(group_sizes.shape), name_of(group_sizes), num_actual_groups)

@@ -7,7 +7,7 @@ import jax
 
 from ejkernel_jax.launch import device_facts, launch
 from ejkernel_jax.ops import _tuning
-from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of, vary_together
+from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of, same_device, vary_together
 from triton_kernels import checks
 from triton_kernels.tuning import PADDED_BWD, PADDED_FWD
 from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan
@@ -61,6 +61,7 @@ def padded_attention(q: jax.Array, k: jax.Array, v: jax.Array, n_pad: jax.Array,
     the cache is only read, when the function is traced. See ``triton_kernels.tuning``.
     """
     q, k, v = (array_arg(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
+    same_device(q=q, k=k, v=v, n_pad=n_pad)
     batch, seq_len, head_dim = checks.single_head_qkv(
         [tuple(t.shape) for t in (q, k, v)], [name_of(t) for t in (q, k, v)]
     )

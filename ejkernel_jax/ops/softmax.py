@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel_jax.launch import device_facts, launch
-from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of, vary_together
+from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of, same_device, vary_together
 from triton_kernels import checks
 from triton_kernels.padded_attention import scores_v_bwd_plans, scores_v_fwd_plan
 from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
@@ -101,8 +101,9 @@ def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
     return jnp.moveaxis(y.reshape(moved.shape), -1, axis)
 
 
-def _padded_inputs(scores, n_pad):
+def _padded_inputs(scores, n_pad, v=None):
     scores = array_arg("scores", scores)
+    same_device(scores=scores, v=v, n_pad=n_pad)
     batch, seq_len = checks.padded_scores(tuple(scores.shape), name_of(scores))
     return scores, n_pad_arg(n_pad, batch, seq_len)
 
@@ -118,7 +119,7 @@ def padded_softmax(scores: jax.Array, n_pad: jax.Array) -> jax.Array:
 
 def padded_softmax_v(scores: jax.Array, v: jax.Array, n_pad: jax.Array) -> jax.Array:
     """``padded_softmax(scores, n_pad) @ v`` in one kernel; v is ``[batch, seq, head_dim]``."""
-    scores, n_pad = _padded_inputs(scores, n_pad)
+    scores, n_pad = _padded_inputs(scores, n_pad, v)
     v = array_arg("v", v)
     checks.values_for_scores(tuple(v.shape), name_of(v), *scores.shape[:2], name_of(scores))
     return _padded_softmax_v(*vary_together((scores, v, n_pad)))
