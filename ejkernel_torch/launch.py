@@ -227,6 +227,25 @@ def functorch_active() -> bool:
     return not torch.compiler.is_compiling() and _C._functorch.peek_interpreter_stack() is not None
 
 
+def vmap_only(*tensors) -> bool:
+    """True under ``torch.func.vmap`` alone (no grad/vjp/jvp level) with nothing to differentiate:
+    an op's own vmap rule then serves, without the autograd.Function whose functorch machinery
+    made most of a vmapped call's host time (about 0.5 ms on CPU, 1.3 ms on an H100 host).
+    Batched tensors hide ``requires_grad``: it is read on what they wrap. ``None`` entries skipped."""
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    if any(i.key() != _C._functorch.TransformType.Vmap for i in retrieve_all_functorch_interpreters()):
+        return False
+    if not torch.is_grad_enabled():
+        return True
+    for t in tensors:
+        while isinstance(t, torch.Tensor) and _C._functorch.is_batchedtensor(t):
+            t = _C._functorch.get_unwrapped(t)
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return False
+    return True
+
+
 def reject_forward_ad(*tensors) -> None:
     """Raise when forward-mode AD would differentiate a call on ``tensors``: the ops have no
     forward-mode rule, and torch would drop the tangents silently (``torch.func.jvp`` gave zero

@@ -330,7 +330,8 @@ def test_vmap_folds_the_mapped_axis_into_the_batch(fw, rng, monkeypatch, bias_ma
         grads = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=in_dims)(*args)
         jaxpr = str(jax.make_jaxpr(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=in_dims))(*args))
         assert "scan[" not in jaxpr and "while[" not in jaxpr  # no per-sample loop left
-    assert set(batches) == ({n * b, b} if fw.name == "jax" else {n * b})  # jax also traces the unfolded call
+    # jax also traces the unfolded call (unless a trace is cached), never launched
+    assert set(batches) <= {n * b, b} if fw.name == "jax" else set(batches) == {n * b}
     assert batches.count(n * b) >= 2  # the forward and the backward ran folded
 
     for i in range(n):  # each sample's gradients, the shared bias's too

@@ -170,3 +170,29 @@ def test_bias_without_grad_gets_none():
     bias = torch.randn(2, 1, 9, 11)
     ejk.flash_attention(q, k, v, bias=bias).sum().backward()
     assert bias.grad is None and np.isfinite(q.grad.numpy()).all()
+
+
+def test_vmap_without_gradients_runs_the_op_rule_alone(monkeypatch):
+    """vmap with nothing to differentiate skips the autograd function (its functorch machinery was
+    most of the call's host time); with an input requiring grad outside vmap it is still used,
+    and backward through the vmapped call gives each sample's gradients."""
+    import importlib
+
+    fa_ops = importlib.import_module("ejkernel_torch.ops.flash_attention")  # the package exports the function
+    q, k, v = (torch.stack([x.detach()] * 3) + torch.randn(3, *x.shape) for x in _qkv())
+    f = lambda q, k, v: ejk.flash_attention(q, k, v, causal=True)  # noqa: E731
+    want = torch.stack([f(q[i], k[i], v[i]) for i in range(3)])
+    real_apply = fa_ops._FlashAttentionTransformsFn.apply
+    used = []
+    monkeypatch.setattr(fa_ops._FlashAttentionTransformsFn, "apply",
+                        staticmethod(lambda *a: (used.append(1), real_apply(*a))[1]))
+    torch.testing.assert_close(torch.func.vmap(f)(q, k, v), want, rtol=0, atol=0)
+    assert not used
+    q.requires_grad_()
+    out = torch.func.vmap(f)(q, k, v)
+    assert used
+    (grad,) = torch.autograd.grad((out * out).sum(), q)
+    for i in range(3):
+        qi = q[i].detach().requires_grad_()
+        (want_grad,) = torch.autograd.grad((f(qi, k[i], v[i]) ** 2).sum(), qi)
+        torch.testing.assert_close(grad[i], want_grad, rtol=0, atol=0)

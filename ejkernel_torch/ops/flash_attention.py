@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch_traceable, plain_eager,
-                                   reject_forward_ad, torch_dtype)
+                                   reject_forward_ad, torch_dtype, vmap_only)
 from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import (autocast, autograd_function, first_order, kernel_op, name_of, no_grad_op,
                                         same_device, saved_tensors, tensor_arg, under_torch_func, values_readable)
@@ -377,9 +377,9 @@ def _call_forward(spec: fa.FlashSpec, arrays: tuple, params: tuple) -> tuple[Ten
     autograd refuses, call it through ``_FlashAttentionTransformsFn``."""
     if not plain_eager(*arrays):
         reject_forward_ad(*arrays)
-        if functorch_active():
+        if functorch_active() and not vmap_only(*arrays):
             return _FlashAttentionTransformsFn.apply(*arrays, *_op_scalars(spec), *params)
-        return torch.ops.ejkernel.flash_attention_fwd(*arrays, *_op_scalars(spec), *params)
+        return torch.ops.ejkernel.flash_attention_fwd(*arrays, *_op_scalars(spec), *params)  # vmap: its rule
     if _needs_grad(arrays[:4]):
         return _FlashAttentionFn.apply(*arrays, *_op_scalars(spec), *params, spec)
     return _forward(spec, arrays, params[0])
