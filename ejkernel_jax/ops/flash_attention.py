@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from ejkernel_jax.launch import device_facts, launch
+from ejkernel_jax.launch import any_traced, device_facts, launch
 from ejkernel_jax.ops import _tuning
 from ejkernel_jax.ops._common import array_arg, first_order, is_concrete, name_of, same_device, vary_together
 from triton_kernels import checks, flash_attention as fa
@@ -121,13 +121,13 @@ def _folding_backward(spec, params, bias_grad, use_dlse):
 
 
 def _forward(spec, params, q, k, v, bias, aux):
-    if _foldable(spec):
+    if _foldable(spec) and any_traced(q, k, v, bias, *aux):
         return _folding_forward(spec, params)(q, k, v, bias, aux[0], aux[1])
     return _forward_kernel(spec, params, q, k, v, bias, aux)
 
 
 def _backward(spec, params, bias_grad, use_dlse, q, k, v, bias, aux, out, lse, dout, dlse):
-    if _foldable(spec):
+    if _foldable(spec) and any_traced(q, k, v, bias, *aux, out, lse, dout, dlse):
         return _folding_backward(spec, params, bias_grad, use_dlse)(q, k, v, bias, aux[0], aux[1], out, lse, dout,
                                                                      dlse)
     return _backward_kernels(spec, params, bias_grad, use_dlse, q, k, v, bias, aux, out, lse, dout, dlse)
