@@ -162,18 +162,6 @@ def _backward_kernels(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor
 flash_attention_bwd = torch.library.triton_op("ejkernel::flash_attention_bwd", _backward_kernels, mutates_args=())
 
 
-@flash_attention_bwd.register_vmap
-def _bwd_vmap(info, in_dims, *args):
-    op, bias_grad, n = torch.ops.ejkernel.flash_attention_bwd, args[20], info.batch_size
-    ds_dim = 0 if bias_grad else None  # else a one-element placeholder, the same for every sample
-    if not _foldable(args, 10, args[19]):
-        return _per_sample(op, info, in_dims, args, (0, 0, 0, ds_dim))
-    q, q_dim = args[2], in_dims[2]
-    batch = q.shape[0 if q_dim is None else (1 if q_dim == 0 else 0)]
-    dq, dk, dv, ds = op(*_fold_args(args, in_dims, n, batch, 7, range(10)))
-    return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n), _unfold(ds, n) if bias_grad else ds), (0, 0, 0, ds_dim)
-
-
 def _needs_grad(tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -239,15 +227,28 @@ def _unfold(x: Tensor, n: int) -> Tensor:
     return x.unflatten(0, (n, x.shape[0] // n))
 
 
-def _fold_args(args: tuple, in_dims: tuple, n: int, batch: int, bias_at: int, batched_at: range) -> list:
-    """The op's arguments with those at ``batched_at`` ([batch, ...] arrays) folded. A bias the
-    same for every batch row and sample (``[1, ...]``, unmapped) stays so: the kernels broadcast it."""
-    out = list(args)
-    for i in batched_at:
-        if i == bias_at and args[i] is not None and in_dims[i] is None and args[i].shape[0] == 1:
-            continue
-        out[i] = _fold(args[i], in_dims[i], n, batch)
-    return out
+@functools.cache
+def _arg_index(op) -> dict[str, int]:
+    """The op's argument positions by name (vmap rules get them positionally)."""
+    return {a.name: i for i, a in enumerate(op.default._schema.arguments)}
+
+
+def _folded_call(op, info, in_dims: tuple, args: tuple, batched: tuple[str, ...]) -> tuple:
+    """``op`` on its arguments with those named in ``batched`` ([batch, ...] arrays) folded, or
+    None where folding does not apply (dropout, varlen). A bias the same for every batch row and
+    sample (``[1, ...]``, unmapped) stays so: the kernels broadcast it."""
+    at = _arg_index(op)
+    if args[at["cu_seqlens_q"]] is not None or args[at["dropout_p"]] != 0.0:
+        return None
+    q_dim = in_dims[at["q"]]
+    batch = args[at["q"]].shape[1 if q_dim == 0 else 0]
+    folded = list(args)
+    for name in batched:
+        i = at[name]
+        shared_bias = name == "bias" and args[i] is not None and in_dims[i] is None and args[i].shape[0] == 1
+        if not shared_bias:
+            folded[i] = _fold(args[i], in_dims[i], info.batch_size, batch)
+    return op(*folded)
 
 
 def _per_sample(op, info, in_dims: tuple, args: tuple, out_dims: tuple):
@@ -259,19 +260,25 @@ def _per_sample(op, info, in_dims: tuple, args: tuple, out_dims: tuple):
     return tuple(torch.stack(r) if d == 0 else r[0] for r, d in zip(zip(*results), out_dims)), out_dims
 
 
-def _foldable(args: tuple, cu_at: int, dropout_p: float) -> bool:
-    return args[cu_at] is None and dropout_p == 0.0
-
-
 @flash_attention_fwd.register_vmap
 def _fwd_vmap(info, in_dims, *args):
     op = torch.ops.ejkernel.flash_attention_fwd
-    if not _foldable(args, 6, args[15]):
+    outputs = _folded_call(op, info, in_dims, args, ("q", "k", "v", "bias", "q_segment_ids", "kv_segment_ids"))
+    if outputs is None:
         return _per_sample(op, info, in_dims, args, (0, 0))
-    q, q_dim = args[0], in_dims[0]
-    batch = q.shape[0 if q_dim is None else (1 if q_dim == 0 else 0)]
-    out, lse = op(*_fold_args(args, in_dims, info.batch_size, batch, 3, range(6)))
-    return (_unfold(out, info.batch_size), _unfold(lse, info.batch_size)), (0, 0)
+    return tuple(_unfold(o, info.batch_size) for o in outputs), (0, 0)
+
+
+@flash_attention_bwd.register_vmap
+def _bwd_vmap(info, in_dims, *args):
+    op = torch.ops.ejkernel.flash_attention_bwd
+    bias_grad = args[_arg_index(op)["bias_grad"]]
+    out_dims = (0, 0, 0, 0 if bias_grad else None)  # ds: else a one-element placeholder, shared
+    outputs = _folded_call(op, info, in_dims, args, ("dout", "dlse", "q", "k", "v", "out", "lse", "bias",
+                                                     "q_segment_ids", "kv_segment_ids"))
+    if outputs is None:
+        return _per_sample(op, info, in_dims, args, out_dims)
+    return tuple(o if d is None else _unfold(o, info.batch_size) for o, d in zip(outputs, out_dims)), out_dims
 
 
 class _FlashAttentionFn(torch.autograd.Function):
