@@ -131,7 +131,14 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    cases = [c for c in all_cases() if not args.only or c.op in args.only.split(",")]
+    cases, only = all_cases(), [name for name in args.only.split(",") if name]
+    known = sorted({c.op for c in cases})
+    unknown = [name for name in only if name not in known]
+    if unknown:
+        parser.error(f"--only: unknown op name(s) {', '.join(unknown)}; expected some of {', '.join(known)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    cases = [c for c in cases if not only or c.op in only]
     rng = np.random.default_rng(0)
     rows = []
     for i, case in enumerate(cases):

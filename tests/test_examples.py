@@ -112,3 +112,20 @@ def test_shcsa_example_judges_gradients(monkeypatch):
     monkeypatch.setattr(ejkernel_torch, "padded_attention", lambda *a: _WrongBackward.apply(attention(*a)))
     with pytest.raises(AssertionError, match="input gradients disagree"):
         shcsa.main()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--only", "softmx"], "--only: unknown op name(s) softmx; expected some of "),
+    (["--only", "softmax,nope"], "unknown op name(s) nope;"),
+    (["--repeats", "0"], "--repeats must be at least 1, got 0"),
+])
+def test_parity_report_rejects_bad_options(argv, message, monkeypatch, capsys):
+    # A misspelt --only name selected no case and crashed with ZeroDivisionError (--repeats 0: a
+    # StatisticsError after running every case); both are now usage errors naming the option.
+    from examples import parity_report
+
+    monkeypatch.setattr(sys, "argv", ["parity_report.py", *argv, "--out", os.devnull])
+    with pytest.raises(SystemExit) as exc:
+        parity_report.main()
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
