@@ -125,7 +125,7 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="parity_report.json")
     parser.add_argument("--only", default="", help="comma-separated op names")
     parser.add_argument("--repeats", type=int, default=3)
