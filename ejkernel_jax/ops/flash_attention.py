@@ -231,7 +231,8 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
 
     Same arguments, defaults and semantics as ``ejkernel_torch.flash_attention``: q
     ``[batch, seq_q, heads_q, head_dim]``, k/v ``[batch, seq_k, heads_kv, head_dim]``; causal is
-    bottom-right aligned; ``sliding_window`` int or (left, right); ``logits_soft_cap``; additive
+    bottom-right aligned; ``softmax_scale`` None means ``head_dim ** -0.5``; ``sliding_window`` int
+    or (left, right); ``logits_soft_cap``; additive
     ``bias`` ``[batch|1, heads_q|1, seq_q, seq_k]`` (differentiable); segment ids ``[batch, seq]``
     (ids <= 0 are padding; int64 ids, which need jax_enable_x64, are compared as int64); dropout from
     ``dropout_seed`` (required when ``dropout_p`` > 0: an int or an integer array, uint32 read as

@@ -418,6 +418,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, so
     head_dim 1..256 (padded inside the kernels).
 
     * ``causal``: query i sees keys j <= i + seq_k - seq_q (bottom-right aligned, as flash-attn >= 2.1).
+    * ``softmax_scale``: multiplies q k^T; None (the default) means ``head_dim ** -0.5``.
     * ``sliding_window``: int w (w keys left of the diagonal, and w right unless causal) or
       (left, right), None for an unbounded side.
     * ``logits_soft_cap``: logits become cap * tanh(logits / cap), then the bias is added and the
