@@ -3,6 +3,7 @@ is float64 and x64 is enabled), so they serve as upcast references for the kerne
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 
 def _upcast(x):
@@ -132,4 +133,22 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, sliding_window
     if dropout_mask is not None:
         p = p * jnp.asarray(dropout_mask, p.dtype) / (1.0 - dropout_p)
     out = jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, dropout_mask=None,
+                           return_lse=False, **options):
+    """``flash_attention`` per packed sequence (mirror of ejkernel_torch.reference.flash_attention_varlen);
+    the dropout mask is that of the padded ``[n_seq, heads_q, max_seqlen_q, max_seqlen_k]`` problem.
+    Tokens past the last sequence give 0. A Python loop: ``cu_seqlens`` must be concrete."""
+    cu_q, cu_k = [int(i) for i in np.asarray(cu_seqlens_q)], [int(i) for i in np.asarray(cu_seqlens_k)]
+    dtype = jnp.promote_types(jnp.result_type(q), jnp.float32)
+    out = jnp.zeros(q.shape[:2] + v.shape[2:], dtype)
+    lse = jnp.zeros((q.shape[1], q.shape[0]), dtype)
+    for b in range(len(cu_q) - 1):
+        (q0, q1), (k0, k1) = cu_q[b:b + 2], cu_k[b:b + 2]
+        mask = None if dropout_mask is None else jnp.asarray(dropout_mask)[b:b + 1, :, :q1 - q0, :k1 - k0]
+        o, s = flash_attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dropout_mask=mask, return_lse=True,
+                               **options)
+        out, lse = out.at[q0:q1].set(o[0]), lse.at[:, q0:q1].set(s[0])
     return (out, lse) if return_lse else out

@@ -769,3 +769,28 @@ def test_jax_flash_reference_matches_torch_reference(jax_fw, rng, seq_k):
     assert lse_error(np.asarray(lse)[finite], want_lse.numpy()[finite]) < 1e-12
     assert rel_error(np.asarray(out), want_out.numpy()) < 1e-12 if seq_k else not np.asarray(out).any()
     assert rel_error(np.asarray(dq), want_dq) < 1e-12 if seq_k else not np.asarray(dq).any()
+
+
+def test_jax_flash_varlen_reference_matches_torch_reference(jax_fw, rng):
+    # ejkernel_jax.reference ("plain jnp references for every op") had no flash_attention_varlen,
+    # which ejkernel_torch.reference has. Sequences of 3, 0 and 4 queries, 2 padding tokens past the
+    # last one, GQA, causal, soft cap and a dropout mask of the padded problem.
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from ejkernel_jax import reference as jax_ref
+
+    cu_q, cu_k = np.array([0, 3, 3, 7], np.int32), np.array([0, 2, 5, 9], np.int32)
+    q, k, v = rng.standard_normal((9, 4, 16)), rng.standard_normal((9, 2, 16)), rng.standard_normal((9, 2, 16))
+    mask = rng.random((3, 4, 4, 4)) > 0.3
+    opts = dict(causal=True, logits_soft_cap=3.0, dropout_p=0.3)
+    with jax.enable_x64(True):
+        out, lse = jax_ref.flash_attention_varlen(*map(jnp.asarray, (q, k, v, cu_q, cu_k)), 4, 4,
+                                                  dropout_mask=jnp.asarray(mask), return_lse=True, **opts)
+    want_out, want_lse = ref.flash_attention_varlen(*map(ref._t, (q, k, v)), torch.tensor(cu_q), torch.tensor(cu_k),
+                                                    4, 4, dropout_mask=torch.tensor(mask), return_lse=True, **opts)
+    assert out.dtype == jnp.float64 and out.shape == (9, 4, 16) and lse.shape == (4, 9)
+    np.testing.assert_allclose(np.asarray(out), want_out.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(lse), want_lse.numpy(), rtol=1e-12, atol=1e-12)  # -inf rows, 0 tail
+    assert not np.asarray(out)[7:].any()
