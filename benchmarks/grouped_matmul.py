@@ -254,6 +254,8 @@ def main() -> None:
             sys.exit("needs a CUDA GPU (or --smoke)")
         shapes, device = SHAPES[args.shapes], device_name()
     if args.only is not None:
+        if bad := [i for i in args.only if not 0 <= i < len(shapes)]:
+            parser.error(f"--only: {bad} not indices into the {len(shapes)} shapes of this run (0..{len(shapes) - 1})")
         shapes = [shapes[i] for i in args.only]
     rows = []
     for (g, m, k, n), routing in itertools.product(shapes, args.routing):

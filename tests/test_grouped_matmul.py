@@ -756,6 +756,20 @@ def test_benchmark_smoke_writes_outside_results():
     assert os.path.dirname(default_out(True, "cpu")) != results
 
 
+
+@pytest.mark.parametrize("only", ["2", "-1"])
+def test_benchmark_rejects_only_outside_the_shape_list(only, monkeypatch, capsys):
+    # --only 2 with the two smoke shapes died with IndexError; --only -1 silently ran the last shape.
+    import sys
+
+    from benchmarks import grouped_matmul as bench
+
+    monkeypatch.setattr(sys, "argv", ["grouped_matmul.py", "--smoke", "--only", "0", only])
+    with pytest.raises(SystemExit) as exc:
+        bench.main()
+    assert exc.value.code == 2
+    assert f"--only: [{only}] not indices into the 2 shapes of this run (0..1)" in capsys.readouterr().err
+
 def test_jax_reference_matches_torch_reference(rng):
     """ejkernel_jax.reference's grouped matmuls (masks, traceable sizes) agree with the loops."""
     import jax
