@@ -68,6 +68,8 @@ def main() -> None:
     import ejkernel_jax
     import ejkernel_torch
 
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
     copy_gbs = copy_bandwidth_gbs()
     print(f"device {device_name()}, copy bandwidth {copy_gbs:.0f} GB/s")
     ours_jax = jax.jit(ejkernel_jax.softmax)

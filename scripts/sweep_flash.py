@@ -71,6 +71,10 @@ def main() -> None:
     parser.add_argument("--fwd", nargs="*", type=_config, default=FWD, help="BLOCK_M,BLOCK_N,warps,stages")
     parser.add_argument("--bwd", nargs="*", type=_config, default=BWD, help="BLOCK_M,BLOCK_N,warps,stages")
     args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
     cases = list(itertools.product(args.head_dims, [c == "true" for c in args.causal]))
     jobs = [dict(head_dim=d, causal=c, phase="fwd", configs=args.fwd) for d, c in cases if "fwd" in args.phases]
     jobs += [dict(head_dim=d, causal=c, phase="bwd", configs=[cfg])

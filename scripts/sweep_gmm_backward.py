@@ -43,6 +43,9 @@ def main() -> None:
 
     import torch
 
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+
     from benchmarks.common import bench_torch, try_time
     from ejkernel_torch.ops.grouped_matmul import _encode, _gmm, _tgmm
     rows = []

@@ -42,6 +42,8 @@ def main():
         epilog="configured by environment variables (comma-separated lists):\n"
                "  TUNE_WARPS, TUNE_ROWS, TUNE_PER_SM (0: one program per block), TUNE_DTYPES, TUNE_COLS;\n"
                "  OUT: directory for tune_softmax.json (default .)").parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
     copy = copy_bandwidth_gbs()
     results = []
     for dtype in DTYPES:

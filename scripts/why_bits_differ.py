@@ -8,6 +8,7 @@ launchers compile the same binary.
 """
 import argparse
 import os
+import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -32,6 +33,8 @@ planned_softmax = triton.jit(do_not_specialize_on_alignment=["n_cols"])(softmax_
 
 def main():
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
     import jax
     import jax.numpy as jnp
 

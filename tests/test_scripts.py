@@ -26,3 +26,28 @@ def test_script_help_runs_on_cpu(script):
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "usage:" in result.stdout, result.stdout[-2000:]
+
+
+# GPU-only scripts, each with arguments that make it do a little; without a GPU they must say so and
+# stop. sweep_flash.py ran every config in a subprocess and wrote a JSON of "Torch not compiled with
+# CUDA enabled" errors with exit status 0; the others died with that AssertionError's traceback.
+GPU_ONLY = {
+    "benchmarks/softmax.py": ["--cols", "128", "--dtypes", "float32", "--out", os.devnull],
+    "benchmarks/flash_attention.py": ["--seqs", "128", "--head-dims", "64", "--out", os.devnull],
+    "benchmarks/grouped_matmul.py": ["--shapes", "quick", "--only", "0", "--out", os.devnull],
+    "scripts/sweep_flash.py": ["--head-dims", "64", "--causal", "false", "--out", os.devnull],
+    "scripts/sweep_gmm_backward.py": ["--out", os.devnull],
+    "scripts/tune_softmax.py": [],
+    "scripts/why_bits_differ.py": [],
+    "scripts/probe_vmap_fold.py": ["--out", os.devnull],
+}
+
+
+@pytest.mark.parametrize("script", sorted(GPU_ONLY))
+def test_gpu_script_without_a_gpu_says_so(script, tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               CUDA_VISIBLE_DEVICES="", JAX_PLATFORMS="cpu", OUT=str(tmp_path))  # OUT: tune_softmax's
+    result = subprocess.run([sys.executable, script, *GPU_ONLY[script]], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
+    assert result.stderr.strip().splitlines()[-1].startswith("needs a CUDA GPU"), result.stderr[-2000:]
