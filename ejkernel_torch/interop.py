@@ -14,13 +14,22 @@ Aliasing: a zero-copy result shares memory with its source. jax treats arrays as
 so do not modify a tensor in place while a jax array made from it (or jax work reading it) is
 alive; ``copy=True`` gives an independent copy. Inside :func:`jax_to_torch`'s autograd graph
 torch's in-place check guards this (modifying a saved input/output raises on backward).
+Its outputs and gradients are fresh buffers that jax keeps no other reference to (residuals
+are separate buffers, or the saved inputs), so in-place updates of them corrupt nothing on the
+jax side; one saved for backward is guarded like an input.
+
+Closures: a jax array that a traced function (``jax.jit``, :func:`jax_to_torch`) closes over
+instead of receiving it is copied into the compiled function as a constant when it is traced.
+If it came from :func:`to_jax`, an in-place update of the tensor afterwards changes the array
+but not the constant, and no gradient reaches the tensor: pass tensors as arguments.
+:func:`to_jax` called while a ``jax_to_torch`` function is being traced raises.
 """
 from __future__ import annotations
 
 import torch
 
 from ._interop import _convert
-from ._interop._bridge import BridgedFunction, _compiler_disable, jax_to_torch
+from ._interop._bridge import BridgedFunction, _compiler_disable, jax_to_torch, tracing_function
 from ._interop._convert import ConversionError
 
 __all__ = ["to_jax", "to_torch", "jax_to_torch", "BridgedFunction"]
@@ -29,6 +38,19 @@ __all__ = ["to_jax", "to_torch", "jax_to_torch", "BridgedFunction"]
 def _check_copy(copy) -> None:
     if not (copy is None or copy is True or copy is False):  # not `in`: 1 == True, 0 == False
         raise TypeError(f"copy must be None, True or False, got {copy!r}")
+
+
+def _check_not_tracing() -> None:
+    """A tensor converted while a bridged function is traced becomes a constant of its compiled
+    function: its gradient was silently dropped, and later in-place updates were seen by some
+    cache entries (those traced after the update) and not by others."""
+    traced = tracing_function()
+    if traced is not None:
+        raise TypeError(
+            f"to_jax: argument 'tensor' is converted inside {traced!r}, while JAX traces it: its value "
+            "would be baked into the compiled function (later in-place updates and its gradient would be "
+            "ignored); pass the tensor to the bridged function as an argument instead"
+        )
 
 
 def to_jax(tensor: torch.Tensor, *, copy: bool | None = None):
@@ -45,6 +67,7 @@ def to_jax(tensor: torch.Tensor, *, copy: bool | None = None):
     _check_copy(copy)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"to_jax: argument 'tensor' must be a torch.Tensor, got {type(tensor).__name__}")
+    _check_not_tracing()
     try:
         return _convert.tensor_to_jax(tensor, copy)
     except ConversionError as err:

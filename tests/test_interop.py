@@ -624,6 +624,24 @@ def test_in_place_write_after_forward_fails_loudly():
         out.sum().backward()
 
 
+def test_tensors_converted_inside_the_jax_function_are_refused():
+    """to_jax inside a bridged function ran at trace time, so the tensor became a constant of the
+    compiled function: w.grad stayed None, and after w.mul_(10) the grad path's cached trace kept
+    the old w while the no-grad path, traced after the update, used the new one."""
+    w = torch.full((3,), 2.0, requires_grad=True)
+    b = jax_to_torch(lambda x: x * to_jax(w.detach()))
+    x = torch.ones(3, requires_grad=True)
+    msg = r"to_jax: argument 'tensor' is converted inside jax_to_torch\('.*<lambda>'\).*as an argument"
+    with pytest.raises(TypeError, match=msg):
+        b(x)
+    with pytest.raises(TypeError, match=msg):
+        b(x.detach())
+    # Passed as an argument, the same tensor gets its gradient; to_jax works again outside.
+    (jax_to_torch(lambda x, w: x * w)(x, w)).sum().backward()
+    assert torch.equal(w.grad, torch.ones(3)) and torch.equal(x.grad, torch.full((3,), 2.0))
+    assert np.array_equal(np.asarray(to_jax(w.detach())), np.full(3, 2.0, np.float32))
+
+
 def test_residuals_that_are_inputs_are_not_copied():
     b = jax_to_torch(lambda x, y: x * y)
     x, y = _f64(64), _f64(64, seed=1)

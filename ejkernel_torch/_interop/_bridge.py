@@ -35,6 +35,15 @@ _tree_unflatten = jax.tree_util.tree_unflatten
 # Non-tensor leaves handed to jax as they are (traced like jax.jit would, never differentiated).
 _PASSTHROUGH = (bool, int, float, complex, np.ndarray, np.generic, jax.Array)
 
+# The bridged functions whose JAX function is being traced on this thread (innermost last).
+_tracing = threading.local()
+
+
+def tracing_function() -> "BridgedFunction | None":
+    """The bridged function being traced on this thread, if any (to_jax refuses to run then)."""
+    stack = getattr(_tracing, "stack", None)
+    return stack[-1] if stack else None
+
 # -- residual strategy ------------------------------------------------------------------------
 
 _residual_mode: bool | None = None
@@ -263,7 +272,16 @@ class BridgedFunction:
                     args[pos] = value
                 else:
                     kwargs[name] = value
-        return self.fn(*args, **kwargs)
+        # Runs only while jax traces: a tensor converted in here would become a constant of the
+        # compiled function (to_jax checks this stack and refuses).
+        stack = getattr(_tracing, "stack", None)
+        if stack is None:
+            stack = _tracing.stack = []
+        stack.append(self)
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            stack.pop()
 
     def _make_plain(self, treedef, statics):
         def plain(*leaves):
@@ -735,6 +753,10 @@ def jax_to_torch(
       goes through a cached ``jax.jit``. ``static_argnames`` are passed to ``fn`` unchanged and
       must be hashable; numbers and numpy/jax arrays are traced like ``jax.jit`` would; other
       objects must be static. ``cache_info()`` reports calls and traces.
+    * **Closed-over values are constants**: what ``fn`` closes over instead of receiving is
+      baked into each compiled entry when it is traced (as under ``jax.jit``), so later
+      in-place updates of a tensor it came from are not seen and it gets no gradient. Pass
+      tensors as arguments; ``to_jax`` inside ``fn`` raises TypeError.
     * **Autograd**: when grad is enabled and a floating/complex input requires grad, the forward
       runs a jitted ``jax.vjp`` and keeps its residuals as jax arrays; ``backward`` runs a jitted
       pullback (double backward is not supported). Integer/bool outputs are marked
