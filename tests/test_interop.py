@@ -642,6 +642,28 @@ def test_tensors_converted_inside_the_jax_function_are_refused():
     assert np.array_equal(np.asarray(to_jax(w.detach())), np.full(3, 2.0, np.float32))
 
 
+def test_inference_tensors_run_without_grad_and_are_named_with_grad():
+    """Without grad nothing is saved, so inference tensors work. With grad, torch refused to save
+    them only after the jax forward had run, naming no argument."""
+    f = jax_to_torch(lambda x, w: jnp.tanh(x @ w))
+    with torch.inference_mode():
+        x = torch.randn(3, 4)
+    w = torch.randn(4, 2, requires_grad=True)
+    want = torch.tanh(x @ w.detach())
+    with torch.no_grad():
+        torch.testing.assert_close(f(x, w), want)
+    with torch.inference_mode():
+        y = f(x, w)
+    assert y.is_inference() and not y.requires_grad
+    torch.testing.assert_close(y, want)
+    traces = f.cache_info()["traces"]
+    with pytest.raises(TypeError, match=r"argument 'x' is an inference tensor .*\.clone\(\)"):
+        f(x, w)
+    assert f.cache_info()["traces"] == traces  # refused before any jax work
+    f(x.clone(), w).sum().backward()
+    torch.testing.assert_close(w.grad, x.T @ (1 - want**2))
+
+
 def test_residuals_that_are_inputs_are_not_copied():
     b = jax_to_torch(lambda x, y: x * y)
     x, y = _f64(64), _f64(64, seed=1)

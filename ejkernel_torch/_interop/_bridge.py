@@ -591,6 +591,19 @@ def _reject_functorch(b, args, kwargs, tpos, tensors) -> None:
     )
 
 
+def _reject_inference(b, args, kwargs, tpos, tensors) -> None:
+    """A call that records gradients saves all its inputs (jax residuals may alias them), and
+    torch refuses to save inference tensors -- after the jax forward had run, naming no argument."""
+    for k, t in enumerate(tensors):
+        if t.is_inference():
+            raise TypeError(
+                f"{b._describe(args, kwargs, tpos[k])} is an inference tensor (made under "
+                "torch.inference_mode()), and a call that records gradients saves its inputs for "
+                "backward, which inference tensors cannot be; pass a .clone() made outside "
+                "inference_mode, or make the tensor under torch.no_grad() instead"
+            )
+
+
 def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
     """The hot path. torch.compile graph-breaks here (documented; never traced by dynamo)."""
     if torch._C._get_tracing_state() is not None:
@@ -660,8 +673,10 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
                 need_grad = True
             if t.dtype in cv.WIDE_TORCH_DTYPES:
                 wide = True
-        if need_grad and _functorch_level() is not None:
-            _reject_functorch(b, args, kwargs, tpos, tensors)
+        if need_grad:
+            if _functorch_level() is not None:
+                _reject_functorch(b, args, kwargs, tpos, tensors)
+            _reject_inference(b, args, kwargs, tpos, tensors)
 
     if b.x64 is None:
         use_x64 = wide and not cv.x64_enabled()
@@ -761,7 +776,9 @@ def jax_to_torch(
       runs a jitted ``jax.vjp`` and keeps its residuals as jax arrays; ``backward`` runs a jitted
       pullback (double backward is not supported). Integer/bool outputs are marked
       non-differentiable. When nothing requires grad the VJP is skipped entirely. Complex
-      gradients follow torch's convention (the conjugate of jax's).
+      gradients follow torch's convention (the conjugate of jax's). A call that records
+      gradients saves all its input tensors, so inference tensors (``torch.inference_mode``)
+      are refused there (TypeError); without grad, and inside inference_mode, they work.
     * **x64**: ``None`` (default) turns jax's 64-bit mode on for the call when an input tensor
       is 64-bit (float64/int64/complex128/uint64), so dtypes are what torch passed; ``True``
       always, ``False`` never (jax then canonicalizes 64-bit inputs to 32 bits). None of them
