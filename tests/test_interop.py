@@ -705,6 +705,33 @@ def test_x64_policy():
     assert narrow(torch.tensor([3])).dtype == torch.int32  # jax's canonicalization
 
 
+def test_x64_mode_is_scoped_to_the_call_and_its_thread():
+    """Pins the documented scope: an int64 input turns 64-bit mode on for the whole of fn (its
+    defaults widen, so a float32 result combined with one becomes float64), for this thread's
+    call only: another thread running jax meanwhile keeps 32-bit defaults."""
+    import threading
+
+    started, seen = threading.Event(), []
+
+    def fn(i, x):
+        started.set()
+        worker.join()  # the other thread runs jax while this call is in 64-bit mode
+        return x[i] + jnp.linspace(0.0, 1.0, 2)
+
+    def other():
+        started.wait()
+        seen.append((jax.config.jax_enable_x64, jnp.zeros(1).dtype))
+
+    b, x = jax_to_torch(fn), torch.ones(4)
+    worker = threading.Thread(target=other)
+    worker.start()
+    assert b(torch.tensor([0, 1]), x).dtype == torch.float64
+    assert seen == [(False, jnp.float32)]
+    assert not jax.config.jax_enable_x64
+    assert b(torch.tensor([0, 1], dtype=torch.int32), x).dtype == torch.float32
+    assert jax_to_torch(fn, x64=False)(torch.tensor([0, 1]), x).dtype == torch.float32
+
+
 def test_x64_false_keeps_jax_global_64_bit_mode():
     """The docstring said x64=False canonicalizes 64-bit inputs to 32 bits, which holds only with
     jax's 64-bit mode off: x64 never turns a global jax_enable_x64 off (documented now)."""

@@ -784,6 +784,12 @@ def jax_to_torch(
       always, ``False`` never (jax then canonicalizes 64-bit inputs to 32 bits). None of them
       turns it off: with ``jax_enable_x64`` set globally, every call runs in 64-bit mode and
       64-bit inputs stay 64-bit, ``x64=False`` too.
+      The mode is jax's thread-local ``jax.enable_x64`` context around the call's trace,
+      forward and backward only (other threads and the global flag are untouched), but it
+      covers all of ``fn``: its defaults widen too (``jnp.zeros``/``arange``/``linspace``
+      without a dtype give float64/int64), so a float32 input combined with one comes back
+      float64. torch index tensors are int64 by default: pass ``idx.int()``, or ``x64=False``,
+      to keep ``fn`` in 32 bits.
     * **torch.compile**: the wrapper is ``torch.compiler.disable``-d, so dynamo graph-breaks
       around it and runs it eagerly (values and gradients are right; ``fullgraph=True`` raises).
       Under compiled autograd the backward graph-breaks the same way.
