@@ -825,6 +825,46 @@ def test_modules_holding_a_bridged_function_can_be_deep_copied():
     torch.testing.assert_close(twin.w.grad, torch.sin(x))
 
 
+@jax_to_torch
+def _sin_twice(x):
+    return jnp.sin(x) * 2
+
+
+def _scaled_sum(x, scale):
+    return jnp.sum(x) * scale
+
+
+class _HoldsBridged(torch.nn.Module):
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
+    def forward(self, x):
+        return self.f(x, scale=2.0)
+
+
+def test_bridged_functions_pickle_like_functions():
+    """pickle.dumps (so torch.save of a module holding one, and multiprocessing) failed with
+    "cannot pickle '_thread.lock' object"."""
+    import io
+    import pickle
+
+    assert pickle.loads(pickle.dumps(_sin_twice)) is _sin_twice  # by reference, as functions
+    x = torch.arange(3.0)
+    b = jax_to_torch(_scaled_sum, static_argnames="scale", x64=False)
+    b(x, scale=2.0)
+    c = pickle.loads(pickle.dumps(b))  # rebuilt from the wrapped function, caches fresh
+    assert c is not b and c.fn is _scaled_sum
+    assert (c.static_argnames, c.x64, c.cache_info()["calls"]) == (("scale",), False, 0)
+    buf = io.BytesIO()
+    torch.save(_HoldsBridged(b), buf)
+    buf.seek(0)
+    m = torch.load(buf, weights_only=False)
+    assert torch.equal(m(x), b(x, scale=2.0))
+    with pytest.raises((pickle.PicklingError, AttributeError), match="<lambda>"):  # names fn
+        pickle.dumps(jax_to_torch(lambda x: x))
+
+
 def test_torch_func_transforms_fail_loudly():
     b = jax_to_torch(lambda x: jnp.sin(x) * 2)
     x = torch.randn(4, 3)

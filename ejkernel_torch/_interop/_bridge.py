@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 import types
 import weakref
@@ -136,6 +137,21 @@ def _argnames(static_argnames) -> tuple[str, ...]:
     return names
 
 
+def _global_named(obj):
+    """What obj's module holds under obj's qualified name (None if nothing)."""
+    value = sys.modules.get(getattr(obj, "__module__", None) or "")
+    for part in str(getattr(obj, "__qualname__", "<locals>")).split("."):
+        if part == "<locals>":
+            return None
+        value = getattr(value, part, None)
+    return value
+
+
+def _rebuild(fn, static_argnames, x64) -> "BridgedFunction":
+    """Unpickle a bridged function that is not reachable by name."""
+    return BridgedFunction(fn, static_argnames=static_argnames, x64=x64)
+
+
 class BridgedFunction:
     """A torch-callable wrapping a JAX function; see :func:`jax_to_torch`."""
 
@@ -197,6 +213,16 @@ class BridgedFunction:
         # Like a Python function or a jax.jit: nothing to copy (the lock could not be copied, so
         # copy.deepcopy of a torch module holding a bridged function failed).
         return self
+
+    def __reduce__(self):
+        # pickle.dumps failed on the lock ("cannot pickle '_thread.lock' object"), so torch.save
+        # of a module holding a bridged function did too. Pickled as functions and jax.jit are:
+        # by reference when the module exposes this very object under its name (a decorated
+        # function or method); else rebuilt from fn, which the pickler must handle (lambdas
+        # need cloudpickle). Caches and counters start fresh either way.
+        if _global_named(self) is self:
+            return self.__qualname__
+        return _rebuild, (self.fn, self.static_argnames, self.x64)
 
     def cache_info(self) -> dict[str, int]:
         """Calls so far, forward traces (compilations) and backward traces."""
@@ -804,6 +830,10 @@ def jax_to_torch(
 
     Usable as a decorator, with or without arguments, also on methods: the instance is then
     the first argument, so list ``"self"`` in ``static_argnames`` (it must be hashable).
+
+    Picklable (``torch.save`` of a module holding one, multiprocessing) as functions are: by
+    reference when its module exposes it under its name (decorated functions and methods),
+    else rebuilt from ``fn``, which the pickler must handle (a lambda needs cloudpickle).
     """
     if fn is None:
         return functools.partial(jax_to_torch, static_argnames=static_argnames, x64=x64)
