@@ -1237,6 +1237,54 @@ def test_saved_tensor_hooks_keep_the_backward_working(wrap):
         assert torch.equal(g, e)
 
 
+@pytest.mark.parametrize("residuals", ["saved", "jax-fallback", "recompute"])
+def test_checkpointing_frees_residuals_and_intermediates(residuals, monkeypatch):
+    """Under non-reentrant checkpointing the jax residuals (and, through the call, its input
+    tensors) stayed on ctx, outside the saved-tensor hooks: after the checkpointed forward the
+    float16 residual and the region's intermediate ``h`` were alive, so it freed nothing."""
+    import gc
+    import weakref
+
+    import torch.utils.checkpoint as ckpt
+
+    if residuals == "jax-fallback":  # residual dtypes torch lacks: kept as jax arrays
+        monkeypatch.setattr(_bridge, "_residual_tensors", lambda kept, device: None)
+    if residuals == "recompute":
+        monkeypatch.setattr(_bridge, "_residual_mode", False)
+    shape = (37, 53)
+    f = jax_to_torch(_half_sin_sum)
+    refs = []
+
+    def region(x):
+        h = x * 2
+        refs.append(weakref.ref(h))
+        return f(h)
+
+    x = torch.randn(shape, requires_grad=True)
+    (want,) = torch.autograd.grad(f(x * 2), x)
+    before = _residual_count(shape)
+    y = ckpt.checkpoint(region, x, use_reentrant=False)
+    gc.collect()
+    assert refs[0]() is None
+    assert _residual_count(shape) == before + (residuals == "jax-fallback")
+    y.backward()
+    assert torch.equal(x.grad, want)
+
+
+def test_residuals_go_through_saved_tensor_hooks():
+    packed = []
+    f = jax_to_torch(_half_sin_sum)
+    x = torch.randn(37, 53, requires_grad=True)
+    (want,) = torch.autograd.grad(f(x), x)
+    before = _residual_count((37, 53))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.dtype) or t.clone(), lambda t: t):
+        y = f(x)
+    assert packed.count(torch.float16) == 1  # the residual, which the hook replaced by a copy
+    assert _residual_count((37, 53)) == before
+    y.backward()
+    assert torch.equal(x.grad, want)
+
+
 def test_nested_static_values_equal_in_value_but_not_type_trace_apart():
     """An entry's functions keep its first call's static values, and the cache compared nested
     ones by ==: after a refused (True, 8), the valid (1, 8) was refused too; (1.0, 8) ran as (1, 8)."""

@@ -9,7 +9,9 @@ With grad: a ``torch.autograd.Function`` whose forward runs a jitted ``jax.vjp``
 the outputs *and* the VJP object (a pytree whose leaves are the residuals, still jax arrays
 on the device), and whose backward runs one shared jitted ``vjp(cotangents)``. The residuals
 are dropped when torch frees the call's saved tensors (after a backward without
-``retain_graph``), not when the outputs die.
+``retain_graph``), not when the outputs die. Under saved-tensor hooks (activation
+checkpointing, ``save_on_cpu``) they are saved as torch tensors, so the hooks drop or offload
+them as they do torch's own.
 """
 from __future__ import annotations
 
@@ -426,13 +428,14 @@ class _Kept:
     backward without ``retain_graph``: on ctx alone they lived as long as the outputs (in a
     training loop, into the next step's forward)."""
 
-    __slots__ = ("call", "pullback")
+    __slots__ = ("call", "pullback", "recipe")
 
-    def __init__(self, call, pullback):
-        self.call, self.pullback = call, pullback
+    def __init__(self, call, pullback, recipe=None):
+        # recipe: set instead of pullback when the residuals are saved tensors (see _save_hooked)
+        self.call, self.pullback, self.recipe = call, pullback, recipe
 
     def clear(self):
-        self.call = self.pullback = None
+        self.call = self.pullback = self.recipe = None
 
     def tie_to(self) -> torch.Tensor:
         """An empty tensor to save for backward: torch drops it with the other saved tensors,
@@ -469,11 +472,10 @@ class _BridgeFunction(torch.autograd.Function):
                     b._make_vjp_fwd(call.treedef, call.statics, call.diff_pos, call.tpos),
                 )
             out, kept, recipe = _run(call.use_x64, fwd, jleaves)
-            pullback = _rebuild_pullback(jleaves, kept, recipe)
         else:
             if call.entry.plain is None:
                 call.entry.plain = b._make_plain(call.treedef, call.statics)
-            out, pullback = _run(call.use_x64, call.entry.plain, jleaves), None
+            out, kept, recipe = _run(call.use_x64, call.entry.plain, jleaves), None, None
         flat, call.out_tree, touts = _export_outputs(b, out, _data_ptrs(tensors), _xla_device(tensors))
         inexact = cv.INEXACT_JAX_DTYPES
         call.ct_idx = ct_idx = [j for j, o in enumerate(flat) if o.dtype in inexact]
@@ -482,12 +484,11 @@ class _BridgeFunction(torch.autograd.Function):
             ctx.mark_non_differentiable(*[t for j, t in enumerate(touts) if j not in keep])
         # Saving inputs and outputs arms torch's in-place-modification check: the residuals on
         # the jax side may alias their memory (zero-copy), so a later in-place write must fail.
-        ctx.kept = _Kept(call, pullback)
         if _saved_tensor_hooks_active():
-            # Hooks (activation checkpointing, save_on_cpu) replace saved tensors at once: a tied
-            # token would be dropped now. Then the state lives with ctx, as the outputs do.
-            ctx.save_for_backward(*tensors, *touts)
+            _save_hooked(ctx, call, jleaves, kept, recipe, tensors, touts)
         else:
+            pullback = None if recipe is None else _rebuild_pullback(jleaves, kept, recipe)
+            ctx.kept = _Kept(call, pullback)
             ctx.save_for_backward(*tensors, *touts, ctx.kept.tie_to())
         return tuple(touts)
 
@@ -503,6 +504,38 @@ class _BridgeFunction(torch.autograd.Function):
         # product differentiates w.r.t. the latter): wire both to the error node.
         anchors = [saved[k] for k in ctx.kept.call.diff_k] + [g for g in grads if g is not None]
         return (None, *_poison_for_double_backward(result, anchors))
+
+
+def _save_hooked(ctx, call, jleaves, kept, recipe, tensors, touts):
+    """Save for backward under saved-tensor hooks (activation checkpointing, save_on_cpu), which
+    pack what is saved: drop it to recompute it, or offload it. Kept on ctx as jax arrays, the
+    residuals (and the inputs, through the call) escaped them: checkpointing freed nothing.
+    So the residuals are saved as torch tensors, and the call lets go of its tensors; ctx then
+    keeps no tensor and needs no tied token (the hooks would replace it at once)."""
+    res = [] if recipe is None else _residual_tensors(kept, _xla_device(tensors))
+    if res is None:  # a residual dtype torch lacks: it stays on ctx as a jax array
+        ctx.kept, res = _Kept(call, _rebuild_pullback(jleaves, kept, recipe)), []
+    else:
+        ctx.kept = _Kept(call, None, recipe)
+    _release_tensors(call)
+    ctx.save_for_backward(*tensors, *touts, *res)
+
+
+def _residual_tensors(kept, device):
+    """The residual jax arrays as torch tensors (zero-copy), or None if a dtype has none."""
+    if any(r.dtype not in cv.JAX_TO_TORCH_DTYPE for r in kept):
+        return None
+    return [cv.array_to_torch(r, None, device=device) for r in kept]
+
+
+def _release_tensors(call) -> None:
+    """Drop the call's references to its input tensors; the backward gets them back from the
+    saved tensors, and argument names come from the structure alone."""
+    tset = set(call.tpos)
+    call.leaves = [None if i in tset else leaf for i, leaf in enumerate(call.leaves)]
+    call.args, call.kwargs = _tree_unflatten(
+        call.treedef, ["<tensor>" if i in tset else leaf for i, leaf in enumerate(call.leaves)]
+    )
 
 
 def _run(use_x64: bool, fn, leaves):
@@ -530,6 +563,11 @@ def _backward(ctx, grads):
             err.reraise(f"{b!r}: gradient of output leaf {j}")
     if ctx.kept.pullback is not None:
         grads_in = _run(call.use_x64, b._bwd, (ctx.kept.pullback, cts))
+    elif ctx.kept.recipe is not None:  # residuals saved through saved-tensor hooks
+        jleaves = _import_leaves(b, call.args, call.kwargs, call.leaves, call.tpos, saved[:n_in])
+        kept = [cv.tensor_to_jax(t, None) for t in saved[n_in + len(grads):]]
+        pullback = _rebuild_pullback(jleaves, kept, ctx.kept.recipe)
+        grads_in = _run(call.use_x64, b._bwd, (pullback, cts))
     else:
         jleaves = _import_leaves(b, call.args, call.kwargs, call.leaves, call.tpos, saved[:n_in])
         bwd = call.entry.vjp_bwd.get(call.diff_pos)
@@ -805,6 +843,9 @@ def jax_to_torch(
       gradients follow torch's convention (the conjugate of jax's). A call that records
       gradients saves all its input tensors, so inference tensors (``torch.inference_mode``)
       are refused there (TypeError); without grad, and inside inference_mode, they work.
+      ``torch.utils.checkpoint`` (either ``use_reentrant``) and ``save_on_cpu`` work: under
+      saved-tensor hooks the jax residuals are saved as torch tensors, so the hooks drop or
+      offload them as they do torch's own.
     * **x64**: ``None`` (default) turns jax's 64-bit mode on for the call when an input tensor
       is 64-bit (float64/int64/complex128/uint64), so dtypes are what torch passed; ``True``
       always, ``False`` never (jax then canonicalizes 64-bit inputs to 32 bits). None of them
