@@ -919,6 +919,21 @@ def test_forward_mode_dual_tensors_fail_loudly():
 # -- torch.compile --------------------------------------------------------------------------
 
 
+def test_autocast_is_not_applied_and_mixed_dtypes_promote_as_in_jax():
+    """Pins the documented behaviour: under autocast the JAX function computes in the dtypes it
+    is given (float32 stays float32, bfloat16 x float32 promotes to float32), with gradients."""
+    f = jax_to_torch(lambda x, w: jnp.tanh(x @ w))
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 2, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x @ torch.eye(4)  # autocast makes this matmul bfloat16
+        mixed, plain = f(h, w), f(x, w)
+    assert h.dtype == torch.bfloat16 and (mixed.dtype, plain.dtype) == (torch.float32, torch.float32)
+    torch.testing.assert_close(plain, torch.tanh(x @ w))
+    torch.testing.assert_close(mixed, torch.tanh(h.float() @ w))
+    (mixed.sum() + plain.sum()).backward()
+    assert x.grad.dtype == w.grad.dtype == torch.float32
+
+
 def test_torch_compile_graph_breaks_and_stays_correct():
     bridged = jax_to_torch(lambda h, y: jnp.sin(h) * y)
 

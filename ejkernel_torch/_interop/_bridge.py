@@ -857,6 +857,10 @@ def jax_to_torch(
       without a dtype give float64/int64), so a float32 input combined with one comes back
       float64. torch index tensors are int64 by default: pass ``idx.int()``, or ``x64=False``,
       to keep ``fn`` in 32 bits.
+    * **Autocast**: not applied. ``torch.autocast`` changes the dtypes of torch's own ops only;
+      ``fn`` receives the tensors' dtypes as passed and computes in jax's (mixed inputs promote
+      as in jax: a bfloat16 activation times a float32 weight gives float32). Cast inside
+      ``fn`` (or before the call) for reduced precision.
     * **torch.compile**: the wrapper is ``torch.compiler.disable``-d, so dynamo graph-breaks
       around it and runs it eagerly (values and gradients are right; ``fullgraph=True`` raises).
       Under compiled autograd the backward graph-breaks the same way.
