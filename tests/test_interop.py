@@ -608,6 +608,36 @@ def test_double_backward_through_the_incoming_grads_fails_loudly():
         g.sum().backward(inputs=[v])
 
 
+def _fake_call_jax(fn, args, use_x64):
+    """torch_xla's call_jax stood in by an eager run on CPU tensors (no torch_xla here)."""
+    assert not use_x64
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    jleaves = [to_jax(t) if isinstance(t, torch.Tensor) else t for t in leaves]
+    return jax.tree_util.tree_map(to_torch, fn(*jax.tree_util.tree_unflatten(tree, jleaves)))
+
+
+def test_xla_graph_route_refuses_double_backward(monkeypatch):
+    """The call_jax route (TPU tensors) had no double-backward guard: its gradients carry no
+    graph, so with create_graph=True the second-order term of (g**2).sum() vanished silently.
+    Run here on CPU tensors, with call_jax faked."""
+    from ejkernel_torch._interop import _xla
+
+    monkeypatch.setattr(_xla, "_call_jax", _fake_call_jax)
+    b = jax_to_torch(jnp.sin)
+    x, v = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+    treedef = jax.tree_util.tree_structure(((x,), {}))
+    y = _xla.graph_call(b, _bridge._Entry(), treedef, (), [x], [0], [x], False, True)
+    (g,) = torch.autograd.grad(y, x, grad_outputs=v, create_graph=True)
+    torch.testing.assert_close(g, torch.cos(x.detach()) * v.detach())
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad((g**2).sum() + x.sum(), x)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(g.sum(), v, allow_unused=True)
+    y = _xla.graph_call(b, _bridge._Entry(), treedef, (), [x], [0], [x], False, True)
+    (g,) = torch.autograd.grad(y.sum(), x)  # a plain backward is unaffected
+    torch.testing.assert_close(g, torch.cos(x.detach()))
+
+
 def test_in_place_write_after_forward_fails_loudly():
     """Residuals live on the jax side and may alias torch memory: torch's check must fire."""
     b = jax_to_torch(lambda x, y: x * y)

@@ -194,18 +194,32 @@ class _GraphFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if not torch.is_grad_enabled():  # the usual case: the engine runs backward without grad
+            return (None,) * 6 + tuple(_graph_backward(ctx, grads))
+        # create_graph=True: call_jax's results carry no graph, so second-order terms vanished
+        # silently; as on the DLPack route, compute without recording and poison any second use.
+        from ._bridge import _poison_for_double_backward
+
+        with torch.no_grad():
+            result = _graph_backward(ctx, grads)
         saved = ctx.saved_tensors
-        n_in = len(ctx.tpos)
-        leaves = list(ctx.skeleton)
-        for p, t in zip(ctx.tpos, saved[:n_in]):
-            leaves[p] = t
-        cts = tuple(grads[j] if grads[j] is not None else torch.zeros_like(saved[n_in + j]) for j in ctx.ct_idx)
-        diff_pos = tuple(ctx.tpos[k] for k in ctx.diff_k)
-        got = _call_jax(ctx.fns.backward(diff_pos), (tuple(leaves), cts), ctx.use_x64)
-        result = [None] * n_in
-        for k, g in zip(ctx.diff_k, got):
-            result[k] = g
-        return (None,) * 6 + tuple(result)
+        anchors = [saved[k] for k in ctx.diff_k] + [g for g in grads if g is not None]
+        return (None,) * 6 + tuple(_poison_for_double_backward(result, anchors))
+
+
+def _graph_backward(ctx, grads):
+    saved = ctx.saved_tensors
+    n_in = len(ctx.tpos)
+    leaves = list(ctx.skeleton)
+    for p, t in zip(ctx.tpos, saved[:n_in]):
+        leaves[p] = t
+    cts = tuple(grads[j] if grads[j] is not None else torch.zeros_like(saved[n_in + j]) for j in ctx.ct_idx)
+    diff_pos = tuple(ctx.tpos[k] for k in ctx.diff_k)
+    got = _call_jax(ctx.fns.backward(diff_pos), (tuple(leaves), cts), ctx.use_x64)
+    result = [None] * n_in
+    for k, g in zip(ctx.diff_k, got):
+        result[k] = g
+    return result
 
 
 def graph_call(b, entry, treedef, statics, leaves, tpos, tensors, use_x64: bool, need_grad: bool):
