@@ -599,6 +599,64 @@ def test_torch_compile_fullgraph(torch_fw, rng):
     assert _err(lhs.grad.numpy(), want[0], "float32") and _err(rhs.grad.numpy(), want[1], "float32")
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_fullgraph_with_bincount_group_sizes(torch_fw, rng, dynamic):
+    # group_sizes counted from a router's choices, torch.bincount(ids, minlength=g), have a
+    # length that depends on the values (max(g, max(ids) + 1)): torch.compile(fullgraph=True)
+    # failed with "Could not extract specialized integer from data-dependent expression u0".
+    # The kernels read groups [0, group_offset + num_selected) only, so the fronts cut the rest
+    # off: the compiled step gives the eager step's bits, expert-sharded (group_offset) too.
+    import torch
+
+    import ejkernel_torch as ejk
+
+    m, k, n, groups = 12, 8, 6, 4
+    x, router = torch.randn(m, k), torch.randn(k, groups)
+
+    def step(x, w, offset):
+        ids = (x @ router).argmax(-1)
+        order = ids.argsort()
+        sizes = torch.bincount(ids, minlength=groups).to(torch.int32)
+        y = ejk.grouped_matmul(x[order], w, sizes, group_offset=offset)
+        w_grad = ejk.transposed_grouped_matmul(x[order].t(), y, sizes, group_offset=offset,
+                                               num_actual_groups=w.shape[0])
+        return y, w_grad
+
+    def train(fn, w, offset):
+        w = w.clone().requires_grad_(True)
+        y, w_grad = fn(x, w, offset)
+        (y.square().sum() + w_grad.sum()).backward()
+        return y, w_grad, w.grad
+
+    for held, offset in ((groups, 0), (2, 1)):
+        w = torch.randn(held, k, n)
+        torch._dynamo.reset()
+        compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+        for got, want in zip(train(compiled, w, offset), train(step, w, offset), strict=True):
+            assert torch.equal(got, want)
+
+    def tensor_offset(x, w):
+        return ejk.grouped_matmul(x, w, torch.bincount((x @ router).argmax(-1), minlength=groups).to(torch.int32),
+                                  group_offset=torch.tensor(0))
+
+    def all_groups(x, w):
+        return ejk.transposed_grouped_matmul(x.t(), x, torch.bincount((x @ router).argmax(-1)).to(torch.int32))
+
+    # Which groups a tensor offset selects, or how many tgmm outputs, cannot be known: refused.
+    for fn, match in ((tensor_offset, "pass group_offset as an int"), (all_groups, "pass num_actual_groups")):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=match):
+            torch.compile(fn, backend="aot_eager", fullgraph=True)(x, torch.randn(groups, k, n))
+    # Too few groups for rhs: eager refuses them by name, the compiled graph asserts when run.
+    few = lambda x, w, ids: ejk.grouped_matmul(x, w, torch.bincount(ids, minlength=2).to(torch.int32))
+    ids = torch.tensor([0] * 5 + [1] * 7)
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match=r"group_sizes has fewer groups than group_offset \+ num_selected"):
+        torch.compile(few, backend="aot_eager", fullgraph=True)(x, torch.randn(groups, k, n), ids)
+    with pytest.raises(ValueError, match="rhs has 4 groups but group_sizes only 2"):
+        few(x, torch.randn(groups, k, n), ids)
+
+
 def test_torch_compile_fullgraph_with_fwd_params_dict(torch_fw, rng):
     # fwd_params as a dict failed to trace (dynamo cannot take dataclasses.fields() of a class);
     # only a FwdParams instance compiled.

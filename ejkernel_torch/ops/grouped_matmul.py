@@ -17,6 +17,11 @@ known valid, e.g. a router's ``bincount``: the sync stalls the launch queue, whi
 half the time of a small grouped matmul). Unchecked bad values are clamped by the kernels (no
 out-of-bounds access, meaningless result); a tensor ``group_offset`` is clamped before it is
 narrowed to int32, so an int64 offset past int32 is not wrapped into a valid-looking one.
+
+``group_sizes`` counted from a router's choices, ``torch.bincount(expert_ids, minlength=g)``, have a
+length that depends on the values, unknown while torch.compile traces; the kernels read only
+groups ``[0, group_offset + num_selected)``, so with an int ``group_offset`` the front cuts
+``group_sizes`` to those (see ``_compile_time_groups``) and the graph asserts the length when it runs.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols, has_static_value
 
 from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch_traceable, plain_eager,
                                    reject_forward_ad)
@@ -72,7 +78,7 @@ def _tgmm_body(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, 
                num_selected: int, lhs_mk: bool, out_dtype: torch.dtype, params: Optional[list[int]]) -> torch.Tensor:
     """``lhs`` is [k, m], or [m, k] when ``lhs_mk`` (the gmm backward's layout: no transpose copy)."""
     m, k = _static(lhs.shape) if lhs_mk else _static(lhs.shape)[::-1]
-    problem = (m, k, int(rhs.shape[1]), int(group_sizes.shape[0]), num_selected, lhs_mk, dtype_name(lhs.dtype),
+    problem = (m, k, int(rhs.shape[1]), int(group_sizes.shape[0]), int(num_selected), lhs_mk, dtype_name(lhs.dtype),
                dtype_name(out_dtype))
     plan = gm.tgmm_plan(*problem, device_facts(lhs.device), _tuning.resolve(TGMM, problem, lhs.device, _decode(params)))
     return launch_traceable(plan, lhs.contiguous(), rhs.contiguous(), group_sizes, group_offset)[0]
@@ -207,6 +213,36 @@ def _group_args(group_sizes, group_offset, m: int, num_groups: int, num_selected
     return group_sizes.contiguous(), offset
 
 
+def _compile_time_groups(group_sizes: torch.Tensor, group_offset, num_selected) -> torch.Tensor:
+    """``group_sizes`` with a length known while torch.compile traces.
+
+    A length computed from values, as ``torch.bincount(expert_ids, minlength=g)``'s (the usual
+    count of a router's tokens per expert: ``max(g, max(expert_ids) + 1)``), is an unbacked
+    symbol there, and plans need concrete sizes: tracing failed with "Could not extract
+    specialized integer from data-dependent expression u0". The kernels read only groups
+    ``[0, group_offset + num_selected)``, so with an int ``group_offset`` the rest is cut off:
+    the same result, from a length the plan knows; that the length reaches it is asserted when
+    the graph runs. A tensor ``group_offset`` may select any group, and tgmm without
+    ``num_actual_groups`` (``num_selected`` None) has one output per group: both are refused there.
+    """
+    if not torch.compiler.is_compiling() or not has_free_unbacked_symbols(group_sizes):
+        return group_sizes
+    length = group_sizes.shape[0] if group_sizes.dim() == 1 else 0  # other ranks: refused by the checks
+    if has_static_value(length):  # known (only a view offset is data-dependent)
+        return group_sizes
+    unknown = "group_sizes has a length that depends on values (torch.bincount's, say): under torch.compile "
+    if num_selected is None:
+        raise ValueError(unknown + "pass num_actual_groups, the number of groups to compute")
+    if isinstance(group_offset, torch.Tensor):
+        raise ValueError(unknown + "pass group_offset as an int, or cut group_sizes to the number of groups "
+                         "(torch._check(group_sizes.shape[0] >= g); group_sizes = group_sizes[:g])")
+    # Bad values count as 0 here: the checks after this refuse them by name.
+    used = sum(max(int(v), 0) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else 0
+               for v in (group_offset, num_selected))
+    torch._check(length >= used, lambda: "group_sizes has fewer groups than group_offset + num_selected")
+    return group_sizes[:used]
+
+
 def _out_dtype(preferred_element_type, default: torch.dtype) -> torch.dtype:
     if preferred_element_type is None:
         return default
@@ -236,10 +272,13 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     ``EJKERNEL_AUTOTUNE``) times candidates on a cache miss and stores the fastest (eager only;
     see ``triton_kernels.tuning``). ``check_values=False`` skips reading ``group_sizes`` (and a
     tensor ``group_offset``) for the value checks, a host sync on CUDA: for values known valid.
+    Under ``torch.compile``, ``group_sizes`` may have a length that depends on values
+    (``torch.bincount(expert_ids, minlength=g)``) when ``group_offset`` is an int.
     Differentiable in lhs and rhs.
     """
     lhs, rhs, group_sizes = (tensor_arg(n, t) for n, t in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)))
     lhs, rhs = autocast(lhs, rhs)
+    group_sizes = _compile_time_groups(group_sizes, group_offset, rhs.shape[0] if rhs.dim() == 3 else 0)
     m, k, n, num_groups, num_selected = gm.check_gmm(
         tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
         tuple(group_sizes.shape), name_of(group_sizes), transpose_rhs)
@@ -269,10 +308,13 @@ def transposed_grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes:
     groups); an empty group gives zeros. This is the weight gradient of ``grouped_matmul``.
     ``fwd_params``: ``blocksize_k`` x ``blocksize_n`` is the output tile, ``blocksize_m`` the rows
     summed per step. ``fwd_params``/``autotune``/``check_values``: as in ``grouped_matmul``.
+    Under ``torch.compile``, ``group_sizes`` may have a length that depends on values
+    (``torch.bincount``) when ``group_offset`` is an int and ``num_actual_groups`` is given.
     Differentiable in lhs and rhs.
     """
     lhs, rhs, group_sizes = (tensor_arg(n, t) for n, t in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)))
     lhs, rhs = autocast(lhs, rhs)
+    group_sizes = _compile_time_groups(group_sizes, group_offset, num_actual_groups)
     m, k, n, num_groups, num_selected = gm.check_tgmm(
         tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
         tuple(group_sizes.shape), name_of(group_sizes), num_actual_groups)
