@@ -95,9 +95,10 @@ __all__ = [
 ]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-# group_offset takes any integer dtype, as the jax version and the Triton fronts do.
-_OFFSET_DTYPES = _INT_DTYPES + (torch.uint16, torch.uint32, torch.uint64)
+# Integer tensors (ids, offsets) of any integer dtype, as the jax versions take them.
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64,
+               torch.uint8, torch.uint16, torch.uint32, torch.uint64)
+_WIDE_INT_DTYPES = (torch.int64, torch.uint32, torch.uint64)  # values past int32 possible
 
 
 # -- argument checks (torch side, before anything reaches jax) -----------------------------------
@@ -121,15 +122,16 @@ def _int32(fn: str, name: str, x) -> torch.Tensor:
 
 
 def _int_ids(fn: str, name: str, x) -> torch.Tensor | None:
-    """Integer ids as int32, like the jax version's ``jnp.asarray(ids, jnp.int32)``; int64 ids
-    are range-checked first (one host sync), as the jax version checks concrete ones."""
+    """Integer ids as int32, like the jax version's ``jnp.asarray(ids, jnp.int32)``; ids of a
+    dtype wider than int32 are range-checked first (one host sync), as the jax version checks
+    concrete ones (uint16/32/64 were refused as "must be an integer tensor, got torch.uint32")."""
     if x is None:
         return None
     x = _tensor(fn, name, x, _INT_DTYPES, "an integer tensor")
     # values_readable(x): a torch.func-wrapped x has no storage to read (vmap crashed here in
     # .item()); unread, the bridge then refuses it by name.
-    if x.dtype == torch.int64 and x.numel() and values_readable(x):
-        lo, hi = torch.aminmax(x)
+    if x.dtype in _WIDE_INT_DTYPES and x.numel() and values_readable(x):
+        lo, hi = torch.aminmax(x.to(torch.int64))  # torch has no aminmax for uint32
         try:
             _bsa_attention.check_segment_id_range(name, int(lo), int(hi))
         except ValueError as e:
@@ -391,7 +393,7 @@ def _group_args(fn: str, lhs, rhs, group_sizes, group_offset, m_axis: int, num_s
     group_sizes = _int32(fn, "group_sizes", group_sizes)
     offset_tensor = static_offset = None
     if isinstance(group_offset, torch.Tensor):
-        offset_tensor = _tensor(fn, "group_offset", group_offset, _OFFSET_DTYPES, "an integer tensor")
+        offset_tensor = _tensor(fn, "group_offset", group_offset, _INT_DTYPES, "an integer tensor")
         if offset_tensor.shape not in ((), (1,)):
             raise ValueError(f"{fn}: argument 'group_offset' must be a scalar, got shape {tuple(offset_tensor.shape)}")
     elif group_offset is not None:

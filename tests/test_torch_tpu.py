@@ -261,6 +261,26 @@ def test_group_offset_tensor_of_any_integer_dtype(monkeypatch):
         monkeypatch.undo()
 
 
+def test_ids_and_start_group_of_any_integer_dtype():
+    """Segment ids and a start_group tensor of uint16/32/64 were refused as "must be an integer
+    tensor, got torch.uint32" (the jax versions take every integer dtype); they are taken, and
+    ids of a dtype wider than int32 are range-checked as int64 ones are."""
+    q = torch.randn(1, 16, 1, 8)
+    ids = torch.tensor([[0] * 5 + [1] * 6 + [2] * 5])
+    want = tpu.blocksparse_attention(q, q, q, q_segment_ids=ids.int(), kv_segment_ids=ids.int())
+    gs = torch.tensor([5, 0, 11], dtype=torch.int32)
+    meta = lambda start: tpu.make_group_metadata(group_sizes=gs, m=16, tm=4, start_group=start, num_nonzero_groups=2)
+    meta_want = jax.tree_util.tree_leaves(meta(1))
+    for dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int64):
+        got = tpu.blocksparse_attention(q, q, q, q_segment_ids=ids.to(dtype), kv_segment_ids=ids.to(dtype))
+        assert torch.equal(got, want), dtype
+        got = jax.tree_util.tree_leaves(meta(torch.tensor(1, dtype=dtype)))
+        assert all(torch.equal(a, b) for a, b in zip(got, meta_want, strict=True)), dtype
+    past = torch.tensor([[0] * 15 + [2**31]], dtype=torch.uint32)
+    with pytest.raises(ValueError, match=r"q_segment_ids holds values in \[0, 2147483648\]"):
+        tpu.blocksparse_attention(q, q, q, q_segment_ids=past, kv_segment_ids=ids)
+
+
 def test_make_group_metadata_matches_jax():
     sizes = np.array([5, 0, 11, 0, 7], np.int32)
     # jax side under jit too: eagerly it would compile each of its small ops separately
