@@ -41,7 +41,7 @@ from ejkernel_jax.pallas.tpu import blocksparse_attention as _bsa
 from ejkernel_jax.pallas.tpu import grouped_matmul as _gmm
 from ejkernel_jax.pallas.tpu.blocksparse_attention import attention as _bsa_attention
 from ejkernel_jax.pallas.tpu.blocksparse_attention import info as _bsa_info
-from ejkernel_torch.ops._common import autocast, values_readable
+from ejkernel_torch.ops._common import autocast, clamp_to_int32, ordered_int64, values_readable
 
 # Host-side objects: the jax module's own (numpy masks and schedules, no device arrays).
 from ejkernel_jax.pallas.tpu.blocksparse_attention import (
@@ -131,9 +131,10 @@ def _int_ids(fn: str, name: str, x) -> torch.Tensor | None:
     # values_readable(x): a torch.func-wrapped x has no storage to read (vmap crashed here in
     # .item()); unread, the bridge then refuses it by name.
     if x.dtype in _WIDE_INT_DTYPES and x.numel() and values_readable(x):
-        lo, hi = torch.aminmax(x.to(torch.int64))  # torch has no aminmax for uint32
+        ordered, shift = ordered_int64(x)  # uint64 from 2**63 up read as such, not as negatives
+        lo, hi = (v + shift for v in torch.stack(torch.aminmax(ordered)).tolist())
         try:
-            _bsa_attention.check_segment_id_range(name, int(lo), int(hi))
+            _bsa_attention.check_segment_id_range(name, lo, hi)
         except ValueError as e:
             raise ValueError(f"{fn}: {e}") from None
     return x.to(torch.int32)
@@ -412,21 +413,22 @@ def _group_args(fn: str, lhs, rhs, group_sizes, group_offset, m_axis: int, num_s
         # Also with no groups: an offset tensor must then be 0, as jax checks a concrete one.
         m = lhs.shape[m_axis] if lhs.ndim == 2 else None
         checks = [(group_sizes < 0).any().to(torch.int64), group_sizes.sum(dtype=torch.int64)]
+        shift = 0
         if offset_tensor is not None:
-            checks.append(offset_tensor.reshape(()).to(torch.int64))
+            ordered, shift = ordered_int64(offset_tensor.reshape(()))  # uint64 past 2**63 not negative
+            checks.append(ordered)
         got = torch.stack(checks).tolist()  # one host sync
         if got[0]:
             raise ValueError(f"{fn}: argument 'group_sizes' must be non-negative, got {group_sizes.tolist()}")
         if m is not None and got[1] > m:
             raise ValueError(f"{fn}: sum(group_sizes) = {got[1]} exceeds the {m} rows of the operand")
         if offset_tensor is not None:
-            _check_offset_range(fn, got[2], group_sizes.shape[0], n_sel)
+            _check_offset_range(fn, got[2] + shift, group_sizes.shape[0], n_sel)
     if offset_tensor is not None:
         # Unread (values_readable() False), an int64 2**32 was cast to int32 0, a valid offset:
         # clamped first into the kernels' range, as the Triton fronts do (gm.group_offset_bounds).
-        # Through int64: torch has no clamp for uint16/32/64.
         hi = group_sizes.shape[0] - n_sel if _is_count(n_sel) else group_sizes.shape[0]
-        offset_tensor = offset_tensor.to(torch.int64).clamp(0, max(hi, 0)).to(torch.int32)
+        offset_tensor = clamp_to_int32(offset_tensor, 0, max(hi, 0))
     return lhs, rhs, group_sizes, offset_tensor, static_offset, device
 
 
@@ -546,9 +548,8 @@ def make_group_metadata(
     if isinstance(start_group, torch.Tensor):
         start_group = _tensor(fn, "start_group", start_group, _INT_DTYPES, "an integer tensor")
         _device(fn, group_sizes=group_sizes, start_group=start_group)
-        if start_group.ndim == 0 and values_readable(start_group):  # read (one host sync) before the int32 cast
-            start_value = int(start_group)
-        start_group = start_group.to(torch.int32)
+        if start_group.ndim == 0 and values_readable(start_group):  # read (one host sync)
+            start_value = start_group.tolist()  # exact: int() raised on a uint64 past 2**63
     elif isinstance(start_group, bool) or not isinstance(start_group, numbers.Integral):
         raise TypeError(f"{fn}: argument 'start_group' must be an int or an integer tensor, got {start_group!r}")
     else:
@@ -559,6 +560,11 @@ def make_group_metadata(
     if start_value is not None:
         _gmm._check_count("start_group", start_value, 0, traced_ok=False)
     _gmm._check_selection(start_value, num_nonzero_groups, group_sizes.shape[0])
+    if isinstance(start_group, torch.Tensor):
+        # Unread, an int64 2**32 was narrowed to int32 0 and selected groups from 0. A start below
+        # -num_nonzero_groups or past num_groups selects no group, as those bounds do: clamped
+        # into them first, the traced value selects what jax selects for it.
+        start_group = clamp_to_int32(start_group, -num_nonzero_groups, group_sizes.shape[0])
     return _metadata(group_sizes, start_group, m=m, tm=tm, num_nonzero_groups=num_nonzero_groups,
                      visit_empty_groups=bool(visit_empty_groups))
 

@@ -536,6 +536,35 @@ def test_unread_int64_group_offset_is_clamped_not_wrapped(fw, rng, offset):
                 assert _err(fw.to_numpy(out), want, "float32"), kw
 
 
+def test_uint64_group_offset_past_2_63_is_not_wrapped(fw, rng):
+    # The torch front widened a uint64 group_offset to int64 (torch has no clamp or min for
+    # uint64), which wrapped 2**63 + 1 to -2**63 + 1: read, it was refused as "group_offset=
+    # -9223372036854775807"; unread (check_values=False) it was clamped to 0 and selected groups
+    # [0, 2) silently. Now it is read as itself, and clamped to the last valid offset (1), as the
+    # jax front does (under jit too).
+    sizes = np.array([3, 2, 4], np.int32)
+    (lhs, rhs, lhs_t, rhs_t), (lhs_np, rhs_np, lhs_t_np, rhs_t_np) = _arrays(
+        fw, rng, "float32", (9, 8), (2, 8, 4), (8, 9), (9, 4))
+    gmm_want = ref.forward(ref.grouped_matmul, lhs_np, rhs_np, sizes, group_offset=1)
+    tgmm_want = ref.forward(ref.transposed_grouped_matmul, lhs_t_np, rhs_t_np, sizes, group_offset=1,
+                            num_actual_groups=2)
+    with frameworks.x64(fw):
+        big = fw.asarray(np.uint64(2**63 + 1))
+        gmm = lambda o, **kw: fw.ops.grouped_matmul(lhs, rhs, fw.asarray(sizes), group_offset=o, **kw)
+        tgmm = lambda o, **kw: fw.ops.transposed_grouped_matmul(lhs_t, rhs_t, fw.asarray(sizes), group_offset=o,
+                                                                num_actual_groups=2, **kw)
+        for op, want in ((gmm, gmm_want), (tgmm, tgmm_want)):
+            with pytest.raises(ValueError, match=r"group_offset=9223372036854775809 selects groups"):
+                op(big)
+            outs = [op(big, check_values=False)]
+            if fw.name == "jax":
+                import jax
+
+                outs.append(jax.jit(lambda o: op(o))(big))
+            for out in outs:
+                assert _err(fw.to_numpy(out), want, "float32")
+
+
 # ---------------------------------------------------------------------------------------------
 # tracing: jax.jit with traced group sizes / offset, torch.compile
 

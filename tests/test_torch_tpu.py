@@ -281,6 +281,33 @@ def test_ids_and_start_group_of_any_integer_dtype():
         tpu.blocksparse_attention(q, q, q, q_segment_ids=past, kv_segment_ids=ids)
 
 
+def test_uint64_values_past_2_63_are_not_wrapped(monkeypatch):
+    """A uint64 past 2**63 was widened to a negative int64: a group_offset of 2**63 + 1 was
+    refused as "group_offset=-9223372036854775807" and, unread, clamped to 0 (groups [0, 2)
+    silently); such segment ids were reported as negative and a start_group raised torch's
+    RuntimeError "value cannot be converted to type int64_t without overflow". Each is now read
+    as itself, and an unread offset is clamped to the last valid one (1), as the jax version does.
+    An unread int64 start_group of 2**32 was narrowed to 0 and visited group 0; it selects none."""
+    big = torch.tensor(2**63 + 1, dtype=torch.uint64)
+    lhs, rhs = torch.randn(8, 4), torch.randn(2, 4, 4)
+    gs = torch.tensor([3, 2, 3], dtype=torch.int32)
+    gmm = lambda o: tpu.grouped_matmul(lhs, rhs, gs, group_offset=o, tiling=(8, 8, 8))
+    with pytest.raises(ValueError, match=r"group_offset=9223372036854775809 selects groups"):
+        gmm(big)
+    q = torch.zeros(1, 8, 1, 8)
+    ids = torch.tensor([[0] * 7 + [2**63 + 1]], dtype=torch.uint64)
+    with pytest.raises(ValueError, match=r"q_segment_ids holds values in \[0, 9223372036854775809\]"):
+        tpu.blocksparse_attention(q, q, q, q_segment_ids=ids, kv_segment_ids=ids)
+    meta = lambda start: tpu.make_group_metadata(group_sizes=gs, m=8, tm=4, start_group=start, num_nonzero_groups=1)
+    with pytest.raises(ValueError, match=r"got start_group=9223372036854775809, num_nonzero_groups=1"):
+        meta(big)
+    want = gmm(1)
+    monkeypatch.setattr(tpu, "values_readable", lambda *tensors: False)  # as during CUDA graph capture
+    assert torch.equal(gmm(big), want)
+    for start in (torch.tensor(2**32), big):
+        assert int(meta(start)[1]) == 0, start
+
+
 def test_make_group_metadata_matches_jax():
     sizes = np.array([5, 0, 11, 0, 7], np.int32)
     # jax side under jit too: eagerly it would compile each of its small ops separately

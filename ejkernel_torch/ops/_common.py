@@ -85,6 +85,29 @@ def values_readable(*tensors: torch.Tensor) -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
+_SIGN_BIT = -(2**63)
+
+
+def ordered_int64(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """An integer tensor as int64 in the order of its values, and what to add to a value read back
+    to get the original. A plain cast wraps uint64 values from 2**63 up to negatives, which were
+    then read, clamped and reported wrongly (2**63 + 1 as -2**63 + 1, clamped to 0); flipping the
+    sign bit maps each uint64 ``u`` to ``u - 2**63`` instead. (torch has no min, max or clamp for
+    uint16/32/64, so these cannot be done in the tensor's own dtype.)"""
+    v = x.to(torch.int64)
+    if x.dtype != torch.uint64:
+        return v, 0
+    return v ^ _SIGN_BIT, 2**63
+
+
+def clamp_to_int32(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """``x`` (any integer dtype) clamped into ``[lo, hi]`` (within int32), as int32, on the device:
+    clamped before the narrowing cast, which would wrap an int64 2**32 + 1 to 1."""
+    v, shift = ordered_int64(x)
+    v = v.clamp(max(lo - shift, _SIGN_BIT), hi - shift)
+    return (v ^ _SIGN_BIT if shift else v).to(torch.int32)
+
+
 def n_pad_arg(n_pad, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
     """Validate ``n_pad`` (values too: a host sync on CUDA) and return it as int32 on ``device``.
 

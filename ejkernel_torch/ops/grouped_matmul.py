@@ -34,8 +34,8 @@ from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols, has
 from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch_traceable, plain_eager,
                                    reject_forward_ad)
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import (autocast, autograd_function, name_of, same_device, saved_tensors, tensor_arg,
-                                        values_readable)
+from ejkernel_torch.ops._common import (autocast, autograd_function, clamp_to_int32, name_of, ordered_int64,
+                                        same_device, saved_tensors, tensor_arg, values_readable)
 from triton_kernels import checks
 from triton_kernels import grouped_matmul as gm
 from triton_kernels.config_cache import check_autotune
@@ -187,10 +187,8 @@ def _group_args(group_sizes, group_offset, m: int, num_groups: int, num_selected
         gm.check_group_offset_shape(tuple(group_offset.shape), name_of(group_offset))
         if group_offset.device != device:  # was moved silently (a meta one failed inside the copy)
             raise ValueError(f"group_offset is on {group_offset.device} but lhs is on {device}")
-        # Clamped before the int32 cast (see group_offset_bounds), through int64: torch has no
-        # clamp for uint16/32/64 (a uint64 past 2**63 still wraps, to a negative, clamped to 0).
-        offset = group_offset.reshape(1).to(device=device, dtype=torch.int64)
-        offset = offset.clamp(*gm.group_offset_bounds(num_groups, num_selected)).to(torch.int32)
+        # Clamped before the int32 cast (see group_offset_bounds).
+        offset = clamp_to_int32(group_offset.reshape(1), *gm.group_offset_bounds(num_groups, num_selected))
         offset_value = None
     elif isinstance(group_offset, (int, np.integer)) and not isinstance(group_offset, bool):
         group_offset = int(group_offset)  # numpy integers too, as in the jax front
@@ -202,14 +200,16 @@ def _group_args(group_sizes, group_offset, m: int, num_groups: int, num_selected
         raise TypeError(f"group_offset must be an int or an integer scalar tensor, got {group_offset!r}")
     if check_values and values_readable(group_sizes, *([] if offset_value is not None else [group_offset])):
         values = [group_sizes.min(), group_sizes.sum(dtype=torch.int64)] if num_groups else []
+        shift = 0
         if offset_value is None:
-            values.append(group_offset.reshape(()).to(device))
+            ordered, shift = ordered_int64(group_offset.reshape(()))
+            values.append(ordered)
         if values:
             got = torch.stack([v.to(torch.int64) for v in values]).tolist()  # one host sync
             if num_groups:
                 gm.check_group_values(got[0], got[1], m)
             if offset_value is None:
-                gm.check_group_offset_value(got[-1], num_groups, num_selected)
+                gm.check_group_offset_value(got[-1] + shift, num_groups, num_selected)
     return group_sizes.contiguous(), offset
 
 
