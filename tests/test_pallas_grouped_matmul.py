@@ -506,7 +506,13 @@ def _gmm_bad_cases():
         (dict(group_offset=0.5), TypeError, "group_offset"),
         (dict(tiling=(128, 128)), ValueError, "tiling"),
         (dict(tiling=(128, 0, 128)), ValueError, "tiling"),
-        (dict(tiling=(True, 128, 128)), ValueError, "tiling"),  # once tm=1
+        # Wrong types are TypeErrors (they were ValueErrors); (True, 128, 128) once meant tm=1.
+        (dict(tiling=(True, 128, 128)), TypeError, r"tiling must be 3 positive ints .*, got \(True, 128, 128\)"),
+        (dict(tiling=(np.True_, 128, 128)), TypeError, "tiling must be 3 positive ints"),
+        (dict(tiling=(128.0, 128, 128)), TypeError, "tiling must be 3 positive ints"),
+        (dict(tiling=None), TypeError, "tiling must be 3 positive ints"),
+        (dict(tiling="128"), TypeError, "tiling must be 3 positive ints"),
+        (dict(tiling=lambda m, k, n: (True, 8, 8)), TypeError, "tiling must be 3 positive ints"),
         (dict(transpose_rhs="false"), TypeError, "transpose_rhs must be a bool"),  # once transposed
         (dict(tiling=lambda m, k, n: None), ValueError, "tiling"),
         (dict(input_buffer_count=3), ValueError, "input_buffer_count"),

@@ -520,6 +520,8 @@ JAX_CHECKED = {  # shape/dtype rules that jax checks while tracing: still before
     "bool num_actual_groups": (lambda: tpu.transposed_grouped_matmul(_lhs.T, _lhs, _gs, group_offset=2,
                                                                      num_actual_groups=True),
                                TypeError, r"num_actual_groups must be an int or None, got True"),
+    "bool tile": (lambda: tpu.grouped_matmul(_lhs, _rhs, _gs, tiling=(True, 8, 8)), TypeError,
+                  r"tiling must be 3 positive ints \(tm, tk, tn\) or a callable, got \(True, 8, 8\)"),
     "lhs/rhs dtypes differ": (lambda: tpu.grouped_matmul(_lhs, _rhs.bfloat16(), _gs), TypeError,
                               r"lhs and rhs must have the same dtype"),
     "rhs k mismatch": (lambda: tpu.grouped_matmul(_lhs, _rhs[:, :3], _gs), ValueError, r"does not match lhs"),

@@ -271,16 +271,15 @@ def _is_int(x) -> bool:
 
 
 def _check_tiling(tiling) -> Union[Tiling, TilingFn]:
+    # A wrong type (a bool or float tile, None, a string) is a TypeError, a wrong count or a
+    # tile < 1 a ValueError, as for the other arguments (all were ValueErrors).
     if callable(tiling):
         return tiling
-    if (
-        not isinstance(tiling, (tuple, list))
-        or len(tiling) != 3
-        or not all(_is_int(t) and t > 0 for t in tiling)
-    ):
-        raise ValueError(
-            f"tiling must be 3 positive ints (tm, tk, tn) or a callable, got {tiling!r}"
-        )
+    expected = "3 positive ints (tm, tk, tn) or a callable"
+    if not isinstance(tiling, (tuple, list)) or not all(_is_int(t) for t in tiling):
+        raise TypeError(f"tiling must be {expected}, got {tiling!r}")
+    if len(tiling) != 3 or not all(t > 0 for t in tiling):
+        raise ValueError(f"tiling must be {expected}, got {tiling!r}")
     return tuple(int(t) for t in tiling)
 
 
