@@ -23,7 +23,8 @@ segment ids, a ``group_offset`` tensor) are traced and get no gradient; a bool t
 dynamic mask. Bad inputs raise ``TypeError`` / ``ValueError`` naming the argument before any
 kernel runs; ``group_sizes`` / ``group_offset`` tensor values are checked too (one host sync).
 Where they cannot be read (during CUDA graph capture), a ``group_offset`` tensor is clamped into
-range before it is narrowed to int32, as the jax version clamps a traced one.
+range before it is narrowed to int32, as the jax version clamps a traced one, and 64-bit segment
+ids are renumbered on the device, as the jax version renumbers traced ones.
 
 ``torch.compile``: every op here is ``torch.compiler.disable``-d, a documented graph break; the
 op runs eagerly with the right values and gradients (``fullgraph=True`` raises).
@@ -122,9 +123,9 @@ def _int32(fn: str, name: str, x) -> torch.Tensor:
 
 
 def _int_ids(fn: str, name: str, x) -> torch.Tensor | None:
-    """Integer ids as int32, like the jax version's ``jnp.asarray(ids, jnp.int32)``; ids of a
-    dtype wider than int32 are range-checked first (one host sync), as the jax version checks
-    concrete ones (uint16/32/64 were refused as "must be an integer tensor, got torch.uint32")."""
+    """Integer ids, checked; ids of a dtype wider than int32 are range-checked (one host sync),
+    as the jax version checks concrete ones (uint16/32/64 were refused as "must be an integer
+    tensor, got torch.uint32")."""
     if x is None:
         return None
     x = _tensor(fn, name, x, _INT_DTYPES, "an integer tensor")
@@ -137,7 +138,31 @@ def _int_ids(fn: str, name: str, x) -> torch.Tensor | None:
             _bsa_attention.check_segment_id_range(name, lo, hi)
         except ValueError as e:
             raise ValueError(f"{fn}: {e}") from None
-    return x.to(torch.int32)
+    return x
+
+
+def _segment_ids(fn: str, q_segment_ids, kv_segment_ids) -> tuple:
+    """Both ids (or None) as int32, like the jax version's. 64-bit ids whose values cannot be read
+    (during CUDA graph capture) were narrowed as they were, so 0 and 2**32 were one segment: they
+    are renumbered on the device instead, as jax renumbers traced ones (``dense_segment_ids``)."""
+    ids = (_int_ids(fn, "q_segment_ids", q_segment_ids), _int_ids(fn, "kv_segment_ids", kv_segment_ids))
+    given = [x for x in ids if x is not None]
+    if any(x.element_size() == 8 and not values_readable(x) for x in given):
+        _device(fn, q_segment_ids=ids[0], kv_segment_ids=ids[1])  # named, before torch.cat fails
+        ranks = iter(_dense_ids(given))
+        ids = tuple(None if x is None else next(ranks) for x in ids)
+    return tuple(None if x is None else x.to(torch.int32) for x in ids)
+
+
+def _dense_ids(ids: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``ids`` renumbered jointly as int32 ranks (equal ids equal, distinct ones distinct), with
+    device ops a CUDA graph can capture (sort, cumsum, gather: no host read, no data-dependent
+    size). A uint64 id meets an int64 one as its bits, as in ``dense_segment_ids``."""
+    keys = torch.cat([x.reshape(-1).to(torch.int64) for x in ids])
+    sorted_keys, order = torch.sort(keys)
+    new = torch.cat([torch.zeros_like(sorted_keys[:1], dtype=torch.bool), sorted_keys[1:] != sorted_keys[:-1]])
+    ranks = torch.cumsum(new, 0)[torch.argsort(order)].to(torch.int32)  # back in the order of keys
+    return [r.view(x.shape) for r, x in zip(ranks.split([x.numel() for x in ids]), ids)]
 
 
 def _device(fn: str, **tensors) -> torch.device:
@@ -292,8 +317,7 @@ def blocksparse_attention(
     """
     fn = "blocksparse_attention"
     q, k, v = autocast(*(_float(fn, n, t) for n, t in (("q", q), ("k", k), ("v", v))))
-    q_seg = _int_ids(fn, "q_segment_ids", q_segment_ids)
-    kv_seg = _int_ids(fn, "kv_segment_ids", kv_segment_ids)
+    q_seg, kv_seg = _segment_ids(fn, q_segment_ids, kv_segment_ids)
     static_mask, dynamic_mask = _static_mask(fn, mask)
     device = _device(fn, q=q, k=k, v=v, mask=dynamic_mask, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
     if isinstance(block_sizes, dict):

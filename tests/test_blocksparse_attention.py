@@ -235,6 +235,24 @@ def test_segment_ids(rng):
     assert not np.asarray(out)[empty].any() and not np.asarray(dq)[empty].any()
 
 
+def test_traced_64_bit_segment_ids_are_not_wrapped(rng):
+    """Under jit, int64/uint64 ids (unread, so not range-checked) were narrowed to int32: 0 and
+    2**32 (or 3 and 2**63 + 3) became one segment, silently. They are renumbered jointly instead:
+    the same bits as the equal pattern of int32 ids, for q and kv ids that differ too."""
+    q = jnp.asarray(rng.standard_normal((1, 16, 1, 8)), jnp.float32)
+    attend = jax.jit(lambda qs, ks: blocksparse_attention(q, q, q, q_segment_ids=qs, kv_segment_ids=ks))
+    halves = np.array([[0] * 8 + [1] * 8], np.int32)
+    shifted = np.array([[1] * 8 + [0] * 8], np.int32)  # kv: the halves swapped
+    want = attend(halves, halves), attend(halves, shifted)
+    assert not np.array_equal(want[0], attend(halves * 0, halves * 0))  # the segments matter
+    with jax.enable_x64(True):
+        for lo, hi, dtype in ((0, 2**32, np.int64), (3, 2**63 + 3, np.uint64), (-5, 2**40 - 5, np.int64)):
+            qs = np.where(halves == 0, lo, hi).astype(dtype)
+            ks = np.where(shifted == 0, lo, hi).astype(dtype)
+            assert np.array_equal(attend(qs, qs), want[0]), (lo, hi)
+            assert np.array_equal(attend(qs, ks), want[1]), (lo, hi)
+
+
 def test_soft_cap_scale_and_lse_gradient(rng):
     q, k, v, do, dlse = make_inputs(rng, 1, S, S, 2, 2, 32)
     q = q * 4  # large logits, so the cap matters

@@ -308,6 +308,25 @@ def test_uint64_values_past_2_63_are_not_wrapped(monkeypatch):
         assert int(meta(start)[1]) == 0, start
 
 
+def test_unread_64_bit_segment_ids_are_not_wrapped(monkeypatch):
+    """int64/uint64 ids whose values are not read (values_readable() False, as during CUDA graph
+    capture) were narrowed to int32 unchecked: 0 and 2**32 became one segment, silently. They are
+    renumbered jointly on the device instead, as the jax version renumbers traced ones: the same
+    bits as the equal pattern of int32 ids."""
+    q = torch.randn(1, 16, 1, 8)
+    halves = torch.tensor([[0] * 8 + [1] * 8], dtype=torch.int32)
+    shifted = 1 - halves
+    attend = lambda qs, ks: tpu.blocksparse_attention(q, q, q, q_segment_ids=qs, kv_segment_ids=ks)
+    want = attend(halves, halves), attend(halves, shifted)
+    assert not torch.equal(want[0], attend(halves * 0, halves * 0))  # the segments matter
+    monkeypatch.setattr(tpu, "values_readable", lambda *tensors: False)
+    for lo, hi, dtype in ((0, 2**32, torch.int64), (3, 2**63 + 3, torch.uint64), (-5, 2**40 - 5, torch.int64)):
+        qs, ks = (torch.tensor([[lo] * 8 + [hi] * 8], dtype=dtype), torch.tensor([[hi] * 8 + [lo] * 8], dtype=dtype))
+        assert torch.equal(attend(qs, qs), want[0]), (lo, hi)
+        assert torch.equal(attend(qs, ks), want[1]), (lo, hi)
+        assert torch.equal(attend(qs, None), want[0]), (lo, hi)  # one given: used for both
+
+
 def test_make_group_metadata_matches_jax():
     sizes = np.array([5, 0, 11, 0, 7], np.int32)
     # jax side under jit too: eagerly it would compile each of its small ops separately

@@ -255,7 +255,22 @@ def _segment_ids(q_segment_ids, kv_segment_ids, batch, q_len, kv_len):
         if np.iinfo(ids.dtype).max > _INT32.max and ids.size and not isinstance(ids, jax.core.Tracer):
             values = np.asarray(ids)
             check_segment_id_range(name, int(values.min()), int(values.max()))
+    if any(isinstance(ids, jax.core.Tracer) and jnp.dtype(ids.dtype).itemsize == 8
+           for ids in (q_segment_ids, kv_segment_ids)):
+        return dense_segment_ids(q_segment_ids, kv_segment_ids)
     return jnp.asarray(q_segment_ids, jnp.int32), jnp.asarray(kv_segment_ids, jnp.int32)
+
+
+def dense_segment_ids(q_segment_ids, kv_segment_ids):
+    """Both id arrays renumbered jointly as int32 ranks: equal ids stay equal, distinct ones
+    distinct, all the kernels compare. For 64-bit ids whose values cannot be read (traced): the
+    int32 cast wrapped them, so 0 and 2**32 were one segment under ``jit``. (A uint64 id meets an
+    int64 one as its bits: uint64 ids from 2**63 up equal the negative int64 of the same bits.)"""
+    keys = jnp.concatenate([jnp.ravel(q_segment_ids).astype(jnp.int64), jnp.ravel(kv_segment_ids).astype(jnp.int64)])
+    _, ranks = jnp.unique(keys, return_inverse=True, size=keys.size)
+    ranks = ranks.reshape(-1).astype(jnp.int32)  # fewer than 2**31 distinct ids: exact
+    return (ranks[:q_segment_ids.size].reshape(q_segment_ids.shape),
+            ranks[q_segment_ids.size:].reshape(kv_segment_ids.shape))
 
 
 _INT32 = np.iinfo(np.int32)
@@ -264,7 +279,8 @@ _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.
 
 def check_segment_id_range(name: str, lo: int, hi: int) -> None:
     """The kernels compare int32 ids: wider ones would wrap (0 and 2**32 would be one segment).
-    Checked where the values are known; ids traced under ``jit`` are narrowed as they are."""
+    Checked where the values are known; 64-bit ids traced under ``jit`` are renumbered instead
+    (``dense_segment_ids``), and uint32 ones narrowed as they are (one to one)."""
     if lo < _INT32.min or hi > _INT32.max:
         raise ValueError(f"{name} holds values in [{lo}, {hi}], outside the int32 range the kernels compare")
 
