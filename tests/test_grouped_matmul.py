@@ -801,6 +801,26 @@ def test_pallas_and_triton_agree(jax_fw, rng, transpose_rhs):
     assert rel_error(t[0], t[1]) < TOLERANCE["float32"]
 
 
+def test_pallas_path_refuses_triton_only_fwd_params(jax_fw, rng):
+    # On platform="tpu" fwd_params become the Pallas tiling (tm, tk, tn); num_warps/num_stages,
+    # which that kernel does not have, were dropped silently. They are refused by name there
+    # and still taken by the Triton path; block sizes still make the tiling.
+    import ejkernel_jax as ejk
+
+    sizes = np.array([3, 2, 4], np.int32)
+    lhs, rhs, rhs_t = (rng.standard_normal(s).astype(np.float32) for s in ((9, 8), (3, 8, 4), (9, 4)))
+    gmm = lambda **kw: ejk.grouped_matmul(lhs, rhs, sizes, **kw)
+    tgmm = lambda **kw: ejk.transposed_grouped_matmul(lhs.T, rhs_t, sizes, **kw)
+    for op in (gmm, tgmm):
+        for params in ({"num_warps": 4}, {"blocksize_m": 16, "num_stages": 2}):
+            with pytest.raises(ValueError, match=r"fwd_params: \['num_(warps|stages)'\] apply to the Triton kernel "
+                                                 r"only; platform='tpu' runs the Pallas kernel, whose fwd_params are "
+                                                 r"its tiling: \['blocksize_k', 'blocksize_m', 'blocksize_n'\]"):
+                op(fwd_params=params, platform="tpu")
+            op(fwd_params=params, platform="cpu")  # the Triton kernel has them
+        op(fwd_params={"blocksize_m": 16, "blocksize_k": 8}, platform="tpu")  # the tiling
+
+
 def test_bad_platform(jax_fw):
     import ejkernel_jax as ejk
 

@@ -153,6 +153,22 @@ def _platform(platform) -> str:
     return platform
 
 
+# The Pallas kernel's fwd_params: its tiling (tm, tk, tn). It has no warps or stages, and
+# num_warps / num_stages given for it were dropped silently.
+PALLAS_PARAM_FIELDS = ("blocksize_m", "blocksize_n", "blocksize_k")
+
+
+def _fwd_params(fwd_params, pallas: bool) -> FwdParams | None:
+    """fwd_params for the path taken (None: nothing overridden); fields only the Triton kernel
+    has are refused on the Pallas path."""
+    params = op_params(FwdParams, fwd_params, "fwd_params", gm.PARAM_FIELDS)  # {}: None, as if not given
+    triton_only = sorted(set(params.to_dict()) - set(PALLAS_PARAM_FIELDS)) if pallas and params else []
+    if triton_only:
+        raise ValueError(f"fwd_params: {triton_only} apply to the Triton kernel only; platform='tpu' runs the "
+                         f"Pallas kernel, whose fwd_params are its tiling: {sorted(PALLAS_PARAM_FIELDS)}")
+    return params
+
+
 def _pallas_tiling(params: FwdParams | None):
     """fwd_params' block sizes as a Pallas tiling (tm, tk, tn); unset sizes keep Pallas' 128."""
     if params is None:
@@ -173,14 +189,21 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     ``group_offset`` (int or integer scalar array, may be traced; default 0) selects groups
     ``[group_offset, group_offset + num_selected)``. Rows of other groups and rows past
     ``sum(group_sizes)`` are zeros. Accumulates in float32; the output dtype is
-    ``preferred_element_type`` (default: the input dtype). ``fwd_params`` overrides the forward
-    kernel's block sizes (Triton: also ``num_warps``/``num_stages``; Pallas: the tiling).
+    ``preferred_element_type`` (default: the input dtype).
     ``platform``: None (the default backend), "tpu" (Pallas), "gpu"/"cuda"/"cpu" (Triton).
-    Triton without ``fwd_params`` (or with no field set, e.g. ``{}``): every launch (the
-    gradients' too) uses the config cache's entry for its shapes and device, else the
-    heuristic; ``autotune`` (True, False or None, the default: ``EJKERNEL_AUTOTUNE``) times
-    candidates on a cache miss, on concrete arrays only (under ``jit`` the cache is only read,
-    at trace time). Pallas uses only ``fwd_params``.
+    ``fwd_params`` (``FwdParams`` or dict; block sizes are powers of two) means, per path:
+
+    * Triton: the forward kernel's ``blocksize_m/n/k`` (each at least 16), ``num_warps`` and
+      ``num_stages``; unset fields come from the plan's heuristic. The gradients' launches
+      ignore it. Without ``fwd_params`` (or with no field set, e.g. ``{}``) every launch (the
+      gradients' too) uses the config cache's entry for its shapes and device, else the
+      heuristic; ``autotune`` (True, False or None, the default: ``EJKERNEL_AUTOTUNE``) times
+      candidates on a cache miss, on concrete arrays only (under ``jit`` the cache is only read,
+      at trace time).
+    * Pallas: ``blocksize_m/k/n`` are its tiling ``(tm, tk, tn)``, for the forward and the
+      gradients' kernels; unset ones are 128; any size from 1, shrunk to the problem (on a TPU,
+      Mosaic's block rules apply). ``num_warps``/``num_stages`` raise ValueError: that kernel
+      has neither. No config cache, no ``autotune``.
     ``check_values=False`` skips reading concrete ``group_sizes``/``group_offset`` arrays for
     the value checks (a device-to-host copy on GPU): for values known valid.
     Differentiable in lhs and rhs.
@@ -192,12 +215,13 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
         tuple(group_sizes.shape), name_of(group_sizes), transpose_rhs)
     out_dtype = _out_dtype(preferred_element_type, name_of(lhs))
-    params = op_params(FwdParams, fwd_params, "fwd_params", gm.PARAM_FIELDS)  # {}: None, as if not given
+    pallas = _platform(platform) == "tpu"
+    params = _fwd_params(fwd_params, pallas)
     check_autotune(autotune)
     check_values = checks.flag("check_values", check_values)
     group_sizes = _group_sizes_arg(group_sizes, m, check_values)
     offset = _group_offset_arg(group_offset, num_groups, num_selected, check_values)
-    if _platform(platform) == "tpu":
+    if pallas:
         from ejkernel_jax.pallas.tpu import grouped_matmul as pallas_gm
 
         # check_values=False: the values were checked above if asked; read again there, they were
@@ -221,8 +245,8 @@ def transposed_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
     ``lhs`` is ``[k, m]``, ``rhs`` ``[m, n]``; returns ``[num_actual_groups, k, n]`` (default: all
     groups, static); an empty group gives zeros. The weight gradient of ``grouped_matmul``.
     ``fwd_params``: ``blocksize_k`` x ``blocksize_n`` is the output tile, ``blocksize_m`` the rows
-    summed per step. ``platform``, ``fwd_params``, ``autotune`` and ``check_values`` as in
-    ``grouped_matmul``.
+    summed per step (both paths). ``platform``, ``fwd_params``, ``autotune`` and ``check_values``
+    as in ``grouped_matmul``.
     Differentiable in lhs and rhs.
     """
     lhs, rhs = array_arg("lhs", lhs), array_arg("rhs", rhs)
@@ -232,12 +256,13 @@ def transposed_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
         tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
         tuple(group_sizes.shape), name_of(group_sizes), num_actual_groups)
     out_dtype = _out_dtype(preferred_element_type, name_of(lhs))
-    params = op_params(FwdParams, fwd_params, "fwd_params", gm.PARAM_FIELDS)  # {}: None, as if not given
+    pallas = _platform(platform) == "tpu"
+    params = _fwd_params(fwd_params, pallas)
     check_autotune(autotune)
     check_values = checks.flag("check_values", check_values)
     group_sizes = _group_sizes_arg(group_sizes, m, check_values)
     offset = _group_offset_arg(group_offset, num_groups, num_selected, check_values)
-    if _platform(platform) == "tpu":
+    if pallas:
         from ejkernel_jax.pallas.tpu import grouped_matmul as pallas_gm
 
         return pallas_gm.transposed_grouped_matmul(

@@ -266,9 +266,11 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     ``[group_offset, group_offset + num_selected)``. Rows of other groups and rows past
     ``sum(group_sizes)`` are zeros. Accumulates in float32; the output dtype is
     ``preferred_element_type`` (default: the input dtype). ``fwd_params`` overrides the forward
-    kernel's ``blocksize_m/n/k``, ``num_warps``, ``num_stages``; without it (or with no field
-    set, e.g. ``{}``) every launch (the gradients' too) uses the config cache's entry for its
-    shapes and device, else the heuristic. ``autotune`` (True, False or None, the default:
+    (Triton) kernel's ``blocksize_m/n/k`` (each at least 16), ``num_warps``, ``num_stages``;
+    unset fields come from the heuristic, and the gradients' launches ignore it (as on
+    ``ejkernel_jax``'s Triton path; its Pallas path and ``ejkernel_torch.tpu`` take a tiling).
+    Without it (or with no field set, e.g. ``{}``) every launch (the gradients' too) uses the
+    config cache's entry for its shapes and device, else the heuristic. ``autotune`` (True, False or None, the default:
     ``EJKERNEL_AUTOTUNE``) times candidates on a cache miss and stores the fastest (eager only;
     see ``triton_kernels.tuning``). ``check_values=False`` skips reading ``group_sizes`` (and a
     tensor ``group_offset``) for the value checks, a host sync on CUDA: for values known valid.
