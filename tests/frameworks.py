@@ -105,6 +105,16 @@ class Framework:
 
         return jax.vmap(fn, in_axes=in_dims)
 
+    def grad(self, fn: Callable, argnums: tuple[int, ...]) -> Callable:
+        """The gradients of the scalar ``fn`` w.r.t. the arguments ``argnums`` (a tuple)."""
+        if self.name == "torch":
+            import torch
+
+            return torch.func.grad(fn, argnums=argnums)
+        import jax
+
+        return jax.grad(fn, argnums=argnums)
+
     # -- autodiff ---------------------------------------------------------------
     def vjp(self, fn: Callable, primals: Sequence[Any], cotangent) -> list[np.ndarray]:
         """Gradients of ``sum(fn(*primals) * cotangent)`` w.r.t. every primal."""

@@ -342,6 +342,21 @@ def test_vmap_folds_the_mapped_axis_into_the_batch(fw, rng, monkeypatch, bias_ma
             assert rel_error(fw.to_numpy(got)[i], want.grad.numpy()) < GRAD_TOLERANCE["float32"]
 
 
+def test_vmap_over_an_empty_axis(fw, rng):
+    # The fold rules recovered each sample's batch by dividing by the number of samples: a vmap
+    # over an axis of size 0 raised ZeroDivisionError in both fronts, forward and backward.
+    q = fw.asarray(rng.standard_normal((0, 2, 5, 2, 16)))
+    bias = fw.asarray(rng.standard_normal((1, 2, 5, 5)))  # unmapped, differentiated
+
+    def loss(q, bias):
+        return (fw.ops.flash_attention(q, q, q, causal=True, bias=bias) ** 2).sum()
+
+    out = fw.vmap(lambda q: fw.ops.flash_attention(q, q, q, causal=True, bias=bias), (0,))(q)
+    dq, dbias = fw.vmap(fw.grad(loss, (0, 1)), (0, None))(q, bias)
+    assert tuple(out.shape) == tuple(dq.shape) == (0, 2, 5, 2, 16)
+    assert tuple(dbias.shape) == (0, 1, 2, 5, 5)
+
+
 # -- jax transforms ---------------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ from jax.custom_derivatives import SymbolicZero
 from ejkernel_jax.launch import any_traced, device_facts, launch
 from ejkernel_jax.ops import _tuning
 from ejkernel_jax.ops._common import array_arg, first_order, is_concrete, name_of, same_device, vary_together
+from ejkernel_jax.ops._folding import fold, unfold
 from triton_kernels import checks, flash_attention as fa
 from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
 from triton_kernels.params import BwdParams, FwdParams, op_params
@@ -57,26 +58,13 @@ def _foldable(spec) -> bool:
     return not spec.varlen and spec.dropout_p == 0.0
 
 
-def _fold(x, batched, n: int, batch: int):
-    """``x`` as ``[n * batch, ...]``: it is ``[n, batch|1, ...]`` when mapped, else
-    ``[batch|1, ...]`` (the same for every sample)."""
-    if not batched:
-        x = jnp.broadcast_to(x, (n,) + x.shape)
-    x = jnp.broadcast_to(x, (n, batch) + x.shape[2:])
-    return x.reshape((n * batch,) + x.shape[2:])
-
-
-def _unfold(x, n: int):
-    return x.reshape((n, x.shape[0] // n) + x.shape[1:])
-
-
 def _fold_call(spec, n, in_batched, arrays):
     """The spec of the folded call and its arrays (q, k, v, bias, q_seg, kv_seg, then more
     ``[batch, ...]`` arrays; None stays None). A bias the same for every batch row and sample
     (``[1, ...]``, unmapped) stays so; the kernels broadcast it."""
     bias, bias_spec = arrays[3], spec.bias
     shared_bias = bias is not None and not in_batched[3] and bias.shape[0] == 1
-    folded = [x if x is None or (i == 3 and shared_bias) else _fold(x, b, n, spec.batch)
+    folded = [x if x is None or (i == 3 and shared_bias) else fold(x, b, n, spec.batch)
               for i, (x, b) in enumerate(zip(arrays, in_batched))]
     if bias is not None and not shared_bias:
         bias_spec = (n * spec.batch, spec.bias[1])
@@ -95,7 +83,7 @@ def _folding_forward(spec, params):
     def _rule(n, in_batched, *arrays):
         folded_spec, folded = _fold_call(spec, n, in_batched, arrays)
         out, lse = _folding_forward(folded_spec, params)(*folded)
-        return (_unfold(out, n), _unfold(lse, n)), (True, True)
+        return (unfold(out, n, spec.batch), unfold(lse, n, spec.batch)), (True, True)
 
     return run
 
@@ -114,8 +102,9 @@ def _folding_backward(spec, params, bias_grad, use_dlse):
     def _rule(n, in_batched, *arrays):
         folded_spec, folded = _fold_call(spec, n, in_batched, arrays)
         dq, dk, dv, ds = _folding_backward(folded_spec, params, bias_grad, use_dlse)(*folded)
-        ds = _unfold(ds, n) if bias_grad else ds  # else a [1] stand-in, the same for every sample
-        return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n), ds), (True, True, True, bias_grad)
+        dq, dk, dv = (unfold(g, n, spec.batch) for g in (dq, dk, dv))
+        ds = unfold(ds, n, spec.batch) if bias_grad else ds  # else a [1] stand-in, the same for every sample
+        return (dq, dk, dv, ds), (True, True, True, bias_grad)
 
     return run
 

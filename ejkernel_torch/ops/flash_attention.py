@@ -30,6 +30,7 @@ from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, l
 from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import (autocast, autograd_function, first_order, kernel_op, name_of, no_grad_op,
                                         same_device, saved_tensors, tensor_arg, under_torch_func, values_readable)
+from ejkernel_torch.ops._folding import fold, unfold
 from triton_kernels import checks, flash_attention as fa
 from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
 from triton_kernels.params import BwdParams, FwdParams, decode_params, encode_params, op_params
@@ -214,19 +215,6 @@ flash_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 # packed tokens): those run once per sample, as torch's fallback for ops without a rule does.
 
 
-def _fold(x: Optional[Tensor], dim: Optional[int], n: int, batch: int) -> Optional[Tensor]:
-    """``x`` as ``[n * batch, ...]``: mapped over ``dim`` with ``[batch|1, ...]`` samples, or the
-    same ``[batch|1, ...]`` for every sample (``dim`` None)."""
-    if x is None:
-        return None
-    x = x.expand(n, *x.shape) if dim is None else x.movedim(dim, 0)
-    return x.expand(n, batch, *x.shape[2:]).reshape(n * batch, *x.shape[2:]).contiguous()
-
-
-def _unfold(x: Tensor, n: int) -> Tensor:
-    return x.unflatten(0, (n, x.shape[0] // n))
-
-
 @functools.cache
 def _arg_index(op) -> dict[str, int]:
     """The op's argument positions by name (vmap rules get them positionally)."""
@@ -234,9 +222,10 @@ def _arg_index(op) -> dict[str, int]:
 
 
 def _folded_call(op, info, in_dims: tuple, args: tuple, batched: tuple[str, ...]) -> tuple:
-    """``op`` on its arguments with those named in ``batched`` ([batch, ...] arrays) folded, or
-    None where folding does not apply (dropout, varlen). A bias the same for every batch row and
-    sample (``[1, ...]``, unmapped) stays so: the kernels broadcast it."""
+    """(``op``'s outputs, the samples' batch size) with the arguments named in ``batched``
+    ([batch, ...] arrays) folded, or None where folding does not apply (dropout, varlen). A bias
+    the same for every batch row and sample (``[1, ...]``, unmapped) stays so: the kernels
+    broadcast it."""
     at = _arg_index(op)
     if args[at["cu_seqlens_q"]] is not None or args[at["dropout_p"]] != 0.0:
         return None
@@ -247,8 +236,8 @@ def _folded_call(op, info, in_dims: tuple, args: tuple, batched: tuple[str, ...]
         i = at[name]
         shared_bias = name == "bias" and args[i] is not None and in_dims[i] is None and args[i].shape[0] == 1
         if not shared_bias:
-            folded[i] = _fold(args[i], in_dims[i], info.batch_size, batch)
-    return op(*folded)
+            folded[i] = fold(args[i], in_dims[i], info.batch_size, batch)
+    return op(*folded), batch
 
 
 def _per_sample(op, info, in_dims: tuple, args: tuple, out_dims: tuple):
@@ -263,10 +252,11 @@ def _per_sample(op, info, in_dims: tuple, args: tuple, out_dims: tuple):
 @flash_attention_fwd.register_vmap
 def _fwd_vmap(info, in_dims, *args):
     op = torch.ops.ejkernel.flash_attention_fwd
-    outputs = _folded_call(op, info, in_dims, args, ("q", "k", "v", "bias", "q_segment_ids", "kv_segment_ids"))
-    if outputs is None:
+    folded = _folded_call(op, info, in_dims, args, ("q", "k", "v", "bias", "q_segment_ids", "kv_segment_ids"))
+    if folded is None:
         return _per_sample(op, info, in_dims, args, (0, 0))
-    return tuple(_unfold(o, info.batch_size) for o in outputs), (0, 0)
+    outputs, batch = folded
+    return tuple(unfold(o, info.batch_size, batch) for o in outputs), (0, 0)
 
 
 @flash_attention_bwd.register_vmap
@@ -274,11 +264,12 @@ def _bwd_vmap(info, in_dims, *args):
     op = torch.ops.ejkernel.flash_attention_bwd
     bias_grad = args[_arg_index(op)["bias_grad"]]
     out_dims = (0, 0, 0, 0 if bias_grad else None)  # ds: else a one-element placeholder, shared
-    outputs = _folded_call(op, info, in_dims, args, ("dout", "dlse", "q", "k", "v", "out", "lse", "bias",
-                                                     "q_segment_ids", "kv_segment_ids"))
-    if outputs is None:
+    folded = _folded_call(op, info, in_dims, args, ("dout", "dlse", "q", "k", "v", "out", "lse", "bias",
+                                                    "q_segment_ids", "kv_segment_ids"))
+    if folded is None:
         return _per_sample(op, info, in_dims, args, out_dims)
-    return tuple(o if d is None else _unfold(o, info.batch_size) for o, d in zip(outputs, out_dims)), out_dims
+    outputs, batch = folded
+    return tuple(o if d is None else unfold(o, info.batch_size, batch) for o, d in zip(outputs, out_dims)), out_dims
 
 
 class _FlashAttentionFn(torch.autograd.Function):
