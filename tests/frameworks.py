@@ -115,6 +115,14 @@ class Framework:
 
         return jax.grad(fn, argnums=argnums)
 
+    def has_loop(self, fn: Callable, *args) -> bool:
+        """Whether jax's jaxpr of ``fn(*args)`` holds a loop (scan, while: e.g. one launch per
+        vmapped sample). jax only."""
+        import jax
+
+        jaxpr = str(jax.make_jaxpr(fn)(*args))
+        return "scan[" in jaxpr or "while[" in jaxpr
+
     # -- autodiff ---------------------------------------------------------------
     def vjp(self, fn: Callable, primals: Sequence[Any], cotangent) -> list[np.ndarray]:
         """Gradients of ``sum(fn(*primals) * cotangent)`` w.r.t. every primal."""

@@ -226,6 +226,29 @@ def test_jax_n_pad_under_jit_is_clamped_not_checked(rng):
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-6, atol=1e-7)
 
 
+def test_jax_eager_calls_skip_the_fold_rules(jax_fw, rng, monkeypatch):
+    # Under vmap, padded_attention folds the samples through custom_vmap rules; a custom_vmap
+    # function traces itself on every eager call (about 0.2 ms on CPU). Concrete inputs cannot be
+    # vmapped, so they skip the fold and launch rules, as flash_attention does.
+    import jax.numpy as jnp
+
+    import ejkernel_jax as ejk
+    from ejkernel_jax import launch
+    from ejkernel_jax.ops import _folding
+
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 5, 5)), jnp.float32) for _ in range(3))
+    n_pad = jnp.asarray([0, 2], jnp.int32)
+    calls = [lambda: ejk.padded_attention(q, k, v, n_pad)]
+    want = [np.asarray(call()) for call in calls]
+
+    def refuse(*_):
+        raise AssertionError("an eager call went through a vmap rule")
+    monkeypatch.setattr(_folding, "_folding", refuse)
+    monkeypatch.setattr(launch, "_batchable", refuse)
+    for call, expected in zip(calls, want):
+        np.testing.assert_array_equal(np.asarray(call()), expected)
+
+
 # -- jax-triton import hygiene ---------------------------------------------------------------------------
 
 

@@ -155,3 +155,47 @@ def test_double_backward_raises(torch_fw, rng):
     (grad,) = torch.autograd.grad(loss, q, create_graph=True)
     with pytest.raises(NotImplementedError, match="no second derivative"):
         torch.autograd.grad(grad.sum(), q)
+
+
+def test_vmap_folds_the_mapped_axis_into_the_batch(fw, rng, monkeypatch):
+    # vmap ran the kernels once per sample (torch: its fallback for ops without a batching rule,
+    # jax: the launches' lax.map). The mapped axis now folds into the batch: one launch of each
+    # kernel, planned for n * batch rows, with each sample's values and gradients; k, the same
+    # for every sample, broadcasts.
+    import importlib
+
+    module = importlib.import_module(f"ejkernel_{fw.name}.ops.padded_attention")
+    batches = []
+    for name in ("attention_fwd_plan", "attention_bwd_plans"):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda shape, *a, _real=real: (batches.append(shape[0]), _real(shape, *a))[1])
+    n, b, seq, head_dim = 3, 2, 9, 16
+    q, k = rng.standard_normal((n, b, seq, head_dim)), rng.standard_normal((b, seq, head_dim))
+    v = rng.standard_normal((b, seq, head_dim, n))  # mapped over its last axis
+    n_pad = np.array([[0, 9], [3, 1], [0, 5]], np.int32)
+    in_dims = (0, None, 3, 0)
+    args = [fw.asarray(x) for x in (q, k, v, n_pad)]
+
+    def loss(q, k, v, n_pad):
+        return (fw.ops.padded_attention(q, k, v, n_pad) ** 2).sum()
+
+    out = fw.vmap(fw.ops.padded_attention, in_dims)(*args)
+    per_sample_grads = fw.vmap(fw.grad(loss, (0, 1, 2)), in_dims)
+    grads = per_sample_grads(*args)
+    # jax also traces the unfolded call (unless a trace is cached), never launched
+    assert set(batches) <= {n * b, b} if fw.name == "jax" else set(batches) == {n * b}
+    assert batches.count(n * b) >= 2  # the forward and the backward ran folded
+    if fw.name == "jax":
+        assert not fw.has_loop(per_sample_grads, *args)  # no per-sample loop left
+
+    for i in range(n):
+        sample = (q[i], k, v[..., i], n_pad[i])
+        want = ref.forward(ref.padded_attention, *sample)
+        assert rel_error(fw.to_numpy(out)[i], want) < TOLERANCE["float32"]
+        for got, want_grad in zip(grads, ref.vjp(ref.padded_attention, sample, 2 * want, n_diff=3)):
+            assert rel_error(fw.to_numpy(got)[i], want_grad) < GRAD_TOLERANCE["float32"]
+        if fw.device == "cpu":  # bit for bit a per-sample call under the interpreter (unchecked on a GPU)
+            sample = [fw.asarray(x) for x in sample]
+            np.testing.assert_array_equal(fw.to_numpy(out)[i], fw.to_numpy(fw.ops.padded_attention(*sample)))
+            for got, want_grad in zip(grads, fw.grad(loss, (0, 1, 2))(*sample)):
+                np.testing.assert_array_equal(fw.to_numpy(got)[i], fw.to_numpy(want_grad))

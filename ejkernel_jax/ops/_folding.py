@@ -3,7 +3,12 @@ samples. The launches' own vmap rule runs one launch per sample, in sequence (la
 that treat every leading index on its own give the same values folded, in one launch."""
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
+
+from ejkernel_jax.launch import any_traced
 
 
 def fold(x, batched: bool, n: int, batch: int | None = None):
@@ -19,3 +24,28 @@ def fold(x, batched: bool, n: int, batch: int | None = None):
 def unfold(x, n: int, batch: int):
     """A folded ``[n * batch, ...]`` result as ``[n, batch, ...]`` (batch given: n may be 0)."""
     return x.reshape((n, batch) + x.shape[1:])
+
+
+def call_folding(kernels, static: tuple, *arrays) -> tuple:
+    """``kernels(*static, *arrays)``, a tuple of arrays, where every array (inputs and outputs)
+    has the same leading axis and ``kernels`` treats each of its indices on its own. Under
+    ``vmap`` the mapped axis is folded into that axis. Concrete arrays, which no vmap can be
+    batching, call ``kernels`` directly (a ``custom_vmap`` function traces itself on each call)."""
+    if not any_traced(*arrays):
+        return tuple(kernels(*static, *arrays))
+    return _folding(kernels, static)(*arrays)
+
+
+@functools.lru_cache(maxsize=256)
+def _folding(kernels, static: tuple):
+    @jax.custom_batching.custom_vmap
+    def run(*arrays):
+        return tuple(kernels(*static, *arrays))
+
+    @run.def_vmap
+    def _rule(n, in_batched, *arrays):
+        batch = arrays[0].shape[1 if in_batched[0] else 0]
+        outputs = run(*(fold(x, b, n) for x, b in zip(arrays, in_batched)))  # an outer vmap folds again
+        return tuple(unfold(o, n, batch) for o in outputs), (True,) * len(outputs)
+
+    return run

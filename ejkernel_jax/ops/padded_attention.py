@@ -8,16 +8,35 @@ import jax
 from ejkernel_jax.launch import device_facts, launch
 from ejkernel_jax.ops import _tuning
 from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of, same_device, vary_together
+from ejkernel_jax.ops._folding import call_folding
 from triton_kernels import checks
 from triton_kernels.tuning import PADDED_BWD, PADDED_FWD
 from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan
 from triton_kernels.params import BwdParams, FwdParams, op_params
 
 
-def _forward(q, k, v, n_pad, softmax_scale, fwd_params):
+# Every kernel treats each batch row on its own: under vmap the mapped axis folds into the batch
+# (call_folding), one launch for all samples.
+
+
+def _forward_kernel(softmax_scale, fwd_params, q, k, v, n_pad):
     problem = (tuple(q.shape), name_of(q), softmax_scale)
     plan = attention_fwd_plan(*problem, device_facts(), _tuning.resolve(PADDED_FWD, problem, fwd_params))
     return launch(plan, q, k, v, n_pad)
+
+
+def _backward_kernels(softmax_scale, bwd_params, q, k, v, out, lse2, n_pad, dout):
+    problem = (tuple(q.shape), name_of(q), softmax_scale)
+    delta_plan, dkdv_plan, dq_plan = attention_bwd_plans(*problem, device_facts(),
+                                                         _tuning.resolve(PADDED_BWD, problem, bwd_params))
+    (delta,) = launch(delta_plan, out, dout)
+    dk, dv = launch(dkdv_plan, q, k, v, dout, lse2, delta, n_pad)
+    (dq,) = launch(dq_plan, q, k, v, dout, lse2, delta, n_pad)
+    return dq, dk, dv
+
+
+def _forward(q, k, v, n_pad, softmax_scale, fwd_params):
+    return call_folding(_forward_kernel, (softmax_scale, fwd_params), q, k, v, n_pad)
 
 
 # Params are static (hashable FwdParams/BwdParams or None), like the scale.
@@ -34,13 +53,8 @@ def _padded_attention_fwd(q, k, v, n_pad, softmax_scale, fwd_params, bwd_params)
 
 def _padded_attention_bwd(softmax_scale, fwd_params, bwd_params, residuals, dout):
     (q, k, v, out, lse2, n_pad), dout = first_order("padded_attention", (residuals, dout))
-    problem = (tuple(q.shape), name_of(q), softmax_scale)
-    delta_plan, dkdv_plan, dq_plan = attention_bwd_plans(*problem, device_facts(),
-                                                         _tuning.resolve(PADDED_BWD, problem, bwd_params))
-    dout = dout.astype(q.dtype)
-    (delta,) = launch(delta_plan, out, dout)
-    dk, dv = launch(dkdv_plan, q, k, v, dout, lse2, delta, n_pad)
-    (dq,) = launch(dq_plan, q, k, v, dout, lse2, delta, n_pad)
+    dq, dk, dv = call_folding(_backward_kernels, (softmax_scale, bwd_params), q, k, v, out, lse2, n_pad,
+                              dout.astype(q.dtype))
     return dq, dk, dv, None
 
 

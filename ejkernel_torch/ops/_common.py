@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ejkernel_torch.launch import device_facts, dtype_name, functorch_active, plain_eager, reject_forward_ad
+from ejkernel_torch.ops._folding import register_folding
 from triton_kernels import checks
 
 
@@ -128,14 +129,17 @@ def n_pad_arg(n_pad, batch: int, seq_len: int, device: torch.device) -> torch.Te
     return n_pad.to(torch.int32).contiguous()
 
 
-def kernel_op(name: str, body):
+def kernel_op(name: str, body, *, folds_under_vmap: bool = False):
     """``body`` (plans built from its tensors' shapes, run by ``launch_traceable``) as the
     ``torch.library.triton_op`` ``ejkernel::name``. torch.compile cannot trace the plan code (nor
     the interpreter): it sees the registered op instead, and traces it with ``fullgraph=True``
     too, specialized on every size (see ``ejkernel_torch.ops.flash_attention``: new shapes
     recompile, ``mark_dynamic`` raises). Plain eager calls run ``body`` directly, without the
     dispatcher's Python layers. The op has no derivative of its own: gradients come from the
-    ``KernelFunction`` calling it (see ``no_grad_op``)."""
+    ``KernelFunction`` calling it (see ``no_grad_op``). ``folds_under_vmap``: every tensor argument
+    and output has one leading axis whose indices the kernels treat on their own; under
+    ``torch.func.vmap`` the mapped axis folds into it (``register_folding``), one launch for all
+    samples, instead of torch's per-sample fallback."""
     op = torch.library.triton_op(f"ejkernel::{name}", body, mutates_args=())
 
     def call(*args):
@@ -143,6 +147,8 @@ def kernel_op(name: str, body):
             return body(*args)
         return no_grad_op(op, *args)
 
+    if folds_under_vmap:
+        register_folding(op, call)
     return call
 
 

@@ -23,3 +23,19 @@ def fold(x: Optional[Tensor], dim: Optional[int], n: int, batch: Optional[int] =
 def unfold(x: Tensor, n: int, batch: int) -> Tensor:
     """A folded ``[n * batch, ...]`` result as ``[n, batch, ...]`` (batch given: n may be 0)."""
     return x.unflatten(0, (n, batch))
+
+
+def register_folding(op, call) -> None:
+    """A vmap rule for ``op``, whose tensor arguments and outputs all share one leading axis that
+    its kernels treat index by index: every tensor argument is folded, ``call`` (the op, or a
+    function running it) runs once and each output is unfolded."""
+
+    @op.register_vmap
+    def _rule(info, in_dims, *args):
+        n = info.batch_size
+        at = next(i for i, a in enumerate(args) if isinstance(a, Tensor))
+        batch = args[at].shape[1 if in_dims[at] == 0 else 0]
+        outputs = call(*(fold(a, d, n) if isinstance(a, Tensor) else a for a, d in zip(args, in_dims)))
+        if isinstance(outputs, Tensor):
+            return unfold(outputs, n, batch), 0
+        return tuple(unfold(o, n, batch) for o in outputs), (0,) * len(outputs)

@@ -36,8 +36,9 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, n_pad:
 
 
 # Registered ops (kernel_op); params travel as encode_params lists, which a schema can carry.
-_forward_op = kernel_op("padded_attention_fwd", _forward)
-_backward_op = kernel_op("padded_attention_bwd", _backward)
+# The kernels treat each batch row on its own: under vmap the mapped axis folds into the batch.
+_forward_op = kernel_op("padded_attention_fwd", _forward, folds_under_vmap=True)
+_backward_op = kernel_op("padded_attention_bwd", _backward, folds_under_vmap=True)
 
 
 def _setup(ctx, inputs, output):
