@@ -227,18 +227,19 @@ def test_jax_n_pad_under_jit_is_clamped_not_checked(rng):
 
 
 def test_jax_eager_calls_skip_the_fold_rules(jax_fw, rng, monkeypatch):
-    # Under vmap, padded_attention folds the samples through custom_vmap rules; a custom_vmap
-    # function traces itself on every eager call (about 0.2 ms on CPU). Concrete inputs cannot be
-    # vmapped, so they skip the fold and launch rules, as flash_attention does.
+    # Under vmap, padded_attention and the softmax ops fold the samples through custom_vmap rules;
+    # a custom_vmap function traces itself on every eager call (about 0.2 ms on CPU). Concrete
+    # inputs cannot be vmapped, so they skip the fold and launch rules, as flash_attention does.
     import jax.numpy as jnp
 
     import ejkernel_jax as ejk
     from ejkernel_jax import launch
     from ejkernel_jax.ops import _folding
 
-    q, k, v = (jnp.asarray(rng.standard_normal((2, 5, 5)), jnp.float32) for _ in range(3))
+    q, k, v, scores = (jnp.asarray(rng.standard_normal((2, 5, 5)), jnp.float32) for _ in range(4))
     n_pad = jnp.asarray([0, 2], jnp.int32)
-    calls = [lambda: ejk.padded_attention(q, k, v, n_pad)]
+    calls = [lambda: ejk.softmax(scores), lambda: ejk.padded_softmax(scores, n_pad),
+             lambda: ejk.padded_softmax_v(scores, v, n_pad), lambda: ejk.padded_attention(q, k, v, n_pad)]
     want = [np.asarray(call()) for call in calls]
 
     def refuse(*_):

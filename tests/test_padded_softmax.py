@@ -247,3 +247,60 @@ def test_double_backward_raises(torch_fw, rng, op):
     (grad,) = torch.autograd.grad(loss + scores.pow(3).sum(), scores, create_graph=True)
     with pytest.raises(NotImplementedError, match="no second derivative"):
         torch.autograd.grad(grad.sum(), scores)
+
+
+# Each op's plans, and the batch each was planned for (padded_softmax's backward is the row kernel).
+_SEQ = 7
+_PLANS = {"padded_softmax": {"padded_softmax_fwd_plan": lambda batch, *_: batch,
+                             "softmax_bwd_plan": lambda rows, *_: rows // _SEQ},
+          "padded_softmax_v": {"scores_v_fwd_plan": lambda v_shape, *_: v_shape[0],
+                               "scores_v_bwd_plans": lambda v_shape, *_: v_shape[0]}}
+
+
+@pytest.mark.parametrize("op", ["padded_softmax", "padded_softmax_v"])
+def test_vmap_folds_the_mapped_axis_into_the_batch(fw, rng, monkeypatch, op):
+    # vmap ran the kernels once per sample (torch: its fallback for ops without a batching rule,
+    # jax: the launches' lax.map). The mapped axis now folds into the batch: one launch of each
+    # kernel, planned for n * batch rows, with each sample's values and gradients; v, the same
+    # for every sample, broadcasts.
+    import importlib
+
+    module = importlib.import_module(f"ejkernel_{fw.name}.ops.softmax")
+    batches = []
+    for name, batch_of in _PLANS[op].items():
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *a, _real=real, _batch=batch_of: (batches.append(_batch(*a)), _real(*a))[1])
+    n, b = 3, 2
+    scores = rng.standard_normal((n, b, _SEQ, _SEQ)) * 2
+    n_pad = np.array([[0, 7], [3, 1], [0, 5]], np.int32)
+    v = rng.standard_normal((b, _SEQ, 8))
+    with_v = op == "padded_softmax_v"
+    arrays, in_dims = ((scores, v, n_pad), (0, None, 0)) if with_v else ((scores, n_pad), (0, 0))
+    args = [fw.asarray(x) for x in arrays]
+    argnums = (0, 1) if with_v else (0,)
+
+    def loss(*a):
+        return (getattr(fw.ops, op)(*a) ** 2).sum()
+
+    out = fw.vmap(getattr(fw.ops, op), in_dims)(*args)
+    per_sample_grads = fw.vmap(fw.grad(loss, argnums), in_dims)
+    grads = per_sample_grads(*args)
+    # jax also traces the unfolded call (unless a trace is cached), never launched
+    assert set(batches) <= {n * b, b} if fw.name == "jax" else set(batches) == {n * b}
+    assert batches.count(n * b) >= 2  # the forward and the backward ran folded
+    if fw.name == "jax":
+        assert not fw.has_loop(per_sample_grads, *args)  # no per-sample loop left
+
+    reference = getattr(ref, op)
+    for i in range(n):
+        sample = (scores[i], v, n_pad[i]) if with_v else (scores[i], n_pad[i])
+        want = ref.forward(reference, *sample)
+        assert rel_error(fw.to_numpy(out)[i], want) < TOLERANCE["float32"]
+        for got, want_grad in zip(grads, ref.vjp(reference, sample, 2 * want, n_diff=len(argnums))):
+            assert rel_error(fw.to_numpy(got)[i], want_grad) < GRAD_TOLERANCE["float32"]
+        if fw.device == "cpu":  # bit for bit a per-sample call under the interpreter (unchecked on a GPU)
+            sample = [fw.asarray(x) for x in sample]
+            np.testing.assert_array_equal(fw.to_numpy(out)[i], fw.to_numpy(getattr(fw.ops, op)(*sample)))
+            for got, want_grad in zip(grads, fw.grad(loss, argnums)(*sample)):
+                np.testing.assert_array_equal(fw.to_numpy(got)[i], fw.to_numpy(want_grad))

@@ -145,3 +145,41 @@ def test_double_backward_raises(torch_fw, rng):
     (grad,) = torch.autograd.grad(loss, x, create_graph=True)
     with pytest.raises(NotImplementedError, match="no second derivative"):
         torch.autograd.grad(grad.sum(), x)
+
+
+def test_vmap_folds_the_mapped_axis_into_the_rows(fw, rng, monkeypatch):
+    # vmap ran the kernels once per sample (torch: its fallback for ops without a batching rule,
+    # jax: the launches' lax.map). The mapped axis now folds into the rows: one launch of each
+    # kernel, planned for n * rows rows, with each sample's values and gradients.
+    import importlib
+
+    module = importlib.import_module(f"ejkernel_{fw.name}.ops.softmax")
+    planned = []
+    for name in ("softmax_fwd_plan", "softmax_bwd_plan"):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda rows, *a, _real=real: (planned.append(rows), _real(rows, *a))[1])
+    n, rows, cols = 3, 4, 33
+    x = rng.standard_normal((rows, cols, n)) * 3  # mapped over its last axis
+    args = [fw.asarray(x)]
+
+    def loss(x):
+        return (fw.ops.softmax(x) ** 2).sum()
+
+    y = fw.vmap(fw.ops.softmax, (2,))(*args)
+    per_sample_grads = fw.vmap(fw.grad(loss, (0,)), (2,))
+    (grad,) = per_sample_grads(*args)
+    # jax also traces the unfolded call (unless a trace is cached), never launched
+    assert set(planned) <= {n * rows, rows} if fw.name == "jax" else set(planned) == {n * rows}
+    assert planned.count(n * rows) >= 2  # the forward and the backward ran folded
+    if fw.name == "jax":
+        assert not fw.has_loop(per_sample_grads, *args)  # no per-sample loop left
+
+    for i in range(n):
+        want = ref.forward(ref.softmax, x[..., i])
+        assert rel_error(fw.to_numpy(y)[i], want) < TOLERANCE["float32"]
+        (want_grad,) = ref.vjp(ref.softmax, [x[..., i]], 2 * want, n_diff=1)
+        assert rel_error(fw.to_numpy(grad)[i], want_grad) < GRAD_TOLERANCE["float32"]
+        if fw.device == "cpu":  # bit for bit a per-sample call under the interpreter (unchecked on a GPU)
+            sample = fw.asarray(x[..., i])
+            np.testing.assert_array_equal(fw.to_numpy(y)[i], fw.to_numpy(fw.ops.softmax(sample)))
+            np.testing.assert_array_equal(fw.to_numpy(grad)[i], fw.to_numpy(fw.grad(loss, (0,))(sample)[0]))

@@ -3,6 +3,8 @@ gradients) give .backward()'s gradients. They all raised "In order to use an aut
 with functorch transforms ... it must override the setup_context staticmethod" (torch's custom-op
 autograd has none: pytorch/pytorch#168393), and .backward() through torch.func.vmap of softmax
 raised "no autograd formula was registered". Forward mode is refused: test_forward_mode_ad.py."""
+import warnings
+
 import numpy as np
 import pytest
 
@@ -114,6 +116,26 @@ def test_per_sample_grads(torch_fw, rng, op):
     per_sample = torch.func.vmap(torch.func.grad(loss, argnums=tuple(range(len(first)))))(*batched, cotangents)
     _equal(per_sample, want)
     _equal(_backward(torch.func.vmap(fn), batched, cotangents), want)
+
+
+@pytest.mark.parametrize("op", OPS[:4])
+def test_vmap_folds_without_the_fallback(torch_fw, rng, op):
+    """vmap (with or without gradients) ran these ops through torch's per-sample fallback for ops
+    without a batching rule, which warned "There is a performance drop because we have not yet
+    implemented the batching rule for ejkernel::..."; their vmap rules now fold the samples into
+    one launch, giving each sample's values."""
+    import torch
+
+    fn, _, first = _case(torch_fw, rng, op, seq=4, dim=8)
+    _, _, second = _case(torch_fw, rng, op, seq=4, dim=8)
+    batched = [torch.stack(pair) for pair in zip(first, second)]
+    loss = lambda *args: fn(*args).sum()  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = torch.func.vmap(fn)(*batched)
+        # (the gradients' values: test_per_sample_grads)
+        torch.func.vmap(torch.func.grad(loss, argnums=tuple(range(len(first)))))(*batched)
+    _equal([got], [torch.stack([fn(*first), fn(*second)])])
 
 
 @pytest.mark.parametrize("op", OPS[:6])

@@ -8,19 +8,48 @@ import jax.numpy as jnp
 
 from ejkernel_jax.launch import device_facts, launch
 from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of, same_device, vary_together
+from ejkernel_jax.ops._folding import call_folding
 from triton_kernels import checks
 from triton_kernels.padded_attention import scores_v_bwd_plans, scores_v_fwd_plan
 from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
 
 
+# -- kernels: each treats every row (batch row for the padded ones) on its own, so under vmap the
+# mapped axis folds into the rows (call_folding), one launch for all samples.
+
+
+def _rows_forward_kernel(x2d):
+    return launch(softmax_fwd_plan(*x2d.shape, name_of(x2d), device_facts()), x2d)
+
+
+def _rows_backward_kernel(y2d, dy2d):
+    return launch(softmax_bwd_plan(*y2d.shape, name_of(y2d), device_facts()), y2d, dy2d)
+
+
+def _padded_probs_kernel(scores, n_pad):
+    batch, seq_len, _ = scores.shape
+    return launch(padded_softmax_fwd_plan(batch, seq_len, name_of(scores), device_facts()), scores, n_pad)
+
+
+def _scores_v_forward_kernel(scores, v, n_pad):
+    return launch(scores_v_fwd_plan(tuple(v.shape), name_of(v), device_facts()), scores, v, n_pad)
+
+
+def _scores_v_backward_kernels(scores, v, n_pad, out, lse, dout):
+    delta_plan, ds_plan, dv_plan = scores_v_bwd_plans(tuple(v.shape), name_of(v), device_facts())
+    (delta,) = launch(delta_plan, out, dout)
+    (dscores,) = launch(ds_plan, scores, v, dout, lse, delta, n_pad)
+    (dv,) = launch(dv_plan, scores, dout, lse, n_pad)
+    return dscores, dv
+
+
 def _rows_backward(y2d: jax.Array, dy2d: jax.Array) -> jax.Array:
-    plan = softmax_bwd_plan(*y2d.shape, name_of(y2d), device_facts())
-    return launch(plan, y2d, dy2d.astype(y2d.dtype))[0]
+    return call_folding(_rows_backward_kernel, (), y2d, dy2d.astype(y2d.dtype))[0]
 
 
 @jax.custom_vjp
 def _softmax_rows(x2d):
-    return launch(softmax_fwd_plan(*x2d.shape, name_of(x2d), device_facts()), x2d)[0]
+    return call_folding(_rows_forward_kernel, (), x2d)[0]
 
 
 def _softmax_rows_fwd(x2d):
@@ -37,8 +66,7 @@ _softmax_rows.defvjp(_softmax_rows_fwd, _softmax_rows_bwd)
 
 
 def _padded_probs(scores, n_pad):
-    batch, seq_len, _ = scores.shape
-    return launch(padded_softmax_fwd_plan(batch, seq_len, name_of(scores), device_facts()), scores, n_pad)[0]
+    return call_folding(_padded_probs_kernel, (), scores, n_pad)[0]
 
 
 @jax.custom_vjp
@@ -65,7 +93,7 @@ _padded_softmax.defvjp(_padded_softmax_fwd, _padded_softmax_bwd)
 
 
 def _scores_v_forward(scores, v, n_pad):
-    return launch(scores_v_fwd_plan(tuple(v.shape), name_of(v), device_facts()), scores, v, n_pad)
+    return call_folding(_scores_v_forward_kernel, (), scores, v, n_pad)
 
 
 @jax.custom_vjp
@@ -81,11 +109,7 @@ def _padded_softmax_v_fwd(scores, v, n_pad):
 
 def _padded_softmax_v_bwd(residuals, dout):
     (scores, v, n_pad, out, lse), dout = first_order("padded_softmax_v", (residuals, dout))
-    delta_plan, ds_plan, dv_plan = scores_v_bwd_plans(tuple(v.shape), name_of(v), device_facts())
-    dout = dout.astype(v.dtype)
-    (delta,) = launch(delta_plan, out, dout)
-    (dscores,) = launch(ds_plan, scores, v, dout, lse, delta, n_pad)
-    (dv,) = launch(dv_plan, scores, dout, lse, n_pad)
+    dscores, dv = call_folding(_scores_v_backward_kernels, (), scores, v, n_pad, out, lse, dout.astype(v.dtype))
     return dscores, dv, None
 
 

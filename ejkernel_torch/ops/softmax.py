@@ -15,6 +15,8 @@ from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, so
 
 
 # -- kernels, as registered ops (kernel_op): inputs are checked and contiguous --------------------
+# Each treats every row (batch row for the padded ones) on its own: under vmap the mapped axis
+# folds into the rows, one launch for all samples.
 
 def _rows_forward(x2d: Tensor) -> Tensor:
     plan = softmax_fwd_plan(*static_shape(x2d), dtype_name(x2d.dtype), device_facts(x2d.device))
@@ -47,11 +49,11 @@ def _scores_v_backward(scores: Tensor, v: Tensor, n_pad: Tensor, out: Tensor, ls
     return dscores, dv
 
 
-_rows_forward_op = kernel_op("softmax_rows_fwd", _rows_forward)
-_rows_backward_op = kernel_op("softmax_rows_bwd", _rows_backward)
-_padded_probs_op = kernel_op("padded_softmax_fwd", _padded_probs)
-_scores_v_forward_op = kernel_op("padded_softmax_v_fwd", _scores_v_forward)
-_scores_v_backward_op = kernel_op("padded_softmax_v_bwd", _scores_v_backward)
+_rows_forward_op = kernel_op("softmax_rows_fwd", _rows_forward, folds_under_vmap=True)
+_rows_backward_op = kernel_op("softmax_rows_bwd", _rows_backward, folds_under_vmap=True)
+_padded_probs_op = kernel_op("padded_softmax_fwd", _padded_probs, folds_under_vmap=True)
+_scores_v_forward_op = kernel_op("padded_softmax_v_fwd", _scores_v_forward, folds_under_vmap=True)
+_scores_v_backward_op = kernel_op("padded_softmax_v_bwd", _scores_v_backward, folds_under_vmap=True)
 
 
 def _softmax_rows_backward(y2d: Tensor, dy2d: Tensor) -> Tensor:
