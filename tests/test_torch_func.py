@@ -138,6 +138,36 @@ def test_vmap_folds_without_the_fallback(torch_fw, rng, op):
     _equal([got], [torch.stack([fn(*first), fn(*second)])])
 
 
+@pytest.mark.parametrize("op", OPS[:4])
+def test_vmap_without_gradients_skips_the_autograd_function(torch_fw, rng, monkeypatch, op):
+    """vmap with nothing to differentiate went through the ops' torch.func autograd functions,
+    whose functorch machinery (generated vmap rule) made most of the call's host time; their
+    kernels' vmap rules now serve alone, as flash_attention's do. With an input requiring grad
+    outside vmap the autograd function is still used, and backward gives each sample's gradients."""
+    import importlib
+
+    import torch
+
+    from ejkernel_torch.ops._common import KernelFunction
+
+    used = []
+    for module in ("softmax", "padded_attention"):
+        module = importlib.import_module(f"ejkernel_torch.ops.{module}")  # the package exports the functions
+        for function in [f for f in vars(module).values() if isinstance(f, KernelFunction)]:
+            apply = function.transforms_function.apply
+            record = staticmethod(lambda *a, _apply=apply: (used.append(1), _apply(*a))[1])
+            monkeypatch.setattr(function, "transforms_function", type("Recording", (), {"apply": record}))
+    fn, _, first = _case(torch_fw, rng, op, seq=4, dim=8)
+    _, _, second = _case(torch_fw, rng, op, seq=4, dim=8)
+    batched = [torch.stack(pair) for pair in zip(first, second)]
+    _equal([torch.func.vmap(fn)(*batched)], [torch.stack([fn(*first), fn(*second)])])
+    assert not used
+    cotangents = torch.randn_like(torch.stack([fn(*first), fn(*second)]))
+    want = [torch.stack(grads) for grads in zip(*(_backward(fn, p, c) for p, c in zip((first, second), cotangents)))]
+    _equal(_backward(torch.func.vmap(fn), batched, cotangents), want)
+    assert used
+
+
 @pytest.mark.parametrize("op", OPS[:6])
 def test_second_derivative_names_the_op(torch_fw, rng, op):
     """grad of grad raises, as create_graph=True gradients do: the backward kernels have no derivative."""

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ejkernel_torch.launch import device_facts, dtype_name, functorch_active, plain_eager, reject_forward_ad
+from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, plain_eager, reject_forward_ad,
+                                  vmap_only)
 from ejkernel_torch.ops._folding import register_folding
 from triton_kernels import checks
 
@@ -238,7 +239,8 @@ class KernelFunction:
     """An op's ``forward(*inputs)`` with its gradient: ``setup_context`` and ``backward`` as
     ``torch.autograd.Function`` takes them. Calling it runs ``forward`` alone when no input needs
     a gradient (autograd's bookkeeping costs about as much as the kernel launch itself on small
-    inputs), else through an autograd function (see ``autograd_function``)."""
+    inputs; under ``torch.func.vmap`` alone, ``vmap_only``, the ops' vmap rules serve), else
+    through an autograd function (see ``autograd_function``)."""
 
     def __init__(self, name: str, forward, setup_context, backward):
         self.forward = forward
@@ -249,6 +251,8 @@ class KernelFunction:
     def __call__(self, *args):
         reject_forward_ad(*args)
         if functorch_active():  # even with no requires_grad: vmap's batched tensors hide it (zero gradients)
+            if vmap_only(*args):  # nothing to differentiate: the ops' vmap rules serve alone
+                return self.forward(*args)
             return self.transforms_function.apply(*args)
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return self.function.apply(*args)
