@@ -188,6 +188,60 @@ def test_batch_sharded_over_two_devices_gives_the_unsharded_result():
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def test_vmap_with_shard_map_over_two_devices_folds_the_samples():
+    # vmap inside shard_map over the batch, and shard_map inside vmap, on 2 host CPU devices (a
+    # subprocess: the flag is read when jax starts): each op's fold rules still launch once for
+    # all samples (padded_attention and softmax ran a lax.map loop before they folded), and the
+    # outputs and gradients are bitwise those of the plain vmap. k/v shared by the batch rows and
+    # replicated on both devices get their gradients summed over the shards.
+    script = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh, PartitionSpec as P
+        import ejkernel_jax as ek
+
+        mesh = Mesh(np.array(jax.devices()), ("batch",))
+        assert mesh.size == 2
+        rng = np.random.default_rng(0)
+        a = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        n, q, dout, kv = 3, a(3, 2, 8, 2, 16), a(3, 2, 8, 2, 16), a(1, 8, 2, 16)
+        n_pad = jnp.asarray([[0, 3], [2, 8], [1, 1]], jnp.int32)
+
+        def vjp(fn, *xs):
+            out, pullback = jax.vjp(fn, *xs[:-1])
+            return out, *pullback(xs[-1])
+
+        def flash(q, k, dout):  # k (and v) shared by the batch rows
+            rows = lambda k: jnp.broadcast_to(k, q.shape[:1] + k.shape[1:])
+            return vjp(lambda q, k: ek.flash_attention(q, rows(k), rows(k), causal=True), q, k, dout)
+
+        def padded(q, dout, n_pad):
+            return vjp(lambda q: ek.padded_attention(q, q, q, n_pad), q, dout)
+
+        def softmax(x, dout):
+            return vjp(ek.softmax, x, dout)
+
+        B, S = P(None, "batch"), P("batch")  # the batch axis, with and without the samples' axis before it
+        cases = [(flash, (q, kv, dout), (0, None, 0), ((B, P(), B), (B, B, P())), ((S, P(), S), (S, S, P()))),
+                 (padded, (q[..., 0, :], dout[..., 0, :], n_pad), (0, 0, 0), (B, B), (S, S)),
+                 (softmax, (q[..., 0, :], dout[..., 0, :]), (0, 0), (B, B), (S, S))]
+        for step, args, in_axes, (vmapped_in, vmapped_out), (in_specs, out_specs) in cases:
+            plain = jax.vmap(step, in_axes=in_axes)(*args)
+            for fn in (jax.shard_map(jax.vmap(step, in_axes=in_axes), mesh=mesh, in_specs=vmapped_in,
+                                     out_specs=vmapped_out),
+                       jax.vmap(jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=out_specs),
+                                in_axes=in_axes)):
+                jaxpr = str(jax.make_jaxpr(fn)(*args))
+                assert "scan[" not in jaxpr and "while[" not in jaxpr, step.__name__
+                for got, want in zip(jax.jit(fn)(*args), plain):
+                    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 # -- activation checkpointing --------------------------------------------------------------------
 
 
