@@ -671,8 +671,11 @@ def test_torch_compile_fullgraph_with_bincount_group_sizes(torch_fw, rng, dynami
     def all_groups(x, w):
         return ejk.transposed_grouped_matmul(x.t(), x, torch.bincount((x @ router).argmax(-1)).to(torch.int32))
 
-    # Which groups a tensor offset selects, or how many tgmm outputs, cannot be known: refused.
-    for fn, match in ((tensor_offset, "pass group_offset as an int"), (all_groups, "pass num_actual_groups")):
+    # Which groups a tensor offset selects cannot be known: refused by name. How many outputs tgmm
+    # has without num_actual_groups cannot either: torch's data-dependent error, raised where
+    # check_tgmm takes num_actual_groups (dynamo shows the unknown length as an int, so the front
+    # cannot tell it from a known one to name it first).
+    for fn, match in ((tensor_offset, "pass group_offset as an int"), (all_groups, "num_actual_groups")):
         torch._dynamo.reset()
         with pytest.raises(Exception, match=match):
             torch.compile(fn, backend="aot_eager", fullgraph=True)(x, torch.randn(groups, k, n))

@@ -29,7 +29,7 @@ from typing import Optional
 
 import numpy as np
 import torch
-from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols, has_static_value
+from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
 
 from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch_traceable, plain_eager,
                                    reject_forward_ad)
@@ -65,9 +65,22 @@ def _static(shape) -> tuple[int, ...]:
     return tuple(int(d) for d in shape)
 
 
+def _static_groups(group_sizes: torch.Tensor) -> int:
+    """The number of groups, which plans need. A length that depends on values (torch.bincount's)
+    reaches an op body under torch.compile only with a tensor ``group_offset``
+    (``_compile_time_groups`` cuts it otherwise): refused by name, where torch's own error said
+    "Could not extract specialized integer"."""
+    length = group_sizes.shape[0]
+    if isinstance(length, torch.SymInt) and has_free_unbacked_symbols(length):
+        raise ValueError("group_sizes has a length that depends on values (torch.bincount's, say): under "
+                         "torch.compile pass group_offset as an int, or cut group_sizes to the number of groups "
+                         "(torch._check(group_sizes.shape[0] >= g); group_sizes = group_sizes[:g])")
+    return int(length)
+
+
 def _gmm_body(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, group_offset: torch.Tensor,
               transpose_rhs: bool, out_dtype: torch.dtype, params: Optional[list[int]]) -> torch.Tensor:
-    (m, k), (groups,), (selected, *rest) = _static(lhs.shape), _static(group_sizes.shape), _static(rhs.shape)
+    (m, k), groups, (selected, *rest) = _static(lhs.shape), _static_groups(group_sizes), _static(rhs.shape)
     n = rest[0] if transpose_rhs else rest[1]
     problem = (m, k, n, groups, selected, transpose_rhs, dtype_name(lhs.dtype), dtype_name(out_dtype))
     plan = gm.gmm_plan(*problem, device_facts(lhs.device), _tuning.resolve(GMM, problem, lhs.device, _decode(params)))
@@ -78,7 +91,7 @@ def _tgmm_body(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, 
                num_selected: int, lhs_mk: bool, out_dtype: torch.dtype, params: Optional[list[int]]) -> torch.Tensor:
     """``lhs`` is [k, m], or [m, k] when ``lhs_mk`` (the gmm backward's layout: no transpose copy)."""
     m, k = _static(lhs.shape) if lhs_mk else _static(lhs.shape)[::-1]
-    problem = (m, k, int(rhs.shape[1]), int(group_sizes.shape[0]), int(num_selected), lhs_mk, dtype_name(lhs.dtype),
+    problem = (m, k, int(rhs.shape[1]), _static_groups(group_sizes), int(num_selected), lhs_mk, dtype_name(lhs.dtype),
                dtype_name(out_dtype))
     plan = gm.tgmm_plan(*problem, device_facts(lhs.device), _tuning.resolve(TGMM, problem, lhs.device, _decode(params)))
     return launch_traceable(plan, lhs.contiguous(), rhs.contiguous(), group_sizes, group_offset)[0]
@@ -222,20 +235,18 @@ def _compile_time_groups(group_sizes: torch.Tensor, group_offset, num_selected) 
     specialized integer from data-dependent expression u0". The kernels read only groups
     ``[0, group_offset + num_selected)``, so with an int ``group_offset`` the rest is cut off:
     the same result, from a length the plan knows; that the length reaches it is asserted when
-    the graph runs. A tensor ``group_offset`` may select any group, and tgmm without
-    ``num_actual_groups`` (``num_selected`` None) has one output per group: both are refused there.
+    the graph runs. Every length is cut while compiling: dynamo shows a symbolic length as an
+    int, and torch 2.11's refuses to trace ``has_free_unbacked_symbols``, so a known length
+    cannot be told apart (cutting it changes no result). A tensor ``group_offset`` keeps the
+    length, and the op body refuses an unbacked one by name (``_static_groups``); tgmm without
+    ``num_actual_groups`` has one output per group, and torch's data-dependent error names
+    ``num_actual_groups`` (where ``check_tgmm`` takes it).
     """
-    if not torch.compiler.is_compiling() or not has_free_unbacked_symbols(group_sizes):
+    if not torch.compiler.is_compiling() or group_sizes.dim() != 1:  # other ranks: refused by the checks
         return group_sizes
-    length = group_sizes.shape[0] if group_sizes.dim() == 1 else 0  # other ranks: refused by the checks
-    if has_static_value(length):  # known (only a view offset is data-dependent)
+    if num_selected is None or isinstance(group_offset, torch.Tensor):
         return group_sizes
-    unknown = "group_sizes has a length that depends on values (torch.bincount's, say): under torch.compile "
-    if num_selected is None:
-        raise ValueError(unknown + "pass num_actual_groups, the number of groups to compute")
-    if isinstance(group_offset, torch.Tensor):
-        raise ValueError(unknown + "pass group_offset as an int, or cut group_sizes to the number of groups "
-                         "(torch._check(group_sizes.shape[0] >= g); group_sizes = group_sizes[:g])")
+    length = group_sizes.shape[0]
     # Bad values count as 0 here: the checks after this refuse them by name.
     used = sum(max(int(v), 0) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else 0
                for v in (group_offset, num_selected))
