@@ -513,6 +513,9 @@ def _gmm_bad_cases():
         (dict(tiling=None), TypeError, "tiling must be 3 positive ints"),
         (dict(tiling="128"), TypeError, "tiling must be 3 positive ints"),
         (dict(tiling=lambda m, k, n: (True, 8, 8)), TypeError, "tiling must be 3 positive ints"),
+        # A callable's result was passed through as a tiling: "cannot unpack non-iterable function"
+        (dict(tiling=lambda m, k, n: (lambda *_: (8, 8, 8))), TypeError,
+         r"tiling returned <function .*> for \(m, k, n\) = \(16, 8, 4\); expected 3 positive ints"),
         (dict(transpose_rhs="false"), TypeError, "transpose_rhs must be a bool"),  # once transposed
         (dict(tiling=lambda m, k, n: None), ValueError, "tiling"),
         (dict(input_buffer_count=3), ValueError, "input_buffer_count"),

@@ -293,6 +293,9 @@ def _resolve_tiling(tiling, m: int, k: int, n: int) -> Tiling:
         found = tiling(m, k, n)
         if found is None:
             raise ValueError(f"tiling found no tile sizes for (m, k, n) = ({m}, {k}, {n})")
+        if callable(found):  # _check_tiling passes callables through: unpacked below, it failed unnamed
+            raise TypeError(f"tiling returned {found!r} for (m, k, n) = ({m}, {k}, {n}); "
+                            "expected 3 positive ints (tm, tk, tn)")
         tiling = _check_tiling(found)
     tm, tk, tn = tiling
     return min(tm, m), min(tk, k), min(tn, n)
