@@ -129,3 +129,31 @@ def test_parity_report_rejects_bad_options(argv, message, monkeypatch, capsys):
         parity_report.main()
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("example", ["torch_moe", "flax_moe"])
+def test_moe_examples_run(example):
+    # A few steps: grouped_matmul's loss curve against the per-expert loop (torch: and compiled vs eager).
+    result = _run(f"examples/{example}.py", "--steps", "3")
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-2000:]
+    assert "max |loss difference|: ejkernel vs plain" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["torch_moe", "flax_moe"])
+def test_moe_examples_train_like_the_expert_loop(example):
+    result = _run(f"examples/{example}.py")
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("example", ["torch_moe", "flax_moe"])
+def test_moe_examples_fail_wrong_experts(example, monkeypatch):
+    # The examples must exit non-zero when the grouped matmul's loss curve leaves the loop's.
+    import importlib
+
+    module = importlib.import_module(f"examples.{example}")
+    real = module.grouped_matmul
+    monkeypatch.setattr(module, "grouped_matmul", lambda *args, **kwargs: real(*args, **kwargs) * 1.01)
+    monkeypatch.setattr(sys, "argv", [f"{example}.py", "--steps", "2"])
+    with pytest.raises(SystemExit, match="loss curves disagree"):
+        module.main()
