@@ -160,11 +160,14 @@ def _row_tiling(n_rows: int, n_cols: int, facts: DeviceFacts, streamed_bytes: in
     """
     one_pass = n_cols <= MAX_ONE_PASS
     block_n = next_power_of_2(max(n_cols, 16)) if one_pass else STREAM_BLOCK_N
-    rows_cap = next_power_of_2(max(n_rows, 1))
     if facts.is_cpu:
-        block_m = max(1, min((1 << 16) // block_n, rows_cap, 1024))
+        block_m = max(1, min((1 << 16) // block_n, next_power_of_2(max(n_rows, 1)), 1024))
     else:
-        block_m = max(1, min(256 // block_n, rows_cap))
+        # Not capped by n_rows: the block's shape sets how a row's max and sum are reduced
+        # across threads, so a row must get the same tile in any batch (vmap folds samples into
+        # the rows; with a cap, 2 and 4 rows of 16 gave different last bits on an H100). Surplus
+        # rows of a tiny problem are masked.
+        block_m = max(1, 256 // block_n)
     num_warps = max(1, min(16, block_m * block_n // 512))
     # Only a one-pass body is simple enough for the software pipeliner to overlap blocks.
     fits = 2 * block_m * block_n * streamed_bytes <= facts.shared_memory * 3 // 4
