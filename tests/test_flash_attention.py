@@ -640,9 +640,9 @@ def test_jax_typed_keys_are_refused_by_name(jax_fw):
     import jax
 
     x, key = jax_fw.asarray(np.zeros((1, 4, 1, 16), np.float32)), jax.random.key(0)
-    with pytest.raises(TypeError, match="dropout_seed must be an integer array, got key<fry>"):
+    with pytest.raises(TypeError, match=r"dropout_seed must be an integer array \(.*\), got key<fry>"):
         jax_fw.ops.flash_attention(x, x, x, dropout_p=0.5, dropout_seed=key)
-    with pytest.raises(TypeError, match="dropout_seed must be an integer array, got key<fry>"):
+    with pytest.raises(TypeError, match=r"dropout_seed must be an integer array \(.*\), got key<fry>"):
         jax_fw.ops.flash_attention_dropout_mask(key, 1, 1, 4, 4, 0.5)
     with pytest.raises(TypeError, match="q must be a float16, bfloat16 or float32 array, got key<fry>"):
         jax_fw.ops.flash_attention(jax.random.split(key, (1, 4, 1, 16)), x, x)

@@ -109,6 +109,9 @@ def _bad_scores_cases():
         (dict(scores=ok, n_pad=np.array([-1, 0], np.int32)), ValueError, "n_pad values"),
         (dict(scores=ok, n_pad=np.array([0, 1, 2], np.int32)), ValueError, r"n_pad must have shape \(2,\)"),
         (dict(scores=ok, n_pad=np.array([0.0, 1.0], np.float32)), TypeError, "n_pad must be an integer"),
+        # "an integer array, got uint32" named no dtype the op takes
+        (dict(scores=ok, n_pad=np.array([0, 1], np.uint32)), TypeError,
+         r"n_pad must be an integer array \(int8, int16, int32, int64, uint8\), got uint32"),
     ]
 
 

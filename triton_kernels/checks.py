@@ -27,7 +27,8 @@ def float_input(name: str, dtype: str) -> None:
 
 def int_input(name: str, dtype: str) -> None:
     if dtype not in INT_DTYPES:
-        raise TypeError(f"{name} must be an integer array, got {dtype}")
+        # Name the accepted dtypes: "an integer array, got uint32" read as a contradiction.
+        raise TypeError(f"{name} must be an integer array ({', '.join(INT_DTYPES)}), got {dtype}")
 
 
 def ndim(name: str, shape: Sequence[int], expected: int, layout: str) -> None:
