@@ -375,7 +375,7 @@ def test_jax_eager_calls_skip_the_vmap_rules(jax_fw, rng, monkeypatch):
 
     def refuse(*_):
         raise AssertionError("an eager call went through a vmap rule")
-    monkeypatch.setattr(fa_ops, "_folding_forward", refuse)
+    monkeypatch.setattr(fa_ops, "_folding", refuse)
     monkeypatch.setattr(launch, "_batchable", refuse)
     np.testing.assert_array_equal(np.asarray(ejj.flash_attention(q, k, v, causal=True)), np.asarray(want))
 

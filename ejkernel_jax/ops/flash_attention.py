@@ -72,53 +72,36 @@ def _fold_call(spec, n, in_batched, arrays):
 
 
 @functools.lru_cache(maxsize=256)
-def _folding_forward(spec, params):
-    """The forward kernel on (q, k, v, bias, q_seg, kv_seg) with a vmap rule that folds."""
+def _folding(kernels, spec, static: tuple, shared_outputs: tuple = ()):
+    """``kernels(spec, *static, q, k, v, bias, aux, *rest)`` (the forward or backward kernels of a
+    dense call) on ``(q, k, v, bias, q_seg, kv_seg, *rest)``, with a vmap rule that folds.
+    ``shared_outputs``: indices of outputs that are the same for every sample (placeholders)."""
 
     @jax.custom_batching.custom_vmap
-    def run(q, k, v, bias, q_seg, kv_seg):
-        return _forward_kernel(spec, params, q, k, v, bias, (q_seg, kv_seg, None, None, None))
+    def run(q, k, v, bias, q_seg, kv_seg, *rest):
+        return tuple(kernels(spec, *static, q, k, v, bias, (q_seg, kv_seg, None, None, None), *rest))
 
     @run.def_vmap
     def _rule(n, in_batched, *arrays):
         folded_spec, folded = _fold_call(spec, n, in_batched, arrays)
-        out, lse = _folding_forward(folded_spec, params)(*folded)
-        return (unfold(out, n, spec.batch), unfold(lse, n, spec.batch)), (True, True)
-
-    return run
-
-
-@functools.lru_cache(maxsize=256)
-def _folding_backward(spec, params, bias_grad, use_dlse):
-    """``_backward_kernels`` on (q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse) with a vmap
-    rule that folds."""
-
-    @jax.custom_batching.custom_vmap
-    def run(q, k, v, bias, q_seg, kv_seg, out, lse, dout, dlse):
-        return _backward_kernels(spec, params, bias_grad, use_dlse, q, k, v, bias, (q_seg, kv_seg, None, None, None),
-                                 out, lse, dout, dlse)
-
-    @run.def_vmap
-    def _rule(n, in_batched, *arrays):
-        folded_spec, folded = _fold_call(spec, n, in_batched, arrays)
-        dq, dk, dv, ds = _folding_backward(folded_spec, params, bias_grad, use_dlse)(*folded)
-        dq, dk, dv = (unfold(g, n, spec.batch) for g in (dq, dk, dv))
-        ds = unfold(ds, n, spec.batch) if bias_grad else ds  # else a [1] stand-in, the same for every sample
-        return (dq, dk, dv, ds), (True, True, True, bias_grad)
+        outputs = _folding(kernels, folded_spec, static, shared_outputs)(*folded)  # an outer vmap folds again
+        batched = tuple(i not in shared_outputs for i in range(len(outputs)))
+        return tuple(unfold(o, n, spec.batch) if b else o for o, b in zip(outputs, batched)), batched
 
     return run
 
 
 def _forward(spec, params, q, k, v, bias, aux):
     if _foldable(spec) and any_traced(q, k, v, bias, *aux):
-        return _folding_forward(spec, params)(q, k, v, bias, aux[0], aux[1])
+        return _folding(_forward_kernel, spec, (params,))(q, k, v, bias, aux[0], aux[1])
     return _forward_kernel(spec, params, q, k, v, bias, aux)
 
 
 def _backward(spec, params, bias_grad, use_dlse, q, k, v, bias, aux, out, lse, dout, dlse):
     if _foldable(spec) and any_traced(q, k, v, bias, *aux, out, lse, dout, dlse):
-        return _folding_backward(spec, params, bias_grad, use_dlse)(q, k, v, bias, aux[0], aux[1], out, lse, dout,
-                                                                     dlse)
+        shared = () if bias_grad else (3,)  # ds: else a [1] stand-in, the same for every sample
+        return _folding(_backward_kernels, spec, (params, bias_grad, use_dlse), shared)(
+            q, k, v, bias, aux[0], aux[1], out, lse, dout, dlse)
     return _backward_kernels(spec, params, bias_grad, use_dlse, q, k, v, bias, aux, out, lse, dout, dlse)
 
 
