@@ -22,10 +22,8 @@ import triton.language as tl
 
 sys.path.insert(0, os.getcwd())
 
+from bench_gmm_kernels import SHAPES, _shape  # noqa: E402  (this folder: the same shapes and --shapes syntax)
 from triton_kernels.grouped_matmul import _first_selected, _group_end, _swizzle  # noqa: E402
-
-SHAPES = [(8, 65536, 4096, 2048), (16, 32768, 7168, 2048), (16, 16384, 4096, 4096), (64, 32768, 2048, 1408),
-          (128, 65536, 7168, 2048)]
 
 
 @triton.jit
@@ -146,13 +144,6 @@ def _bench_shape(g: int, m: int, k: int, n: int, variants: list[dict]) -> list[d
         same = bool(torch.equal(out, ours))
         record(label, bench_torch(run), bitwise_equal_to_ours=same)
     return rows
-
-
-def _shape(text: str) -> tuple[int, int, int, int]:
-    values = tuple(int(x) for x in text.split(","))
-    if len(values) != 4:
-        raise argparse.ArgumentTypeError(f"expected experts,tokens,k,n, got {text!r}")
-    return values
 
 
 VARIANTS = [dict(), dict(stages=4), dict(ws=True), dict(bm=128, bn=128, warps=4, stages=4),
