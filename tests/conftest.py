@@ -13,6 +13,12 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # References and the XLA-computed sides of comparisons assume float32 matmuls; a GPU's default
 # is TF32 (~1e-3). Set before jax is imported, so example subprocesses inherit it too.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# Some tests compare two separately compiled XLA programs bitwise (eager against shard_map, say).
+# On a GPU, XLA's autotuner picks each program's GEMM kernels by timing them, and when several
+# test processes share the GPU the picks can differ, and with them the last bits (seen on an H100
+# under `pytest -n 8`). Level 0 takes XLA's fixed heuristic choice instead.
+if "--xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
 # The suite never reads or tunes a developer's config cache: a private empty one, tuning off
 # (tests that tune point EJKERNEL_CONFIG_CACHE elsewhere themselves).
 os.environ["EJKERNEL_CONFIG_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="ejkernel-test-cache-"), "configs.json")
