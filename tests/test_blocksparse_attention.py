@@ -247,8 +247,8 @@ def test_traced_64_bit_segment_ids_are_not_wrapped(rng):
     assert not np.array_equal(want[0], attend(halves * 0, halves * 0))  # the segments matter
     with jax.enable_x64(True):
         for lo, hi, dtype in ((0, 2**32, np.int64), (3, 2**63 + 3, np.uint64), (-5, 2**40 - 5, np.int64)):
-            qs = np.where(halves == 0, lo, hi).astype(dtype)
-            ks = np.where(shifted == 0, lo, hi).astype(dtype)
+            lo, hi = np.array(lo, dtype), np.array(hi, dtype)  # older numpy: 2**63 + 3 is no C long
+            qs, ks = np.where(halves == 0, lo, hi), np.where(shifted == 0, lo, hi)
             assert np.array_equal(attend(qs, qs), want[0]), (lo, hi)
             assert np.array_equal(attend(qs, ks), want[1]), (lo, hi)
 
