@@ -23,7 +23,8 @@ arguments the layer above would pass it, and its median per-call time is reporte
     bare kernel[grid]                          (cuda only) the Triton launch with preallocated outputs
     compiled kernel's launcher                 (cuda only) what launch() calls after a plan's first launch
     with --grad: the public call and the registered op with q.requires_grad (forward only), and
-    the public call's forward + backward (three more kernels, stubbed on CPU too)
+    the public call's forward + backward (three more kernels, stubbed on CPU too); on cuda also
+    torch SDPA's forward + backward and a no-op Python autograd.Function's (the floor)
 
 Rows are timed separately, so a parent is roughly, not exactly, the sum of its children (the
 rest is glue: argument passing, tuple building). ``--cprofile`` adds a cProfile listing of the
@@ -156,6 +157,37 @@ def layers(q, k, v, device: torch.device) -> list[tuple[int, str, object]]:
     return rows
 
 
+class _Identity(torch.autograd.Function):
+    """A Python autograd.Function that saves q, k, v and does no work: the floor that any
+    Python-level op pays for forward + backward (autograd's engine and its CUDA worker thread)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def baselines(qg, k, v, dout) -> list:
+    """Forward + backward rows to compare with ours in the same run: torch SDPA (a C++ autograd
+    node) and the floor of a Python autograd.Function."""
+    qt, kt, vt, dt = (x.detach().transpose(1, 2) for x in (qg, k, v, dout))
+    qt.requires_grad_()
+
+    def sdpa():
+        torch.nn.functional.scaled_dot_product_attention(qt, kt, vt).backward(dt)
+        qt.grad = None
+
+    def floor():
+        _Identity.apply(qg, k, v).backward(dout)
+        qg.grad = None
+
+    return [("baseline: torch SDPA forward + backward", sdpa), ("floor: no-op autograd.Function forward + backward", floor)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -200,10 +232,12 @@ def main() -> None:
             ejkernel_torch.flash_attention(qg, k, v).backward(dout)
             qg.grad = None
 
-        for name, fn in (("flash_attention (public), q.requires_grad",
-                          lambda: ejkernel_torch.flash_attention(qg, k, v)),
-                         ("  registered op, q.requires_grad", lambda: torch.ops.ejkernel.flash_attention_fwd(*op_args)),
-                         ("flash_attention forward + backward", fwd_bwd)):
+        grad_rows = [("flash_attention (public), q.requires_grad", lambda: ejkernel_torch.flash_attention(qg, k, v)),
+                     ("  registered op, q.requires_grad", lambda: torch.ops.ejkernel.flash_attention_fwd(*op_args)),
+                     ("flash_attention forward + backward", fwd_bwd)]
+        if device.type == "cuda":  # on CPU these would compute for real: not host cost
+            grad_rows += baselines(qg, k, v, dout)
+        for name, fn in grad_rows:
             us = per_call_us(fn, iters, args.repeats, sync)
             results[name.strip()] = round(us, 2)
             print(f"{name:58s} {us:9.2f} {100 * us / total:7.0f}%", flush=True)
