@@ -35,17 +35,27 @@ PLATFORMS = ("tpu", "gpu", "cuda", "cpu")
 # Triton path: inputs checked; group_offset is an int32 [1] array; out_dtype a dtype name
 
 
-def _gmm_launch(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype, params):
+def _gmm_problem(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype, params=None) -> tuple:
+    """The GMM problem (plan arguments, cache key) of a ``_gmm_launch`` call: takes its arguments."""
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    problem = (m, k, n, group_sizes.shape[0], rhs.shape[0], transpose_rhs, name_of(lhs), out_dtype)
+    return (m, k, n, group_sizes.shape[0], rhs.shape[0], transpose_rhs, name_of(lhs), out_dtype)
+
+
+def _tgmm_problem(lhs, rhs, group_sizes, offset, num_selected, lhs_mk, out_dtype, params=None) -> tuple:
+    """The TGMM problem of a ``_tgmm_launch`` call: takes its arguments."""
+    m, k = lhs.shape if lhs_mk else lhs.shape[::-1]
+    return (m, k, rhs.shape[1], group_sizes.shape[0], num_selected, lhs_mk, name_of(lhs), out_dtype)
+
+
+def _gmm_launch(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype, params):
+    problem = _gmm_problem(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype)
     plan = gm.gmm_plan(*problem, device_facts(), _tuning.resolve(GMM, problem, params))
     return launch(plan, lhs, rhs, group_sizes, offset)[0]
 
 
 def _tgmm_launch(lhs, rhs, group_sizes, offset, num_selected, lhs_mk, out_dtype, params):
-    m, k = lhs.shape if lhs_mk else lhs.shape[::-1]
-    problem = (m, k, rhs.shape[1], group_sizes.shape[0], num_selected, lhs_mk, name_of(lhs), out_dtype)
+    problem = _tgmm_problem(lhs, rhs, group_sizes, offset, num_selected, lhs_mk, out_dtype)
     plan = gm.tgmm_plan(*problem, device_facts(), _tuning.resolve(TGMM, problem, params))
     return launch(plan, lhs, rhs, group_sizes, offset)[0]
 
@@ -61,14 +71,21 @@ def _gmm_fwd(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype, params):
     return out, (lhs, rhs, group_sizes, offset)
 
 
+def _gmm_grad_calls(lhs, rhs, group_sizes, offset, transpose_rhs, grad) -> tuple:
+    """The gmm backward's launches as (tunable, op arguments), for d_lhs and d_rhs; each one's
+    problem is the op body's (``_CALLS``)."""
+    # d_lhs[rows_g] = grad[rows_g] @ rhs[g]^T
+    d_lhs = (GMM, (grad, rhs, group_sizes, offset, not transpose_rhs, name_of(lhs), None))
+    # d_rhs[g] = lhs[rows_g]^T @ grad[rows_g] (or its transpose), lhs read as [m, k]: no transpose
+    a, b = (grad, lhs) if transpose_rhs else (lhs, grad)
+    d_rhs = (TGMM, (a, b, group_sizes, offset, rhs.shape[0], True, name_of(rhs), None))
+    return d_lhs, d_rhs
+
+
 def _gmm_bwd(transpose_rhs, out_dtype, params, residuals, grad):
     lhs, rhs, group_sizes, offset = residuals
     grad = grad.astype(lhs.dtype)  # a bf16 model keeps a bf16 backward
-    # d_lhs[rows_g] = grad[rows_g] @ rhs[g]^T
-    d_lhs = _gmm(grad, rhs, group_sizes, offset, not transpose_rhs, name_of(lhs), None)
-    # d_rhs[g] = lhs[rows_g]^T @ grad[rows_g] (or its transpose), lhs read as [m, k]: no transpose
-    a, b = (grad, lhs) if transpose_rhs else (lhs, grad)
-    d_rhs = _tgmm(a, b, group_sizes, offset, rhs.shape[0], True, name_of(rhs), None)
+    d_lhs, d_rhs = map(_run, _gmm_grad_calls(lhs, rhs, group_sizes, offset, transpose_rhs, grad))
     return d_lhs, d_rhs, None, None
 
 
@@ -85,17 +102,31 @@ def _tgmm_fwd(lhs, rhs, group_sizes, offset, num_selected, lhs_mk, out_dtype, pa
     return out, (lhs, rhs, group_sizes, offset)
 
 
+def _tgmm_grad_calls(lhs, rhs, group_sizes, offset, lhs_mk, grad) -> tuple:
+    """The tgmm backward's launches, as ``_gmm_grad_calls``; d_lhs is built as [m, k]."""
+    # d_lhs[:, rows_g] = grad[g] @ rhs[rows_g]^T
+    d_lhs = (GMM, (rhs, grad, group_sizes, offset, True, name_of(lhs), None))
+    # d_rhs[rows_g] = lhs[:, rows_g]^T @ grad[g]
+    d_rhs = (GMM, (lhs if lhs_mk else lhs.T, grad, group_sizes, offset, False, name_of(rhs), None))
+    return d_lhs, d_rhs
+
+
 def _tgmm_bwd(num_selected, lhs_mk, out_dtype, params, residuals, grad):
     lhs, rhs, group_sizes, offset = residuals
     grad = grad.astype(lhs.dtype)  # [groups, k, n]
-    # d_lhs[:, rows_g] = grad[g] @ rhs[rows_g]^T, built as [m, k]
-    d_lhs = _gmm(rhs, grad, group_sizes, offset, True, name_of(lhs), None)
-    # d_rhs[rows_g] = lhs[:, rows_g]^T @ grad[g]
-    d_rhs = _gmm(lhs if lhs_mk else lhs.T, grad, group_sizes, offset, False, name_of(rhs), None)
+    d_lhs, d_rhs = map(_run, _tgmm_grad_calls(lhs, rhs, group_sizes, offset, lhs_mk, grad))
     return (d_lhs if lhs_mk else d_lhs.T), d_rhs, None, None
 
 
 _tgmm.defvjp(_tgmm_fwd, _tgmm_bwd)
+
+_CALLS = {GMM: (_gmm, _gmm_problem), TGMM: (_tgmm, _tgmm_problem)}
+
+
+def _run(call):
+    """Runs one of a backward's launches (``_gmm_grad_calls``)."""
+    tunable, args = call
+    return _CALLS[tunable][0](*args)
 
 
 # --------------------------------------------------------------------------------------------

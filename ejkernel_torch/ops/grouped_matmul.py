@@ -78,11 +78,25 @@ def _static_groups(group_sizes: torch.Tensor) -> int:
     return int(length)
 
 
-def _gmm_body(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, group_offset: torch.Tensor,
-              transpose_rhs: bool, out_dtype: torch.dtype, params: Optional[list[int]]) -> torch.Tensor:
+def _gmm_problem(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, group_offset: torch.Tensor,
+                 transpose_rhs: bool, out_dtype: torch.dtype, params: Optional[list[int]] = None) -> tuple:
+    """The GMM problem (plan arguments, cache key) of a ``_gmm_body`` call: takes its arguments."""
     (m, k), groups, (selected, *rest) = _static(lhs.shape), _static_groups(group_sizes), _static(rhs.shape)
     n = rest[0] if transpose_rhs else rest[1]
-    problem = (m, k, n, groups, selected, transpose_rhs, dtype_name(lhs.dtype), dtype_name(out_dtype))
+    return (m, k, n, groups, selected, transpose_rhs, dtype_name(lhs.dtype), dtype_name(out_dtype))
+
+
+def _tgmm_problem(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, group_offset: torch.Tensor,
+                  num_selected: int, lhs_mk: bool, out_dtype: torch.dtype, params: Optional[list[int]] = None) -> tuple:
+    """The TGMM problem of a ``_tgmm_body`` call: takes its arguments."""
+    m, k = _static(lhs.shape) if lhs_mk else _static(lhs.shape)[::-1]
+    return (m, k, int(rhs.shape[1]), _static_groups(group_sizes), int(num_selected), lhs_mk, dtype_name(lhs.dtype),
+            dtype_name(out_dtype))
+
+
+def _gmm_body(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, group_offset: torch.Tensor,
+              transpose_rhs: bool, out_dtype: torch.dtype, params: Optional[list[int]]) -> torch.Tensor:
+    problem = _gmm_problem(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype)
     plan = gm.gmm_plan(*problem, device_facts(lhs.device), _tuning.resolve(GMM, problem, lhs.device, _decode(params)))
     return launch_traceable(plan, lhs.contiguous(), rhs.contiguous(), group_sizes, group_offset)[0]
 
@@ -90,9 +104,7 @@ def _gmm_body(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, g
 def _tgmm_body(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, group_offset: torch.Tensor,
                num_selected: int, lhs_mk: bool, out_dtype: torch.dtype, params: Optional[list[int]]) -> torch.Tensor:
     """``lhs`` is [k, m], or [m, k] when ``lhs_mk`` (the gmm backward's layout: no transpose copy)."""
-    m, k = _static(lhs.shape) if lhs_mk else _static(lhs.shape)[::-1]
-    problem = (m, k, int(rhs.shape[1]), _static_groups(group_sizes), int(num_selected), lhs_mk, dtype_name(lhs.dtype),
-               dtype_name(out_dtype))
+    problem = _tgmm_problem(lhs, rhs, group_sizes, group_offset, num_selected, lhs_mk, out_dtype)
     plan = gm.tgmm_plan(*problem, device_facts(lhs.device), _tuning.resolve(TGMM, problem, lhs.device, _decode(params)))
     return launch_traceable(plan, lhs.contiguous(), rhs.contiguous(), group_sizes, group_offset)[0]
 
@@ -108,15 +120,23 @@ def _gmm_setup(ctx, inputs, output):
     ctx.transpose_rhs = transpose_rhs
 
 
+def _gmm_grad_calls(lhs, rhs, group_sizes, group_offset, transpose_rhs: bool, grad, needs) -> tuple:
+    """The gmm backward's launches as (tunable, op arguments), for d_lhs and d_rhs (None where
+    ``needs`` asks for no gradient); each one's problem is the op body's (``_CALLS``)."""
+    d_lhs = d_rhs = None
+    if needs[0]:  # d_lhs[rows_g] = grad[rows_g] @ rhs[g]^T
+        d_lhs = (GMM, (grad, rhs, group_sizes, group_offset, not transpose_rhs, lhs.dtype, None))
+    if needs[1]:  # d_rhs[g] = lhs[rows_g]^T @ grad[rows_g] (or its transpose)
+        a, b = (grad, lhs) if transpose_rhs else (lhs, grad)
+        d_rhs = (TGMM, (a, b, group_sizes, group_offset, rhs.shape[0], True, rhs.dtype, None))
+    return d_lhs, d_rhs
+
+
 def _gmm_backward(ctx, grad):
     lhs, rhs, group_sizes, group_offset = saved_tensors(ctx)
     grad = grad.to(lhs.dtype).contiguous()  # a bf16 model keeps a bf16 backward
-    d_lhs = d_rhs = None
-    if ctx.needs_input_grad[0]:  # d_lhs[rows_g] = grad[rows_g] @ rhs[g]^T
-        d_lhs = _call_gmm(grad, rhs, group_sizes, group_offset, not ctx.transpose_rhs, lhs.dtype, None)
-    if ctx.needs_input_grad[1]:  # d_rhs[g] = lhs[rows_g]^T @ grad[rows_g] (or its transpose)
-        a, b = (grad, lhs) if ctx.transpose_rhs else (lhs, grad)
-        d_rhs = _call_tgmm(a, b, group_sizes, group_offset, rhs.shape[0], True, rhs.dtype, None)
+    calls = _gmm_grad_calls(lhs, rhs, group_sizes, group_offset, ctx.transpose_rhs, grad, ctx.needs_input_grad)
+    d_lhs, d_rhs = map(_run, calls)
     return d_lhs, d_rhs, None, None, None, None, None
 
 
@@ -129,16 +149,24 @@ def _tgmm_setup(ctx, inputs, output):
     ctx.lhs_mk = lhs_mk
 
 
+def _tgmm_grad_calls(lhs, rhs, group_sizes, group_offset, lhs_mk: bool, grad, needs) -> tuple:
+    """The tgmm backward's launches, as ``_gmm_grad_calls``; d_lhs is built as [m, k]."""
+    d_lhs = d_rhs = None
+    if needs[0]:  # d_lhs[:, rows_g] = grad[g] @ rhs[rows_g]^T
+        d_lhs = (GMM, (rhs, grad, group_sizes, group_offset, True, lhs.dtype, None))
+    if needs[1]:  # d_rhs[rows_g] = lhs[:, rows_g]^T @ grad[g]
+        lhs_as_mk = lhs if lhs_mk else lhs.t().contiguous()
+        d_rhs = (GMM, (lhs_as_mk, grad, group_sizes, group_offset, False, rhs.dtype, None))
+    return d_lhs, d_rhs
+
+
 def _tgmm_backward(ctx, grad):
     lhs, rhs, group_sizes, group_offset = saved_tensors(ctx)
     grad = grad.to(lhs.dtype).contiguous()  # [groups, k, n]
-    d_lhs = d_rhs = None
-    if ctx.needs_input_grad[0]:  # d_lhs[:, rows_g] = grad[g] @ rhs[rows_g]^T, built as [m, k]
-        d_lhs = _call_gmm(rhs, grad, group_sizes, group_offset, True, lhs.dtype, None)
-        d_lhs = d_lhs if ctx.lhs_mk else d_lhs.t()
-    if ctx.needs_input_grad[1]:  # d_rhs[rows_g] = lhs[:, rows_g]^T @ grad[g]
-        lhs_mk = lhs if ctx.lhs_mk else lhs.t().contiguous()
-        d_rhs = _call_gmm(lhs_mk, grad, group_sizes, group_offset, False, rhs.dtype, None)
+    calls = _tgmm_grad_calls(lhs, rhs, group_sizes, group_offset, ctx.lhs_mk, grad, ctx.needs_input_grad)
+    d_lhs, d_rhs = map(_run, calls)
+    if d_lhs is not None and not ctx.lhs_mk:
+        d_lhs = d_lhs.t()
     return d_lhs, d_rhs, None, None, None, None, None, None
 
 
@@ -182,6 +210,17 @@ def _call_gmm(*args) -> torch.Tensor:
 
 def _call_tgmm(*args) -> torch.Tensor:
     return _call(_tgmm, _tgmm_body, _TgmmFn, _TgmmTransformsFn, args)
+
+
+_CALLS = {GMM: (_call_gmm, _gmm_problem), TGMM: (_call_tgmm, _tgmm_problem)}
+
+
+def _run(call) -> Optional[torch.Tensor]:
+    """Runs one of a backward's launches (``_gmm_grad_calls``); None stays None."""
+    if call is None:
+        return None
+    tunable, args = call
+    return _CALLS[tunable][0](*args)
 
 
 # --------------------------------------------------------------------------------------------
