@@ -3,15 +3,17 @@ framework, the tuned config launched by both (bitwise parity kept), explicit par
 jit reads only, bad files and stale entries fall back to the heuristic."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
+import types
 import warnings
 
 import numpy as np
 import pytest
 
-from tests.frameworks import rel_error
+from tests.frameworks import TOLERANCE, rel_error
 from triton_kernels import config_cache as cc
 from triton_kernels import tuning
 from triton_kernels.config_cache import ConfigCache
@@ -51,10 +53,18 @@ def fresh_process_view(monkeypatch):
 
 
 class Case:
-    def __init__(self, name, shapes, call, module, problem, candidates):
+    def __init__(self, name, shapes, call, module, problem, candidates, tuned=None):
         self.name, self.shapes, self.call, self.module = name, shapes, call, module
         self.problem = problem  # the problem both fronts key the call by (shapes -> problem)
         self.candidates = candidates  # {tunable: [config, config]}
+        # shapes -> {tunable: [problems]}: what a call with a gradient to take tunes, in order
+        # (default: the call's problem for each tunable, as flash's forward and backward share it)
+        self._tuned = tuned
+
+    def tuned(self, shapes) -> dict:
+        if self._tuned is not None:
+            return self._tuned(shapes)
+        return {t: [self.problem(shapes)] for t in self.candidates}
 
     def inputs(self, fw, rng):
         return [fw.asarray(rng.standard_normal(s), "float32") for s in self.shapes]
@@ -78,6 +88,14 @@ def _gmm(fw, arrays, **kw):
     return fw.ops.grouped_matmul(*arrays, fw.asarray(np.array([10, 0, 25], np.int32)), **kw)
 
 
+def _gmm_tuned(shapes):
+    """The forward's problem, then the backward's: d_lhs a gmm of (grad, rhs) with the transpose
+    flag flipped, d_rhs a tgmm of (lhs, grad) with lhs read as [m, k]."""
+    return {tuning.GMM: [(40, 32, 24, 3, 3, False, "float32", "float32"),
+                         (40, 24, 32, 3, 3, True, "float32", "float32")],
+            tuning.TGMM: [(40, 32, 24, 3, 3, True, "float32", "float32")]}
+
+
 CASES = {
     # CPU heuristic: 32 x 32 tiles (seq 20 / 24)
     "flash": Case("flash", [(1, 20, 2, 16), (1, 24, 1, 16), (1, 24, 1, 16)], _flash, "flash_attention",
@@ -96,7 +114,9 @@ CASES = {
                 lambda shapes: (40, 32, 24, 3, 3, False, "float32", "float32"), {
         tuning.GMM: [dict(blocksize_m=16, blocksize_n=32, blocksize_k=16),
                      dict(blocksize_m=32, blocksize_n=16, blocksize_k=32, num_warps=2)],
-    }),
+        tuning.TGMM: [dict(blocksize_m=16, blocksize_n=16, blocksize_k=32),
+                      dict(blocksize_m=32, blocksize_n=32, blocksize_k=16, num_warps=2)],
+    }, _gmm_tuned),
 }
 
 
@@ -155,9 +175,8 @@ def test_default_is_the_heuristic_and_writes_nothing(fw, case, rng, cache_path, 
     run(fw, case, [fw.to_numpy(a) for a in case.inputs(fw, rng)], rng)
     assert plans and not any(asked.values())
     assert not cache_path.exists() and not list(cache_path.parent.iterdir())
-    problem = case.problem(case.shapes)
-    for tunable in case.candidates:  # every tuned kernel launched with the plan's own choice
-        assert tunable.plan(problem, CPU, None) in plans
+    for tunable, problems in case.tuned(case.shapes).items():  # every tuned kernel launched with the plan's own choice
+        assert all(tunable.plan(problem, CPU, None) in plans for problem in problems)
 
 
 @pytest.mark.parametrize("tuner", ["torch", "jax"])
@@ -176,28 +195,29 @@ def test_one_framework_tunes_the_other_launches_it(case, tuner, torch_fw, jax_fw
             a.requires_grad_(True)
     case.call(tune_fw, arrays, autotune=True)
     tuned = {}
-    for tunable, configs in case.candidates.items():
-        assert asked[tunable] == [case.problem(case.shapes)]  # timed once, for this call's problem
-        problem = asked[tunable][0]
-        stored = entry(cache_path, tunable, problem, fingerprint(tune_fw))
-        assert stored["framework"] == tuner and stored["source"] == "autotune"
-        assert stored["config"] in configs
-        tuned[tunable] = tunable.plan(problem, CPU, tunable.params.from_dict(stored["config"]))
+    for tunable, problems in case.tuned(case.shapes).items():
+        assert asked[tunable] == problems  # each timed once
+        for problem in problems:
+            stored = entry(cache_path, tunable, problem, fingerprint(tune_fw))
+            assert stored["framework"] == tuner and stored["source"] == "autotune"
+            assert stored["config"] in case.candidates[tunable]
+            tuned[tunable, problem] = tunable.plan(problem, CPU, tunable.params.from_dict(stored["config"]))
     tuner_plans = spy_launches(monkeypatch, tune_fw, case)
     tuned_run = run(tune_fw, case, values, np.random.default_rng(seed), autotune=True)  # stored: no new timing
-    assert sum(map(len, asked.values())) == len(case.candidates)
-    assert rel_error(tuned_run[0], heuristic[0]) < 1e-5  # another tiling, same result
+    assert sum(map(len, asked.values())) == len(tuned)
+    for got, want in zip(tuned_run, heuristic, strict=True):
+        assert rel_error(got, want) < 1e-5  # other tilings (the gradients' too), same result
 
     # the other framework, as a fresh process would: reads the entries, launches the same plans
     fresh_process_view(monkeypatch)
     reader_plans = spy_launches(monkeypatch, read_fw, case)
     read_run = run(read_fw, case, values, np.random.default_rng(seed))
-    for tunable, plan in tuned.items():
-        heuristic_plan = tunable.plan(asked[tunable][0], CPU, None)
+    for (tunable, problem), plan in tuned.items():
+        heuristic_plan = tunable.plan(problem, CPU, None)
         assert plan != heuristic_plan
         for plans in (tuner_plans, reader_plans):
             assert plan in plans and heuristic_plan not in plans
-    assert sum(map(len, asked.values())) == len(case.candidates)  # the reader timed nothing
+    assert sum(map(len, asked.values())) == len(tuned)  # the reader timed nothing
     for a, b in zip(tuned_run, read_run, strict=True):
         np.testing.assert_array_equal(a, b)  # bitwise
 
@@ -241,7 +261,7 @@ def test_autotune_from_the_environment(fw, rng, cache_path, monkeypatch):
     case.call(fw, arrays, autotune=False)  # the argument beats the environment
     assert not cache_path.exists() and not asked[tuning.GMM]
     case.call(fw, arrays)
-    (problem,) = asked[tuning.GMM]
+    problem = asked[tuning.GMM][0]  # the forward's (jax tunes the backward's too)
     stored = entry(cache_path, tuning.GMM, problem, fingerprint(fw))
     assert stored["framework"] == fw.name and stored["config"] in case.candidates[tuning.GMM]
     monkeypatch.setenv(cc.AUTOTUNE_ENV, "0")
@@ -343,7 +363,7 @@ def test_no_home_directory_uses_the_temp_dir(fw, rng, tmp_path, monkeypatch):
     arrays = case.inputs(fw, rng)
     case.call(fw, arrays)
     case.call(fw, arrays, autotune=True)
-    (problem,) = asked[tuning.GMM]
+    problem = asked[tuning.GMM][0]  # the forward's (jax tunes the backward's too)
     (path,) = (tmp_path / "tmp").glob("ejkernel-*/configs.json")
     assert entry(path, tuning.GMM, problem, fingerprint(fw))["config"] in case.candidates[tuning.GMM]
 
@@ -468,6 +488,104 @@ def test_gmm_params_that_override_nothing_read_the_cache(fw, cache_path, monkeyp
         getattr(fw.ops, op)(*arrays, fwd_params=params)
         assert tunable_plan(tunable, problem, config) in plans, params
         assert tunable.plan(problem, CPU, None) not in plans, params
+
+
+F32, BF16 = "float32", "bfloat16"
+# op, shapes, dtype, kwargs, then the problems tuned: the forward's, d_lhs's, d_rhs's (written out
+# here, not derived as the fronts derive them, so that a wrong derivation fails)
+GMM_GRADS = {
+    "gmm": ("grouped_matmul", [(40, 32), (3, 32, 24)], F32, {}, [
+        (tuning.GMM, (40, 32, 24, 3, 3, False, F32, F32)), (tuning.GMM, (40, 24, 32, 3, 3, True, F32, F32)),
+        (tuning.TGMM, (40, 32, 24, 3, 3, True, F32, F32))]),
+    "gmm_transpose_rhs": ("grouped_matmul", [(40, 32), (3, 24, 32)], F32, {"transpose_rhs": True}, [
+        (tuning.GMM, (40, 32, 24, 3, 3, True, F32, F32)), (tuning.GMM, (40, 24, 32, 3, 3, False, F32, F32)),
+        (tuning.TGMM, (40, 24, 32, 3, 3, True, F32, F32))]),
+    # the backward casts the gradient to the inputs' dtype
+    "gmm_bf16_to_f32": ("grouped_matmul", [(40, 32), (3, 32, 24)], BF16, {"preferred_element_type": F32}, [
+        (tuning.GMM, (40, 32, 24, 3, 3, False, BF16, F32)), (tuning.GMM, (40, 24, 32, 3, 3, True, BF16, BF16)),
+        (tuning.TGMM, (40, 32, 24, 3, 3, True, BF16, BF16))]),
+    "tgmm": ("transposed_grouped_matmul", [(32, 40), (40, 24)], F32, {}, [
+        (tuning.TGMM, (40, 32, 24, 3, 3, False, F32, F32)), (tuning.GMM, (40, 24, 32, 3, 3, True, F32, F32)),
+        (tuning.GMM, (40, 32, 24, 3, 3, False, F32, F32))]),
+}
+GMM_GRAD_CANDIDATES = {t: [dict(blocksize_m=16, blocksize_n=16, blocksize_k=16),
+                           dict(blocksize_m=32, blocksize_n=16, blocksize_k=32, num_warps=2)]
+                       for t in (tuning.GMM, tuning.TGMM)}
+
+
+@pytest.mark.parametrize("name", GMM_GRADS)
+def test_gmm_autotune_tunes_the_backward_problems(fw, name, rng, cache_path, monkeypatch):
+    """The gradients' launches resolve problems of their own, which only the heuristic planned
+    under autotuning. Now a call whose gradient may be taken tunes them too (torch: its inputs
+    require grad; jax: always, as for flash_attention's backward, whether a gradient follows
+    is not known there), and the backward launches what was stored."""
+    check_gmm_grad_tuning(fw, name, "lhs and rhs", rng, cache_path, monkeypatch)
+
+
+@pytest.mark.parametrize("grads_of", ["lhs", "rhs", "nothing", "no_grad"])
+@pytest.mark.parametrize("name", ["gmm", "tgmm"])
+def test_torch_tunes_only_the_gradients_to_be_taken(torch_fw, name, grads_of, rng, cache_path, monkeypatch):
+    """Only the problems of the inputs that require grad (with grad mode on): without one, the
+    forward's alone."""
+    check_gmm_grad_tuning(torch_fw, name, grads_of, rng, cache_path, monkeypatch)
+
+
+def test_gmm_fwd_params_leave_the_backward_tuned(fw, rng, cache_path, monkeypatch):
+    """fwd_params are the forward's alone (the gradients' launches ignore them and read the
+    cache): with them, autotuning tunes the backward's problems and not the forward's."""
+    asked = spy_candidates(monkeypatch, types.SimpleNamespace(candidates=GMM_GRAD_CANDIDATES))
+    _, shapes, _, _, (_, d_lhs, d_rhs) = GMM_GRADS["gmm"]
+    arrays = [fw.asarray(rng.standard_normal(s), "float32") for s in shapes]
+    if fw.name == "torch":
+        for a in arrays:
+            a.requires_grad_(True)
+    fw.ops.grouped_matmul(*arrays, fw.asarray(np.array([10, 0, 25], np.int32)), fwd_params={"blocksize_m": 16},
+                          autotune=True)
+    assert asked == {tuning.GMM: [d_lhs[1]], tuning.TGMM: [d_rhs[1]]}
+
+
+def check_gmm_grad_tuning(fw, name, grads_of, rng, cache_path, monkeypatch):
+    op, shapes, dtype, kwargs, (forward, d_lhs, d_rhs) = GMM_GRADS[name]
+    if "preferred_element_type" in kwargs:
+        kwargs = {**kwargs, "preferred_element_type": fw.dtype(kwargs["preferred_element_type"])}
+    sizes = fw.asarray(np.array([10, 0, 25], np.int32))
+    values = [rng.standard_normal(s) for s in shapes]
+    inputs = lambda: [fw.asarray(v, dtype) for v in values]  # noqa: E731
+    call = lambda *a, **kw: getattr(fw.ops, op)(*a, sizes, **kwargs, **kw)  # noqa: E731
+    cot = fw.asarray(rng.standard_normal(tuple(call(*inputs()).shape)), forward[1][-1])  # the output's dtype
+    heuristic = fw.vjp(call, inputs(), cot)
+    asked = spy_candidates(monkeypatch, types.SimpleNamespace(candidates=GMM_GRAD_CANDIDATES))
+
+    arrays = inputs()
+    if fw.name == "torch":  # under no_grad both require grad, and no gradient is taken
+        for a, which in zip(arrays, ("lhs", "rhs")):
+            a.requires_grad_(grads_of in (which, "lhs and rhs", "no_grad"))
+    with torch_no_grad(fw, grads_of == "no_grad"):
+        call(*arrays, autotune=True)
+    want = [forward] + [p for p, of in ((d_lhs, "lhs"), (d_rhs, "rhs")) if grads_of in (of, "lhs and rhs")]
+    assert asked == {t: [p for u, p in want if u is t] for t in asked}  # each once, in order
+    assert len(json.loads(cache_path.read_text())["entries"]) == len(want)
+    stored = {}
+    for tunable, problem in want:
+        e = entry(cache_path, tunable, problem, fingerprint(fw))
+        assert e["framework"] == fw.name and e["source"] == "autotune" and e["config"] in GMM_GRAD_CANDIDATES[tunable]
+        stored[tunable, problem] = tunable_plan(tunable, problem, e["config"])
+
+    # the gradients (autotuning off: the cache is only read) launch the stored plans
+    plans = spy_launches(monkeypatch, fw, CASES["gmm"])
+    tuned = fw.vjp(lambda *a: call(*a, autotune=False), inputs(), cot)
+    for (tunable, problem), plan in stored.items():
+        assert plan in plans and tunable.plan(problem, CPU, None) not in plans, (tunable, problem)
+    for got, reference in zip(tuned, heuristic, strict=True):
+        assert rel_error(got, reference) < TOLERANCE[dtype]  # other tilings, same gradients
+
+
+def torch_no_grad(fw, on: bool):
+    if fw.name == "torch" and on:
+        import torch
+
+        return torch.no_grad()
+    return contextlib.nullcontext()
 
 
 def test_varlen_keys_bucket_the_token_totals(fw, rng, cache_path, monkeypatch):

@@ -27,7 +27,7 @@ from triton_kernels import checks
 from triton_kernels import grouped_matmul as gm
 from triton_kernels.config_cache import check_autotune
 from triton_kernels.params import FwdParams, op_params
-from triton_kernels.tuning import GMM, TGMM
+from triton_kernels.tuning import GMM, TGMM, autotune_enabled
 
 PLATFORMS = ("tpu", "gpu", "cuda", "cpu")
 
@@ -72,8 +72,8 @@ def _gmm_fwd(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype, params):
 
 
 def _gmm_grad_calls(lhs, rhs, group_sizes, offset, transpose_rhs, grad) -> tuple:
-    """The gmm backward's launches as (tunable, op arguments), for d_lhs and d_rhs; each one's
-    problem is the op body's (``_CALLS``)."""
+    """The gmm backward's launches as (tunable, op arguments), for d_lhs and d_rhs: the backward
+    runs these, and autotuning tunes their problems."""
     # d_lhs[rows_g] = grad[rows_g] @ rhs[g]^T
     d_lhs = (GMM, (grad, rhs, group_sizes, offset, not transpose_rhs, name_of(lhs), None))
     # d_rhs[g] = lhs[rows_g]^T @ grad[rows_g] (or its transpose), lhs read as [m, k]: no transpose
@@ -127,6 +127,28 @@ def _run(call):
     """Runs one of a backward's launches (``_gmm_grad_calls``)."""
     tunable, args = call
     return _CALLS[tunable][0](*args)
+
+
+def _problem(call) -> tuple:
+    """(tunable, problem) of one of a backward's launches: what its plan resolves."""
+    tunable, args = call
+    return tunable, _CALLS[tunable][1](*args)
+
+
+def _autotune_grads(grad_calls, arrays, out_shape, autotune) -> None:
+    """With autotuning enabled, tune the problems of the backward's launches, ``grad_calls(grad)``,
+    on a cache miss, as flash_attention tunes its backward: whether a gradient follows is not
+    known here. ``arrays``: the forward's (lhs, rhs, group_sizes, offset); on tracers (under
+    ``grad``/``jit``/``vmap``) nothing is timed, as for the forward."""
+    if not autotune_enabled(autotune) or not all(map(is_concrete, arrays)):
+        return
+    dtype = arrays[0].dtype  # the backward casts the gradient to lhs's dtype
+    if all(_tuning.resolve(*_problem(c)) is not None for c in grad_calls(jax.ShapeDtypeStruct(out_shape, dtype))):
+        return  # tuned before: no random draw
+    # The gradient does not exist yet: random values (zeros would time a degenerate case).
+    grad = jax.random.normal(jax.random.key(0), out_shape, dtype)
+    for call in grad_calls(grad):
+        _tuning.autotune(*_problem(call), call[1][:4], autotune)
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,8 +251,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
       ignore it. Without ``fwd_params`` (or with no field set, e.g. ``{}``) every launch (the
       gradients' too) uses the config cache's entry for its shapes and device, else the
       heuristic; ``autotune`` (True, False or None, the default: ``EJKERNEL_AUTOTUNE``) times
-      candidates on a cache miss, on concrete arrays only (under ``jit`` the cache is only read,
-      at trace time).
+      candidates on a cache miss, the gradients' launches' too, on concrete arrays only (under
+      ``jit`` the cache is only read, at trace time).
     * Pallas: ``blocksize_m/k/n`` are its tiling ``(tm, tk, tn)``, for the forward and the
       gradients' kernels; unset ones are 128; any size from 1, shrunk to the problem (on a TPU,
       Mosaic's block rules apply). ``num_warps``/``num_stages`` raise ValueError: that kernel
@@ -263,6 +285,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     problem = (m, k, n, num_groups, num_selected, bool(transpose_rhs), name_of(lhs), out_dtype)
     gm.gmm_plan(*problem, device_facts(), params)  # bad fwd_params fail here, before tracing the op
     _tuning.autotune(GMM, problem, (lhs, rhs, group_sizes, offset), autotune, params)
+    _autotune_grads(functools.partial(_gmm_grad_calls, lhs, rhs, group_sizes, offset, bool(transpose_rhs)),
+                    (lhs, rhs, group_sizes, offset), (m, n), autotune)
     return _gmm(*vary_together((lhs, rhs, group_sizes, offset)), bool(transpose_rhs), out_dtype, params)
 
 
@@ -302,4 +326,6 @@ def transposed_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
     problem = (m, k, n, num_groups, num_selected, False, name_of(lhs), out_dtype)
     gm.tgmm_plan(*problem, device_facts(), params)
     _tuning.autotune(TGMM, problem, (lhs, rhs, group_sizes, offset), autotune, params)
+    _autotune_grads(functools.partial(_tgmm_grad_calls, lhs, rhs, group_sizes, offset, False),
+                    (lhs, rhs, group_sizes, offset), (num_selected, k, n), autotune)
     return _tgmm(*vary_together((lhs, rhs, group_sizes, offset)), num_selected, False, out_dtype, params)

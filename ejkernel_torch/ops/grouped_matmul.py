@@ -25,6 +25,7 @@ groups ``[0, group_offset + num_selected)``, so with an int ``group_offset`` the
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import numpy as np
@@ -40,7 +41,7 @@ from triton_kernels import checks
 from triton_kernels import grouped_matmul as gm
 from triton_kernels.config_cache import check_autotune
 from triton_kernels.params import FwdParams, op_params
-from triton_kernels.tuning import GMM, TGMM
+from triton_kernels.tuning import GMM, TGMM, autotune_enabled
 
 
 def _encode(params: FwdParams | None) -> Optional[list[int]]:
@@ -122,7 +123,7 @@ def _gmm_setup(ctx, inputs, output):
 
 def _gmm_grad_calls(lhs, rhs, group_sizes, group_offset, transpose_rhs: bool, grad, needs) -> tuple:
     """The gmm backward's launches as (tunable, op arguments), for d_lhs and d_rhs (None where
-    ``needs`` asks for no gradient); each one's problem is the op body's (``_CALLS``)."""
+    ``needs`` asks for no gradient): the backward runs these, and autotuning tunes their problems."""
     d_lhs = d_rhs = None
     if needs[0]:  # d_lhs[rows_g] = grad[rows_g] @ rhs[g]^T
         d_lhs = (GMM, (grad, rhs, group_sizes, group_offset, not transpose_rhs, lhs.dtype, None))
@@ -223,6 +224,31 @@ def _run(call) -> Optional[torch.Tensor]:
     return _CALLS[tunable][0](*args)
 
 
+def _problem(call) -> tuple:
+    """(tunable, problem) of one of a backward's launches: what its plan resolves."""
+    tunable, args = call
+    return tunable, _CALLS[tunable][1](*args)
+
+
+def _autotune_grads(grad_calls, arrays, out_shape, autotune, device) -> None:
+    """With autotuning enabled and a gradient to be taken, tune the problems of the backward's
+    launches, ``grad_calls(grad, needs)``, on a cache miss. ``arrays``: the forward's (lhs, rhs,
+    group_sizes, offset), gated as its own tuning is (eager only, no torch.func wrappers)."""
+    needs = [torch.is_grad_enabled() and t.requires_grad for t in arrays[:2]]
+    if not any(needs) or not autotune_enabled(autotune) or not values_readable(*arrays):
+        return
+    with torch.no_grad():
+        grad = torch.empty(out_shape, dtype=arrays[0].dtype, device=device)  # the dtype the backward casts to
+        calls = [c for c in grad_calls(grad, needs) if c is not None]
+        if all(_tuning.resolve(*_problem(c), device) is not None for c in calls):
+            return  # tuned before: no timing, no random draw
+        # The gradient does not exist yet: random values (zeros would time a degenerate case),
+        # from a private generator that leaves the caller's random stream alone.
+        grad.normal_(generator=torch.Generator(device).manual_seed(0))
+        for call in calls:
+            _tuning.autotune(*_problem(call), device, call[1][:4], autotune)
+
+
 # --------------------------------------------------------------------------------------------
 # argument handling
 
@@ -321,8 +347,9 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     ``ejkernel_jax``'s Triton path; its Pallas path and ``ejkernel_torch.tpu`` take a tiling).
     Without it (or with no field set, e.g. ``{}``) every launch (the gradients' too) uses the
     config cache's entry for its shapes and device, else the heuristic. ``autotune`` (True, False or None, the default:
-    ``EJKERNEL_AUTOTUNE``) times candidates on a cache miss and stores the fastest (eager only;
-    see ``triton_kernels.tuning``). ``check_values=False`` skips reading ``group_sizes`` (and a
+    ``EJKERNEL_AUTOTUNE``) times candidates on a cache miss and stores the fastest, for the
+    gradients' launches too when an input requires grad (eager only; see
+    ``triton_kernels.tuning``). ``check_values=False`` skips reading ``group_sizes`` (and a
     tensor ``group_offset``) for the value checks, a host sync on CUDA: for values known valid.
     Under ``torch.compile``, ``group_sizes`` may have a length that depends on values
     (``torch.bincount(expert_ids, minlength=g)``) when ``group_offset`` is an int.
@@ -345,6 +372,8 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     if not torch.compiler.is_compiling():  # bad fwd_params fail here (dynamo cannot trace plans)
         gm.gmm_plan(*problem, device_facts(device), params)
         _tuning.autotune(GMM, problem, device, (lhs, rhs, group_sizes, offset), autotune, params)
+        _autotune_grads(functools.partial(_gmm_grad_calls, lhs, rhs, group_sizes, offset, bool(transpose_rhs)),
+                        (lhs, rhs, group_sizes, offset), (m, n), autotune, device)
     return _call_gmm(lhs, rhs, group_sizes, offset, bool(transpose_rhs), out_dtype, _encode(params))
 
 
@@ -381,4 +410,6 @@ def transposed_grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes:
     if not torch.compiler.is_compiling():
         gm.tgmm_plan(*problem, device_facts(device), params)
         _tuning.autotune(TGMM, problem, device, (lhs, rhs, group_sizes, offset), autotune, params)
+        _autotune_grads(functools.partial(_tgmm_grad_calls, lhs, rhs, group_sizes, offset, False),
+                        (lhs, rhs, group_sizes, offset), (num_selected, k, n), autotune, device)
     return _call_tgmm(lhs, rhs, group_sizes, offset, num_selected, False, out_dtype, _encode(params))
