@@ -156,8 +156,8 @@ def _tgmm_grad_calls(lhs, rhs, group_sizes, group_offset, lhs_mk: bool, grad, ne
     if needs[0]:  # d_lhs[:, rows_g] = grad[g] @ rhs[rows_g]^T
         d_lhs = (GMM, (rhs, grad, group_sizes, group_offset, True, lhs.dtype, None))
     if needs[1]:  # d_rhs[rows_g] = lhs[:, rows_g]^T @ grad[g]
-        lhs_as_mk = lhs if lhs_mk else lhs.t().contiguous()
-        d_rhs = (GMM, (lhs_as_mk, grad, group_sizes, group_offset, False, rhs.dtype, None))
+        # a view: the op body makes it contiguous, so asking for the problem copies nothing
+        d_rhs = (GMM, (lhs if lhs_mk else lhs.t(), grad, group_sizes, group_offset, False, rhs.dtype, None))
     return d_lhs, d_rhs
 
 
@@ -245,8 +245,8 @@ def _autotune_grads(grad_calls, arrays, out_shape, autotune, device) -> None:
         # The gradient does not exist yet: random values (zeros would time a degenerate case),
         # from a private generator that leaves the caller's random stream alone.
         grad.normal_(generator=torch.Generator(device).manual_seed(0))
-        for call in calls:
-            _tuning.autotune(*_problem(call), device, call[1][:4], autotune)
+        for call in calls:  # timed on contiguous arrays, as the plans launch them
+            _tuning.autotune(*_problem(call), device, [a.contiguous() for a in call[1][:4]], autotune)
 
 
 # --------------------------------------------------------------------------------------------
