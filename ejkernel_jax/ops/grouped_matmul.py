@@ -282,7 +282,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         return pallas_gm.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.dtype(out_dtype),
                                         tiling=_pallas_tiling(params), group_offset=offset[0],
                                         transpose_rhs=bool(transpose_rhs), check_values=False)
-    problem = (m, k, n, num_groups, num_selected, bool(transpose_rhs), name_of(lhs), out_dtype)
+    problem = _gmm_problem(lhs, rhs, group_sizes, offset, bool(transpose_rhs), out_dtype)  # the launch's
     gm.gmm_plan(*problem, device_facts(), params)  # bad fwd_params fail here, before tracing the op
     _tuning.autotune(GMM, problem, (lhs, rhs, group_sizes, offset), autotune, params)
     _autotune_grads(functools.partial(_gmm_grad_calls, lhs, rhs, group_sizes, offset, bool(transpose_rhs)),
@@ -323,7 +323,7 @@ def transposed_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
         return pallas_gm.transposed_grouped_matmul(
             lhs, rhs, group_sizes, preferred_element_type=jnp.dtype(out_dtype), tiling=_pallas_tiling(params),
             group_offset=offset[0], num_actual_groups=num_selected, check_values=False)  # as in grouped_matmul
-    problem = (m, k, n, num_groups, num_selected, False, name_of(lhs), out_dtype)
+    problem = _tgmm_problem(lhs, rhs, group_sizes, offset, num_selected, False, out_dtype)  # the launch's
     gm.tgmm_plan(*problem, device_facts(), params)
     _tuning.autotune(TGMM, problem, (lhs, rhs, group_sizes, offset), autotune, params)
     _autotune_grads(functools.partial(_tgmm_grad_calls, lhs, rhs, group_sizes, offset, False),

@@ -367,9 +367,9 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     check_autotune(autotune)
     group_sizes, offset = _group_args(group_sizes, group_offset, m, num_groups, num_selected, device,
                                       checks.flag("check_values", check_values))
-    problem = (m, k, n, num_groups, num_selected, bool(transpose_rhs), name_of(lhs), dtype_name(out_dtype))
     lhs, rhs = lhs.contiguous(), rhs.contiguous()
     if not torch.compiler.is_compiling():  # bad fwd_params fail here (dynamo cannot trace plans)
+        problem = _gmm_problem(lhs, rhs, group_sizes, offset, bool(transpose_rhs), out_dtype)  # the op body's
         gm.gmm_plan(*problem, device_facts(device), params)
         _tuning.autotune(GMM, problem, device, (lhs, rhs, group_sizes, offset), autotune, params)
         _autotune_grads(functools.partial(_gmm_grad_calls, lhs, rhs, group_sizes, offset, bool(transpose_rhs)),
@@ -405,9 +405,9 @@ def transposed_grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes:
     check_autotune(autotune)
     group_sizes, offset = _group_args(group_sizes, group_offset, m, num_groups, num_selected, device,
                                       checks.flag("check_values", check_values))
-    problem = (m, k, n, num_groups, num_selected, False, name_of(lhs), dtype_name(out_dtype))
     lhs, rhs = lhs.contiguous(), rhs.contiguous()
     if not torch.compiler.is_compiling():
+        problem = _tgmm_problem(lhs, rhs, group_sizes, offset, num_selected, False, out_dtype)  # the op body's
         gm.tgmm_plan(*problem, device_facts(device), params)
         _tuning.autotune(TGMM, problem, device, (lhs, rhs, group_sizes, offset), autotune, params)
         _autotune_grads(functools.partial(_tgmm_grad_calls, lhs, rhs, group_sizes, offset, False),
