@@ -196,3 +196,109 @@ def test_vmap_without_gradients_runs_the_op_rule_alone(monkeypatch):
         qi = q[i].detach().requires_grad_()
         (want_grad,) = torch.autograd.grad((f(qi, k[i], v[i]) ** 2).sum(), qi)
         torch.testing.assert_close(grad[i], want_grad, rtol=0, atol=0)
+
+
+def test_eager_calls_resolve_once_per_cache_generation(tmp_path, monkeypatch):
+    """A plain eager forward + backward memoizes what its kernels are resolved with (one config
+    cache check for both, nothing resolved again) until the cache changes; another dtype is
+    another problem; a stored entry and clear_memo are seen at the next call. The results are
+    those of the registered ops (called under a torch-function mode), bitwise."""
+    import importlib
+
+    from ejkernel_torch.ops import _tuning
+    from ejkernel_torch.utils import device_fingerprint
+    from triton_kernels import config_cache as cc
+    from triton_kernels import flash_attention as fa
+    from triton_kernels import tuning
+    from triton_kernels.params import BwdParams
+
+    fa_ops = importlib.import_module("ejkernel_torch.ops.flash_attention")
+    path = tmp_path / "configs.json"
+    monkeypatch.setenv(cc.CACHE_ENV, str(path))
+    monkeypatch.delenv(cc.AUTOTUNE_ENV, raising=False)
+    monkeypatch.setattr(cc, "_caches", {})
+    monkeypatch.setattr(cc, "_caches_by_env", {})
+    tuning.clear_memo()
+    resolves, generations, plans = [], [], []
+    real_resolve, real_generation, real_launch = _tuning.resolve, cc.ConfigCache.generation, fa_ops.launch
+    monkeypatch.setattr(_tuning, "resolve", lambda t, *a: resolves.append(t.op) or real_resolve(t, *a))
+    monkeypatch.setattr(cc.ConfigCache, "generation", lambda self: generations.append(1) or real_generation(self))
+    monkeypatch.setattr(fa_ops, "launch", lambda plan, *a: plans.append(plan) or real_launch(plan, *a))
+
+    def step(q, k, v):
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        out = ejk.flash_attention(q, k, v)
+        out.backward(torch.ones_like(out))
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    q, k, v = _qkv(grad=False)
+    first = step(q, k, v)
+    assert sorted(resolves) == ["flash_attention_bwd", "flash_attention_fwd"]
+    resolves.clear(), generations.clear(), plans.clear()
+    assert all(torch.equal(a, b) for a, b in zip(step(q, k, v), first))
+    assert resolves == [] and len(generations) == 1 and len(plans) == 4  # forward, delta, dk/dv, dq
+
+    plans.clear()
+    step(*(x.to(torch.bfloat16) for x in (q, k, v)))  # another dtype: resolved for it
+    assert sorted(resolves) == ["flash_attention_bwd", "flash_attention_fwd"]
+    assert plans[0].input_dtypes[0] == "bfloat16"
+
+    # an entry stored for the backward (as another process would): the next call launches it
+    spec = fa.dense_spec(tuple(q.shape), tuple(k.shape), tuple(v.shape), ("float32",) * 3)
+    tuned = BwdParams(blocksize_m=32, blocksize_n=32)
+    tuned_plans = fa.backward_plans(spec, fa_ops.device_facts(q.device), False, False, tuned)
+    assert tuned_plans != fa.backward_plans(spec, fa_ops.device_facts(q.device), False, False, None)
+    cc.ConfigCache(path).store(tuning.FLASH_BWD.cache_key(spec, device_fingerprint(q.device)), tuned.to_dict())
+    plans.clear()
+    tuned_run = step(q, k, v)
+    assert plans[1:] == list(tuned_plans)
+    resolves.clear()
+    tuning.clear_memo()
+    step(q, k, v)
+    assert sorted(resolves) == ["flash_attention_bwd", "flash_attention_fwd"]
+
+    class _Mode(torch.overrides.TorchFunctionMode):  # not plain eager: the registered ops run
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with _Mode():
+        dispatched = step(q, k, v)
+    assert all(torch.equal(a, b) for a, b in zip(tuned_run, dispatched, strict=True))
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_eager_fast_path_matches_registered_ops_with_every_feature(varlen):
+    """The plain eager path (memoized plans, direct launches, forward and backward) against the
+    registered ops (run under a torch-function mode): outputs, lse and every gradient bitwise."""
+
+    class _Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(1)
+    if varlen:
+        q, k, v = (torch.randn(s, generator=gen) for s in [(9, 4, 16), (11, 2, 16), (11, 2, 16)])
+        cu = torch.tensor([0, 4, 9], dtype=torch.int32), torch.tensor([0, 7, 11], dtype=torch.int32)
+        call = lambda q, k, v, b: ejk.flash_attention_varlen(  # noqa: E731
+            q, k, v, *cu, 5, 7, sliding_window=(3, 1), logits_soft_cap=3.0, dropout_p=0.2, dropout_seed=5,
+            return_lse=True)
+        bias = None
+    else:
+        q, k, v = _qkv(grad=False)
+        bias = torch.randn(1, 4, 9, 11, generator=gen)
+        seg_q, seg_k = torch.tensor([[1] * 9, [1] * 5 + [0] * 4]), torch.tensor([[1] * 11, [1] * 6 + [0] * 5])
+        call = lambda q, k, v, b: ejk.flash_attention(  # noqa: E731
+            q, k, v, bias=b, causal=True, logits_soft_cap=3.0, q_segment_ids=seg_q, kv_segment_ids=seg_k,
+            dropout_p=0.2, dropout_seed=5, return_lse=True)
+
+    def step():
+        leaves = [x.detach().requires_grad_() if x is not None else None for x in (q, k, v, bias)]
+        out, lse = call(*leaves)
+        (out.square().sum() + lse.nan_to_num(neginf=0.0).sum()).backward()  # dlse too
+        return [out.detach(), lse.detach()] + [x.grad for x in leaves if x is not None]
+
+    fast = [step(), step()]  # the second from the memo
+    with _Mode():
+        dispatched = step()
+    for got in fast:
+        assert all(torch.equal(a, b) for a, b in zip(got, dispatched, strict=True))

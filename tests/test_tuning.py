@@ -135,14 +135,15 @@ def spy_candidates(monkeypatch, case):
 def spy_launches(monkeypatch, fw, case) -> list:
     """Plans the op module launches (tuning's own timing launches are not recorded)."""
     module = importlib.import_module(f"ejkernel_{fw.name}.ops.{case.module}")
-    name = "launch_traceable" if hasattr(module, "launch_traceable") else "launch"
-    real, plans = getattr(module, name), []
+    plans = []
+    # torch ops launch with launch_traceable, or with launch where they know the call is plain eager
+    for name in ("launch_traceable", "launch"):
+        if hasattr(module, name):
+            def spy(plan, *arrays, real=getattr(module, name)):
+                plans.append(plan)
+                return real(plan, *arrays)
 
-    def spy(plan, *arrays):
-        plans.append(plan)
-        return real(plan, *arrays)
-
-    monkeypatch.setattr(module, name, spy)
+            monkeypatch.setattr(module, name, spy)
     return plans
 
 

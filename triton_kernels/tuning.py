@@ -22,7 +22,8 @@ the cache when it is traced; entries stored later reach it only when it is trace
 
 Hot path: a lookup costs one ``stat`` of the cache file plus a dict lookup. Results (misses
 too) are memoized per (op, device, problem) and dropped when the file changes; the file is
-re-parsed only then.
+re-parsed only then. Fronts memoize what they build from several lookups the same way
+(``memoized``), with one ``stat`` for all of them.
 
 Bump a ``Tunable``'s ``version`` when its kernel or plan changes in a way that makes stored
 configs stale (their old entries are then simply not found).
@@ -100,7 +101,7 @@ class Tunable:
 # Resolving
 
 
-_memo: dict[tuple, tuple[int, Params | None]] = {}
+_memo: dict[tuple, tuple[int, Any]] = {}  # (key, cache path) -> (the cache's generation, value)
 _memo_lock = threading.Lock()
 _MEMO_LIMIT = 4096
 
@@ -111,13 +112,38 @@ def clear_memo() -> None:
         _memo.clear()
 
 
+def memoized(key: Hashable, build: Callable[..., Any], *args: Any, cache: ConfigCache | None = None) -> Any:
+    """``build(*args)``, memoized under ``key`` while ``cache`` (default: ``get_cache()``) keeps one
+    generation, i.e. until its file changes or it stores an entry; ``clear_memo`` forgets it too.
+    For what is derived from the cache's entries: ``resolve``'s lookups, and what a front builds
+    from several of them (its plans), which then costs one generation check (a ``stat``) in all.
+    ``key`` must hold everything else ``build`` reads (``args`` included)."""
+    cache = cache if cache is not None else get_cache()
+    generation = cache.generation()  # unique across ConfigCache objects: any view of the file may store
+    memo_key = (key, cache.path)
+    hit = _memo.get(memo_key)
+    if hit is not None and hit[0] == generation:
+        return hit[1]
+    value = build(*args)
+    with _memo_lock:
+        if len(_memo) >= _MEMO_LIMIT:
+            _memo.clear()
+        _memo[memo_key] = (generation, value)
+    return value
+
+
+def _lookup(tunable: Tunable, problem, facts: DeviceFacts, device: str, cache: ConfigCache) -> Params | None:
+    config = cache.lookup(tunable.cache_key(problem, device))
+    return None if config is None else _valid(tunable, problem, facts, config, cache)
+
+
 def _valid(tunable: Tunable, problem, facts: DeviceFacts, config: dict, cache: ConfigCache) -> Params | None:
     try:
         params = tunable.params.from_dict(config)
         tunable.plan(problem, facts, params)
     except (TypeError, ValueError) as e:
         warnings.warn(f"config cache {cache.path}: the {tunable.op} entry {config} does not apply ({e}); "
-                      "using the heuristic", stacklevel=4)
+                      "using the heuristic", stacklevel=6)
         return None
     return params
 
@@ -145,18 +171,8 @@ def resolve(tunable: Tunable, problem: Hashable, facts: DeviceFacts, device: str
     if explicit is not None:
         return explicit
     cache = cache if cache is not None else get_cache()
-    generation = cache.generation()  # unique across ConfigCache objects: any view of the file may store
-    memo_key = (tunable.op, tunable.version, device, problem, _value_types(problem), facts, cache.path)
-    hit = _memo.get(memo_key)
-    if hit is not None and hit[0] == generation:
-        params = hit[1]
-    else:
-        config = cache.lookup(tunable.cache_key(problem, device))
-        params = None if config is None else _valid(tunable, problem, facts, config, cache)
-        with _memo_lock:
-            if len(_memo) >= _MEMO_LIMIT:
-                _memo.clear()
-            _memo[memo_key] = (generation, params)
+    params = memoized((tunable.op, tunable.version, device, problem, _value_types(problem), facts), _lookup,
+                      tunable, problem, facts, device, cache, cache=cache)
     if params is None and measure is not None and autotune_enabled(autotune):
         key = tunable.cache_key(problem, device)
         stale = cache.lookup(key) is not None  # on file, but it does not apply here: replace it
@@ -361,5 +377,5 @@ TUNABLES = {t.op: t for t in (FLASH_FWD, FLASH_BWD, PADDED_FWD, PADDED_BWD, GMM,
 
 __all__ = [
     "FLASH_BWD", "FLASH_FWD", "GMM", "PADDED_BWD", "PADDED_FWD", "TGMM", "TUNABLES", "Tunable", "autotune_enabled",
-    "clear_memo", "measure", "resolve",
+    "clear_memo", "measure", "memoized", "resolve",
 ]

@@ -15,25 +15,29 @@ and ``Dim.AUTO`` specialize instead).
 In plain eager mode the public functions skip the dispatcher and run the op bodies directly
 (``_call_forward``; the same autograd functions through ``_FlashAttentionFn`` when a gradient is
 recorded): same plans, same kernels, same results, tens of microseconds less host time a call.
+Those calls also memoize what their kernels are resolved with (``_resolved``: the forward plan,
+the backward's tuned params) until the config cache changes, so that a forward + backward checks
+the cache once and builds nothing again.
 ``scripts/profile_op_overhead.py`` measures each layer.
 """
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch_traceable, plain_eager,
+from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch, launch_traceable, plain_eager,
                                    reject_forward_ad, torch_dtype, vmap_only)
 from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import (autocast, autograd_function, first_order, kernel_op, name_of, no_grad_op,
                                         same_device, saved_tensors, tensor_arg, under_torch_func, values_readable)
 from ejkernel_torch.ops._folding import fold, unfold
-from triton_kernels import checks, flash_attention as fa
+from triton_kernels import checks, flash_attention as fa, tuning
 from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
 from triton_kernels.params import BwdParams, FwdParams, decode_params, encode_params, op_params
+from triton_kernels.plan import DeviceFacts, LaunchPlan
 from triton_kernels.config_cache import check_autotune
 from triton_kernels.tuning import FLASH_BWD, FLASH_FWD, autotune_enabled
 
@@ -99,9 +103,10 @@ def _dummy(device: torch.device, dtype: torch.dtype, cached: bool) -> Tensor:
     return t
 
 
-def _features(q, k, v, bias, q_seg, kv_seg, cu_q, cu_k, seed) -> list[Tensor]:
-    """The kernels' nine feature inputs, with one-element stand-ins for unused ones."""
-    device, cached = q.device, plain_eager(q)
+def _features(q, k, v, bias, q_seg, kv_seg, cu_q, cu_k, seed, cached: Optional[bool] = None) -> list[Tensor]:
+    """The kernels' nine feature inputs, with one-element stand-ins for unused ones (cached ones
+    when ``cached``; default: in plain eager mode)."""
+    device, cached = q.device, plain_eager(q) if cached is None else cached
     dummy = functools.partial(_dummy, device, cached=cached)
     return [q, k, v,
             bias if bias is not None else dummy(q.dtype),
@@ -119,6 +124,40 @@ def _forward(spec: fa.FlashSpec, arrays, fwd_params: Optional[list[int]]) -> tup
     plan = fa.forward_plan(spec, device_facts(device),
                            _tuning.resolve(FLASH_FWD, spec, device, decode_params(FwdParams, fwd_params)))
     out, lse = launch_traceable(plan, *_features(*arrays))
+    return out, lse
+
+
+class _Resolved(NamedTuple):
+    """What a plain eager call's kernels need beyond its tensors (see ``_resolved``)."""
+    facts: DeviceFacts
+    forward: LaunchPlan
+    bwd_params: Optional[BwdParams]  # resolved when the forward records a gradient, else None
+
+
+def _resolved(spec: fa.FlashSpec, device: torch.device, params: tuple, backward: bool) -> _Resolved:
+    """The forward plan (and the backward's params with ``backward``) that the op bodies would
+    resolve, memoized with ``tuning.memoized``: a repeated eager call, forward and backward,
+    checks the config cache once instead of per ``_tuning.resolve``, and rebuilds nothing until
+    the cache changes. The backward's params are resolved here, with the forward's, when a
+    gradient is recorded (as ``_autotune`` tunes them). ``spec`` comes from ``dense_spec`` or
+    ``varlen_spec``, whose fields have one type each (floats stay floats): equal specs are one
+    problem, as ``tuning.resolve`` keys them. ``device`` is a tensor's (CUDA ones carry an index)."""
+    encoded = tuple(None if p is None else tuple(p) for p in params)  # lists: not hashable
+    return tuning.memoized(("torch flash_attention eager", spec, device, encoded, backward), _resolve_eager,
+                           spec, device, params, backward)
+
+
+def _resolve_eager(spec: fa.FlashSpec, device: torch.device, params: tuple, backward: bool) -> _Resolved:
+    facts = device_facts(device)
+    fwd = _tuning.resolve(FLASH_FWD, spec, device, decode_params(FwdParams, params[0]))
+    bwd = _tuning.resolve(FLASH_BWD, spec, device, decode_params(BwdParams, params[1])) if backward else None
+    return _Resolved(facts, fa.forward_plan(spec, facts, fwd), bwd)
+
+
+def _eager_forward(spec: fa.FlashSpec, arrays, resolved: _Resolved) -> tuple[Tensor, Tensor]:
+    """``_forward`` in plain eager mode: the memoized plan, launched as ``launch_traceable``
+    would launch it there."""
+    out, lse = launch(resolved.forward, *_features(*arrays, cached=True))
     return out, lse
 
 
@@ -148,14 +187,21 @@ def _backward_kernels(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor
     ``bias_grad``, else a one-element placeholder."""
     spec = _spec_of(q, k, bias, q_segment_ids, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
                     window_left, window_right, softcap, dropout_p)
-    delta_plan, dkdv_plan, dq_plan = fa.backward_plans(
-        spec, device_facts(q.device), bias_grad, dlse is not None,
-        _tuning.resolve(FLASH_BWD, spec, q.device, decode_params(BwdParams, params)))
-    features = _features(q, k, v, bias, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, dropout_seed)
-    dlse_arg = dlse if dlse is not None else _dummy(q.device, torch.float32, plain_eager(q))
-    (delta,) = launch_traceable(delta_plan, out, dout, dlse_arg, features[6], features[7])
-    dk, dv, ds = launch_traceable(dkdv_plan, *features, dout, lse, delta)
-    (dq,) = launch_traceable(dq_plan, *features, dout, lse, delta)
+    plans = fa.backward_plans(spec, device_facts(q.device), bias_grad, dlse is not None,
+                              _tuning.resolve(FLASH_BWD, spec, q.device, decode_params(BwdParams, params)))
+    arrays = (q, k, v, bias, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, dropout_seed)
+    return _launch_backward(plans, launch_traceable, plain_eager(q), dout, dlse, out, lse, arrays)
+
+
+def _launch_backward(plans, run, cached: bool, dout, dlse, out, lse, arrays) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The backward's three launches of ``plans`` (delta, dk/dv, dq), each with ``run``
+    (``launch_traceable``, or ``launch`` in plain eager mode); ``cached``: see ``_features``."""
+    delta_plan, dkdv_plan, dq_plan = plans
+    features = _features(*arrays, cached=cached)
+    dlse_arg = dlse if dlse is not None else _dummy(arrays[0].device, torch.float32, cached)
+    (delta,) = run(delta_plan, out, dout, dlse_arg, features[6], features[7])
+    dk, dv, ds = run(dkdv_plan, *features, dout, lse, delta)
+    (dq,) = run(dq_plan, *features, dout, lse, delta)
     return dq, dk, dv, ds
 
 
@@ -190,7 +236,13 @@ def _backward(ctx, dout, dlse):
             ctx.bwd_params)
     tensors = (dout, dlse, q, k, v, out, lse, bias, q_seg, kv_seg, cu_q, cu_k, seed)
     if plain_eager(*tensors) and not _needs_grad(tensors):  # as in _call_forward: skip the dispatcher
-        dq, dk, dv, ds = _backward_kernels(*args)
+        spec, resolved = getattr(ctx, "eager", (None, None))
+        if resolved is not None:  # a _FlashAttentionFn forward: its spec and resolved params serve
+            plans = fa.backward_plans(spec, resolved.facts, bias_grad, dlse is not None, resolved.bwd_params)
+            dq, dk, dv, ds = _launch_backward(plans, launch, True, dout, dlse, out, lse,
+                                                  (q, k, v, bias, q_seg, kv_seg, cu_q, cu_k, seed))
+        else:
+            dq, dk, dv, ds = _backward_kernels(*args)
     else:
         dq, dk, dv, ds = no_grad_op(torch.ops.ejkernel.flash_attention_bwd, *args)
     dbias = _sum_to(ds, bias.shape).to(bias.dtype) if bias_grad else None
@@ -281,8 +333,11 @@ class _FlashAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs):
         inputs, spec = inputs[:-1], inputs[-1]
-        output = _forward(spec, inputs[:_N_ARRAYS], inputs[_N_ARRAYS + _N_SCALARS])
+        arrays = inputs[:_N_ARRAYS]
+        resolved = _resolved(spec, arrays[0].device, inputs[_N_ARRAYS + _N_SCALARS:], backward=True)
+        output = _eager_forward(spec, arrays, resolved)
         _setup_context(ctx, inputs, output)
+        ctx.eager = spec, resolved  # for a plain eager backward
         return output
 
     @staticmethod
@@ -380,7 +435,7 @@ def _call_forward(spec: fa.FlashSpec, arrays: tuple, params: tuple) -> tuple[Ten
         return torch.ops.ejkernel.flash_attention_fwd(*arrays, *_op_scalars(spec), *params)  # vmap: its rule
     if _needs_grad(arrays[:4]):
         return _FlashAttentionFn.apply(*arrays, *_op_scalars(spec), *params, spec)
-    return _forward(spec, arrays, params[0])
+    return _eager_forward(spec, arrays, _resolved(spec, arrays[0].device, params, backward=False))
 
 
 def _autotune(spec, arrays, params, autotune, device) -> None:
