@@ -220,10 +220,11 @@ def test_eager_calls_resolve_once_per_cache_generation(tmp_path, monkeypatch):
     monkeypatch.setattr(cc, "_caches_by_env", {})
     tuning.clear_memo()
     resolves, generations, plans = [], [], []
-    real_resolve, real_generation, real_launch = _tuning.resolve, cc.ConfigCache.generation, fa_ops.launch
+    real_resolve, real_generation = _tuning.resolve, cc.ConfigCache.generation
     monkeypatch.setattr(_tuning, "resolve", lambda t, *a: resolves.append(t.op) or real_resolve(t, *a))
     monkeypatch.setattr(cc.ConfigCache, "generation", lambda self: generations.append(1) or real_generation(self))
-    monkeypatch.setattr(fa_ops, "launch", lambda plan, *a: plans.append(plan) or real_launch(plan, *a))
+    for name in ("launch", "launch_prechecked"):  # the forward's launcher, the backward's
+        monkeypatch.setattr(fa_ops, name, lambda plan, *a, real=getattr(fa_ops, name): plans.append(plan) or real(plan, *a))
 
     def step(q, k, v):
         q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
@@ -302,3 +303,16 @@ def test_eager_fast_path_matches_registered_ops_with_every_feature(varlen):
         dispatched = step()
     for got in fast:
         assert all(torch.equal(a, b) for a, b in zip(got, dispatched, strict=True))
+
+
+@pytest.mark.parametrize("change", ["transpose_", "mul_"])
+def test_eager_backward_refuses_inputs_changed_in_place(change):
+    # The plain eager backward launches on its saved tensors without checking them again (its
+    # forward's launch did): what it relies on is autograd refusing tensors changed in place since,
+    # their strides too (a transposed k would be read as if contiguous).
+    q, k, v = _qkv(grad=False)
+    q.requires_grad_()
+    out = ejk.flash_attention(q, k, v)
+    k.transpose_(1, 2) if change == "transpose_" else k.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()

@@ -136,8 +136,9 @@ def spy_launches(monkeypatch, fw, case) -> list:
     """Plans the op module launches (tuning's own timing launches are not recorded)."""
     module = importlib.import_module(f"ejkernel_{fw.name}.ops.{case.module}")
     plans = []
-    # torch ops launch with launch_traceable, or with launch where they know the call is plain eager
-    for name in ("launch_traceable", "launch"):
+    # torch ops launch with launch_traceable, or with launch (launch_prechecked) where they know
+    # the call is plain eager
+    for name in ("launch_traceable", "launch", "launch_prechecked"):
         if hasattr(module, name):
             def spy(plan, *arrays, real=getattr(module, name)):
                 plans.append(plan)

@@ -28,8 +28,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch, launch_traceable, plain_eager,
-                                   reject_forward_ad, torch_dtype, vmap_only)
+from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch, launch_prechecked,
+                                   launch_traceable, plain_eager, reject_forward_ad, torch_dtype, vmap_only)
 from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import (autocast, autograd_function, first_order, kernel_op, name_of, no_grad_op,
                                         same_device, saved_tensors, tensor_arg, under_torch_func, values_readable)
@@ -239,7 +239,7 @@ def _backward(ctx, dout, dlse):
         spec, resolved = getattr(ctx, "eager", (None, None))
         if resolved is not None:  # a _FlashAttentionFn forward: its spec and resolved params serve
             plans = fa.backward_plans(spec, resolved.facts, bias_grad, dlse is not None, resolved.bwd_params)
-            dq, dk, dv, ds = _launch_backward(plans, launch, True, dout, dlse, out, lse,
+            dq, dk, dv, ds = _launch_backward(plans, launch_prechecked, True, dout, dlse, out, lse,
                                                   (q, k, v, bias, q_seg, kv_seg, cu_q, cu_k, seed))
         else:
             dq, dk, dv, ds = _backward_kernels(*args)
