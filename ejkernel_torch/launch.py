@@ -60,12 +60,17 @@ def device_facts(device: torch.device) -> DeviceFacts:
     raise ValueError(f"no Triton launcher for device {device} (expected cuda or cpu tensors)")
 
 
-def _allocate(out: Output, device: torch.device) -> torch.Tensor:
-    dtype = torch_dtype(out.dtype)
-    if out.zeroed:
-        return torch.zeros(out.shape, dtype=dtype, device=device)
-    t = torch.empty(out.shape, dtype=dtype, device=device)
-    if debug.poisoning():
+@functools.lru_cache(maxsize=1024)
+def _output_layout(plan: LaunchPlan) -> tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]:
+    """(shape, torch dtype, zeroed) of each output: read once per plan, not per launch."""
+    return tuple((o.shape, torch_dtype(o.dtype), o.zeroed) for o in plan.outputs)
+
+
+def _allocate(shape, dtype: torch.dtype, zeroed: bool, device: torch.device, poison: bool) -> torch.Tensor:
+    if zeroed:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if poison:
         t.fill_(float("nan") if dtype.is_floating_point else _poison_int(dtype))
     return t
 
@@ -178,7 +183,8 @@ def _launch_on(plan: LaunchPlan, inputs, device: torch.device) -> tuple[torch.Te
 
 
 def _outputs(plan: LaunchPlan, inputs, device: torch.device) -> list[torch.Tensor]:
-    outputs = [_allocate(o, device) for o in plan.outputs]
+    poison = debug.poisoning()
+    outputs = [_allocate(shape, dtype, zeroed, device, poison) for shape, dtype, zeroed in _output_layout(plan)]
     for i, o in plan.aliases:
         outputs[o].copy_(inputs[i])
     return outputs
