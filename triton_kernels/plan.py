@@ -149,7 +149,7 @@ class LaunchPlan:
 
     @property
     def is_empty(self) -> bool:
-        return any(g == 0 for g in self.grid)
+        return 0 in self.grid  # asked on every launch: no generator
 
     @functools.cached_property
     def constexpr_dict(self) -> dict[str, Any]:

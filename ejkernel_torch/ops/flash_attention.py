@@ -107,14 +107,13 @@ def _features(q, k, v, bias, q_seg, kv_seg, cu_q, cu_k, seed, cached: Optional[b
     """The kernels' nine feature inputs, with one-element stand-ins for unused ones (cached ones
     when ``cached``; default: in plain eager mode)."""
     device, cached = q.device, plain_eager(q) if cached is None else cached
-    dummy = functools.partial(_dummy, device, cached=cached)
-    return [q, k, v,
-            bias if bias is not None else dummy(q.dtype),
-            q_seg if q_seg is not None else dummy(torch.int32),
-            kv_seg if kv_seg is not None else dummy(torch.int32),
-            cu_q if cu_q is not None else dummy(torch.int32),
-            cu_k if cu_k is not None else dummy(torch.int32),
-            seed if seed is not None else dummy(torch.int32)]
+    i32 = _dummy(device, torch.int32, True) if cached else None  # cached: one tensor, looked up once
+
+    def int32(x):
+        return x if x is not None else i32 if cached else _dummy(device, torch.int32, False)
+
+    return [q, k, v, bias if bias is not None else _dummy(device, q.dtype, cached),
+            int32(q_seg), int32(kv_seg), int32(cu_q), int32(cu_k), int32(seed)]
 
 
 def _forward(spec: fa.FlashSpec, arrays, fwd_params: Optional[list[int]]) -> tuple[Tensor, Tensor]:
