@@ -326,22 +326,24 @@ def _bwd_vmap(info, in_dims, *args):
 class _FlashAttentionFn(torch.autograd.Function):
     """The registered forward op's autograd (same ``_setup_context`` and ``_backward``) for plain
     eager calls that need a gradient. The op's own autograd wrapper costs much more than this
-    (it rebuilds the schema's argument list per call, quadratically). Arguments: the op's,
-    then the spec they were made from (last, so ``needs_input_grad`` indices match the op's)."""
+    (it rebuilds the schema's argument list per call, quadratically). Arguments: the op's nine
+    arrays (first, so ``needs_input_grad`` indices match the op's), the spec they were made from
+    and the op's (fwd_params, bwd_params); the op's scalars are the spec's (``_op_scalars``),
+    not passed: each argument of ``apply`` costs host time."""
 
     @staticmethod
     def forward(ctx, *inputs):
-        inputs, spec = inputs[:-1], inputs[-1]
-        arrays = inputs[:_N_ARRAYS]
-        resolved = _resolved(spec, arrays[0].device, inputs[_N_ARRAYS + _N_SCALARS:], backward=True)
+        arrays, spec, params = inputs[:_N_ARRAYS], inputs[-2], inputs[-1]
+        resolved = _resolved(spec, arrays[0].device, params, backward=True)
         output = _eager_forward(spec, arrays, resolved)
-        _setup_context(ctx, inputs, output)
+        _setup_context(ctx, (*arrays, *_op_scalars(spec), *params), output)
+        ctx.n_inputs = len(inputs)  # gradients for this function's inputs, not the op's
         ctx.eager = spec, resolved  # for a plain eager backward
         return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return *_backward(ctx, dout, dlse), None  # nothing for the spec
+        return _backward(ctx, dout, dlse)
 
 
 # The same for calls under torch.func transforms (grad, vjp, jacrev, vmap), which the op's own
@@ -433,7 +435,7 @@ def _call_forward(spec: fa.FlashSpec, arrays: tuple, params: tuple) -> tuple[Ten
             return _FlashAttentionTransformsFn.apply(*arrays, *_op_scalars(spec), *params)
         return torch.ops.ejkernel.flash_attention_fwd(*arrays, *_op_scalars(spec), *params)  # vmap: its rule
     if _needs_grad(arrays[:4]):
-        return _FlashAttentionFn.apply(*arrays, *_op_scalars(spec), *params, spec)
+        return _FlashAttentionFn.apply(*arrays, spec, params)
     return _eager_forward(spec, arrays, _resolved(spec, arrays[0].device, params, backward=False))
 
 
