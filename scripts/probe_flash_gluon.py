@@ -451,24 +451,6 @@ def _jax_check(q, k, v, out_t, lse_t, pingpong=False):
             "jax_rel_err": _rel_err(out_j, _reference(q, k, v))}
 
 
-def _bench_wall(fn, calls=50, repeats=9):
-    """bench_jax's method for a torch callable: median wall-clock ms per call over back-to-back calls."""
-    import statistics
-    import time
-
-    for _ in range(4):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e3 / calls)
-    return statistics.median(samples)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
@@ -484,6 +466,7 @@ def main():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from benchmarks.common import bench_jax, bench_torch
+    from benchmarks.flash_attention import bench_torch_wall
     from ejkernel_torch import flash_attention
 
     rows = []
@@ -538,7 +521,8 @@ def main():
                     row["tflops_probe_n128_s2_device_pingpong_jax"] = flops / ms / 1e9
                     # The torch launch timed the way bench_jax times (wall clock over back-to-back
                     # calls), to tell the launchers apart from the two timing methods.
-                    ms = _bench_wall(lambda: gluon_flash_fwd(q, k, v, 128, 2, "device", True))
+                    ms = bench_torch_wall(lambda: gluon_flash_fwd(q, k, v, 128, 2, "device", True), calls=50,
+                                          repeats=9)
                     row["tflops_probe_n128_s2_device_pingpong_torch_wall"] = flops / ms / 1e9
                 except Exception as e:
                     row["error_probe_jax"] = f"{type(e).__name__}: {str(e)[:300]}"
