@@ -72,3 +72,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if marker in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def isolated_config_cache(tmp_path, monkeypatch):
+    """A config cache file of the test's own, autotuning off, no cache objects or memoized
+    lookups carried over from other tests (never ~/.cache). Yields the file's path."""
+    from triton_kernels import config_cache as cc
+    from triton_kernels import tuning
+
+    path = tmp_path / "configs.json"
+    monkeypatch.setenv(cc.CACHE_ENV, str(path))
+    monkeypatch.delenv(cc.AUTOTUNE_ENV, raising=False)
+    monkeypatch.setattr(cc, "_caches", {})
+    monkeypatch.setattr(cc, "_caches_by_env", {})
+    tuning.clear_memo()
+    yield path
+    tuning.clear_memo()

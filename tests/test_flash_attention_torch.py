@@ -198,7 +198,7 @@ def test_vmap_without_gradients_runs_the_op_rule_alone(monkeypatch):
         torch.testing.assert_close(grad[i], want_grad, rtol=0, atol=0)
 
 
-def test_eager_calls_resolve_once_per_cache_generation(tmp_path, monkeypatch):
+def test_eager_calls_resolve_once_per_cache_generation(isolated_config_cache, monkeypatch):
     """A plain eager forward + backward memoizes what its kernels are resolved with (one config
     cache check for both, nothing resolved again) until the cache changes; another dtype is
     another problem; a stored entry and clear_memo are seen at the next call. The results are
@@ -213,12 +213,7 @@ def test_eager_calls_resolve_once_per_cache_generation(tmp_path, monkeypatch):
     from triton_kernels.params import BwdParams
 
     fa_ops = importlib.import_module("ejkernel_torch.ops.flash_attention")
-    path = tmp_path / "configs.json"
-    monkeypatch.setenv(cc.CACHE_ENV, str(path))
-    monkeypatch.delenv(cc.AUTOTUNE_ENV, raising=False)
-    monkeypatch.setattr(cc, "_caches", {})
-    monkeypatch.setattr(cc, "_caches_by_env", {})
-    tuning.clear_memo()
+    path = isolated_config_cache
     resolves, generations, plans = [], [], []
     real_resolve, real_generation = _tuning.resolve, cc.ConfigCache.generation
     monkeypatch.setattr(_tuning, "resolve", lambda t, *a: resolves.append(t.op) or real_resolve(t, *a))

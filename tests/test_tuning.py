@@ -28,16 +28,9 @@ pytestmark = pytest.mark.cpu_plans
 
 
 @pytest.fixture(autouse=True)
-def cache_path(tmp_path, monkeypatch):
+def cache_path(isolated_config_cache):
     """Every test has its own cache file and starts with autotuning off (never ~/.cache)."""
-    path = tmp_path / "configs.json"
-    monkeypatch.setenv(cc.CACHE_ENV, str(path))
-    monkeypatch.delenv(cc.AUTOTUNE_ENV, raising=False)
-    monkeypatch.setattr(cc, "_caches", {})
-    monkeypatch.setattr(cc, "_caches_by_env", {})
-    tuning.clear_memo()
-    yield path
-    tuning.clear_memo()
+    return isolated_config_cache
 
 
 def fresh_process_view(monkeypatch):
