@@ -2,7 +2,7 @@
 
 GPU backend: ``jax_triton.triton_call`` with exactly the plan's grid, constexprs, ``num_warps``,
 ``num_stages`` and ``enable_fp_fusion`` (jax-triton is imported lazily: it fails to import on a
-CPU-only jaxlib). Any other backend: ``jax.pure_callback`` running the Triton interpreter on the
+CPU-only jaxlib); Gluon plans through jaxlib's Triton call directly (``_gluon_call``). Any other backend: ``jax.pure_callback`` running the Triton interpreter on the
 host buffers. Both work under ``jax.jit``; ``jax.vmap`` goes through a batching rule that maps
 the launch over the batch axis.
 
@@ -69,7 +69,12 @@ def device_facts() -> DeviceFacts:
 def _gpu_facts() -> DeviceFacts:
     device = jax.devices("gpu")[0]
     major, minor = (int(p) for p in str(device.compute_capability).split(".")[:2])
-    return DeviceFacts.cuda((major, minor), int(device.core_count))
+    from triton_kernels.flash_attention import gluon_forward
+
+    from . import _gluon_call
+
+    return DeviceFacts.cuda((major, minor), int(device.core_count),
+                            gluon=gluon_forward.enabled() and _gluon_call.supported())
 
 
 def launch(plan: LaunchPlan, *inputs: jax.Array) -> tuple[jax.Array, ...]:
@@ -130,6 +135,10 @@ def _out_shapes(plan: LaunchPlan):
 
 
 def _launch_gpu(plan: LaunchPlan, inputs: Sequence[jax.Array]):
+    if plan.is_gluon:
+        from . import _gluon_call
+
+        return _gluon_call.launch(plan, _gpu_facts(), inputs)
     jt = _jax_triton()
     by_name = dict(zip(plan.inputs, inputs))
     # jax-triton types a Python float as fp64; plans hold float32 values.

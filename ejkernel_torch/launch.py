@@ -18,6 +18,7 @@ import torch.autograd.forward_ad as _forward_ad
 from torch import _C
 
 from triton_kernels import debug
+from triton_kernels.flash_attention import gluon_forward
 from triton_kernels.interpret import run_interpreted
 from triton_kernels.plan import DeviceFacts, LaunchPlan, Output
 
@@ -43,7 +44,8 @@ def torch_dtype(name: str) -> torch.dtype:
 @functools.lru_cache(maxsize=None)
 def _cuda_facts(index: int) -> DeviceFacts:
     props = torch.cuda.get_device_properties(index)
-    return DeviceFacts.cuda((props.major, props.minor), props.multi_processor_count)
+    # Gluon kernels need only this Triton's Gluon: the launch scopes its scratch allocator (below).
+    return DeviceFacts.cuda((props.major, props.minor), props.multi_processor_count, gluon=gluon_forward.enabled())
 
 
 _CPU_FACTS = DeviceFacts.cpu()
@@ -83,16 +85,54 @@ def _poison_int(dtype: torch.dtype):
 
 
 def _launch_compiled(plan: LaunchPlan, inputs, outputs) -> None:
+    if plan.is_gluon:
+        inputs = _aligned(inputs)
+        with _scratch_allocator():
+            _launch_compiled_kernel(plan, inputs, outputs)
+    else:
+        _launch_compiled_kernel(plan, inputs, outputs)
+
+
+def _launch_compiled_kernel(plan: LaunchPlan, inputs, outputs) -> None:
     args = plan.runtime_args(inputs, outputs)
     if _launch_known(plan, args, inputs, outputs):
         return
-    _remember(plan, args, inputs, outputs, plan.kernel[plan.grid](
-        *args,
-        **plan.constexpr_dict,
-        num_warps=plan.num_warps,
-        num_stages=plan.num_stages,
-        enable_fp_fusion=plan.enable_fp_fusion,
-    ))
+    _remember(plan, args, inputs, outputs, plan.kernel[plan.grid](*args, **plan.constexpr_dict, **_options(plan)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _options(plan: LaunchPlan) -> dict:
+    options = dict(num_warps=plan.num_warps, num_stages=plan.num_stages, enable_fp_fusion=plan.enable_fp_fusion)
+    if plan.maxnreg is not None:
+        options["maxnreg"] = plan.maxnreg
+    return options
+
+
+# -- what Gluon kernels need from a launch -------------------------------------------------------
+#
+# They build TMA descriptors on the device, in global scratch that Triton's launcher asks its
+# allocator for on every launch. The allocator is a context variable: set here for the launch
+# only, so that a process-wide ``triton.set_allocator`` of the user's is left alone. TMA also
+# needs 16-byte aligned base addresses, which a contiguous view at an odd offset may not have.
+
+def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    # The caching allocator's blocks are 512-byte aligned, beyond any scratch alignment Triton asks.
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+@contextlib.contextmanager
+def _scratch_allocator():
+    from triton.runtime import _allocation
+
+    token = _allocation._allocator.set(_torch_scratch)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
+
+
+def _aligned(inputs) -> tuple:
+    return tuple(x if x.data_ptr() % 16 == 0 else x.clone() for x in inputs)
 
 
 # -- launching a plan's compiled kernel again ---------------------------------------------------
@@ -201,7 +241,8 @@ def _on_device(device: torch.device):
 #
 # ``launch_traceable`` is ``launch`` for the body of a ``torch.library.triton_op``: on CUDA the
 # kernel goes through ``wrap_triton`` (torch.compile sees it and traces no graph break); on CPU
-# the plan runs in the opaque ``ejkernel::interpret_plan`` op (the interpreter cannot be traced).
+# the plan runs in the opaque ``ejkernel::launch_plan`` op (the interpreter cannot be traced), and
+# so do Gluon plans on CUDA (``wrap_triton`` traces only ``@triton.jit`` kernels).
 # Plans cannot be op arguments, so that op receives the plan as JSON text: compiled graphs that
 # torch caches on disk stay valid in other processes.
 #
@@ -296,7 +337,8 @@ def plan_text(plan: LaunchPlan) -> str:
         "kernel": f"{fn.__module__}:{fn.__name__}", "grid": plan.grid, "inputs": plan.inputs,
         "input_dtypes": plan.input_dtypes, "outputs": [[o.name, o.shape, o.dtype, o.zeroed] for o in plan.outputs],
         "scalars": plan.scalars, "constexprs": plan.constexprs, "num_warps": plan.num_warps,
-        "num_stages": plan.num_stages, "enable_fp_fusion": plan.enable_fp_fusion, "aliases": plan.aliases,
+        "num_stages": plan.num_stages, "enable_fp_fusion": plan.enable_fp_fusion, "maxnreg": plan.maxnreg,
+        "aliases": plan.aliases,
     }
     return json.dumps(doc)
 
@@ -311,17 +353,18 @@ def plan_from_text(text: str) -> LaunchPlan:
         input_dtypes=tuple(doc["input_dtypes"]),
         outputs=tuple(Output(n, tuple(shape), dtype, zeroed) for n, shape, dtype, zeroed in doc["outputs"]),
         scalars=tuples(doc["scalars"]), constexprs=tuples(doc["constexprs"]), num_warps=doc["num_warps"],
-        num_stages=doc["num_stages"], enable_fp_fusion=doc["enable_fp_fusion"], aliases=tuples(doc["aliases"]),
+        num_stages=doc["num_stages"], enable_fp_fusion=doc["enable_fp_fusion"], maxnreg=doc["maxnreg"],
+        aliases=tuples(doc["aliases"]),
     )
 
 
-@torch.library.custom_op("ejkernel::interpret_plan", mutates_args=(), device_types="cpu")
-def _interpret_plan(inputs: list[torch.Tensor], plan: str) -> list[torch.Tensor]:
+@torch.library.custom_op("ejkernel::launch_plan", mutates_args=(), device_types=("cpu", "cuda"))
+def _launch_plan_op(inputs: list[torch.Tensor], plan: str) -> list[torch.Tensor]:
     return list(launch(plan_from_text(plan), *inputs))
 
 
-@_interpret_plan.register_fake
-def _interpret_plan_fake(inputs, plan):
+@_launch_plan_op.register_fake
+def _launch_plan_fake(inputs, plan):
     return [inputs[0].new_empty(o.shape, dtype=torch_dtype(o.dtype)) for o in plan_from_text(plan).outputs]
 
 
@@ -332,8 +375,8 @@ def launch_traceable(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Ten
     device = _check_inputs(plan, inputs)
     if plain_eager(*inputs):
         return _launch_on(plan, inputs, device)
-    if device.type == "cpu":
-        return tuple(torch.ops.ejkernel.interpret_plan(list(inputs), plan_text(plan)))
+    if device.type == "cpu" or (device.type == "cuda" and plan.is_gluon):
+        return tuple(torch.ops.ejkernel.launch_plan(list(inputs), plan_text(plan)))
     if device.type != "cuda":
         raise ValueError(f"{plan.name}: no Triton launcher for device {device}")
     if not plan.enable_fp_fusion:  # not a launch option torch.compile forwards

@@ -32,9 +32,23 @@ def compile_plan(plan: LaunchPlan, target: GPUTarget = HOPPER_TARGET):
         for name, ty in signature.items()
         if ty.startswith("*")
     }
-    source = ASTSource(plan.kernel, signature, plan.aot_constexprs(), attrs)
+    source = _source_class(plan)(plan.kernel, signature, plan.aot_constexprs(), attrs)
+    return triton.compile(source, target=target, options=compile_options(plan))
+
+
+def compile_options(plan: LaunchPlan) -> dict:
     options = dict(num_warps=plan.num_warps, num_stages=plan.num_stages, enable_fp_fusion=plan.enable_fp_fusion)
-    return triton.compile(source, target=target, options=options)
+    if plan.maxnreg is not None:
+        options["maxnreg"] = plan.maxnreg
+    return options
+
+
+def _source_class(plan: LaunchPlan):
+    if plan.is_gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        return GluonASTSource
+    return ASTSource
 
 
 def distinct_plans(plans) -> list[LaunchPlan]:
@@ -48,4 +62,4 @@ def distinct_plans(plans) -> list[LaunchPlan]:
 def compile_key(plan: LaunchPlan) -> tuple:
     """Plans with equal keys compile to the same binary (runtime scalar values aside)."""
     return (plan.kernel.fn, tuple(plan.signature().items()), tuple(sorted(plan.aot_constexprs().items())),
-            plan.num_warps, plan.num_stages, plan.enable_fp_fusion)
+            plan.num_warps, plan.num_stages, plan.enable_fp_fusion, plan.maxnreg)

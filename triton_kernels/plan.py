@@ -70,6 +70,9 @@ class DeviceFacts:
     capability: tuple[int, int] | None = None
     shared_memory: int = 1 << 30  # bytes one program may use; the interpreter has no limit
     num_sms: int = 1
+    # The front's launcher can run this device's Gluon kernels (a Triton with Gluon, and for jax a
+    # jaxlib whose Triton call provides global scratch); plans pick them only then.
+    gluon: bool = False
 
     __hash__, __getstate__ = hash_fields_once, state_without_hash
 
@@ -78,13 +81,13 @@ class DeviceFacts:
         return cls("cpu")
 
     @classmethod
-    def cuda(cls, capability: tuple[int, int], num_sms: int) -> "DeviceFacts":
+    def cuda(cls, capability: tuple[int, int], num_sms: int, gluon: bool = False) -> "DeviceFacts":
         capability = tuple(capability)
         smem = _SHARED_MEMORY.get(capability)
         if smem is None:  # unknown part: the largest known value at or below its capability
             known = [c for c in _SHARED_MEMORY if c <= capability] or [min(_SHARED_MEMORY)]
             smem = _SHARED_MEMORY[max(known)]
-        return cls("cuda", capability, smem, int(num_sms))
+        return cls("cuda", capability, smem, int(num_sms), bool(gluon))
 
     @property
     def is_cpu(self) -> bool:
@@ -123,6 +126,7 @@ class LaunchPlan:
     num_warps: int = 4
     num_stages: int = 2
     enable_fp_fusion: bool = True
+    maxnreg: int | None = None  # registers per thread, for warp-specialized kernels that move them
     # (input index, output index): the output starts as a copy of that input.
     aliases: tuple[tuple[int, int], ...] = field(default=())
 
@@ -146,6 +150,12 @@ class LaunchPlan:
     @property
     def name(self) -> str:
         return self.kernel.fn.__name__
+
+    @property
+    def is_gluon(self) -> bool:
+        """A Gluon kernel: compiled from GluonASTSource, never interpreted, and its launch
+        provides global scratch (its TMA descriptors are built on the device)."""
+        return getattr(self.kernel, "is_gluon", lambda: False)()
 
     @property
     def is_empty(self) -> bool:

@@ -55,16 +55,20 @@ class Tunable:
     * ``candidates(problem, facts, default)``: config dicts to time; ``default`` is the
       heuristic's config, read off the plan;
     * ``workload(problem, facts, arrays, launch)``: ``run(params)`` that launches the tuned
-      kernels once on ``arrays`` with a front's ``launch``.
+      kernels once on ``arrays`` with a front's ``launch``;
+    * ``untuned(problem, facts)`` (optional): True where the op's default is a kernel without
+      these tiles (the Gluon flash forward), which neither a cached entry nor tuning replaces.
     """
 
     def __init__(self, op: str, version: int, params: type, key: Callable[[Any], dict],
                  plan: Callable[[Any, DeviceFacts, Any], LaunchPlan], tiles: tuple[tuple[str, str], ...],
                  candidates: Callable[[Any, DeviceFacts, dict], list[dict]],
-                 workload: Callable[[Any, DeviceFacts, Sequence[Any], Launch], Callable[[Any], Sequence[Any]]]):
+                 workload: Callable[[Any, DeviceFacts, Sequence[Any], Launch], Callable[[Any], Sequence[Any]]],
+                 untuned: Callable[[Any, DeviceFacts], bool] | None = None):
         self.op, self.version, self.params = op, version, params
         self.key, self.plan, self.tiles = key, plan, tiles
         self.candidates, self.workload = candidates, workload
+        self.untuned = untuned
 
     def __repr__(self) -> str:
         return f"Tunable({self.op!r}, version={self.version})"
@@ -170,6 +174,8 @@ def resolve(tunable: Tunable, problem: Hashable, facts: DeviceFacts, device: str
     """
     if explicit is not None:
         return explicit
+    if tunable.untuned is not None and tunable.untuned(problem, facts):
+        return None
     cache = cache if cache is not None else get_cache()
     params = memoized((tunable.op, tunable.version, device, problem, _value_types(problem), facts), _lookup,
                       tunable, problem, facts, device, cache, cache=cache)
@@ -256,9 +262,15 @@ def _flash_key(spec) -> dict:
 
 
 def _flash_fwd_plan(spec, facts, params):
-    from . import flash_attention as fa
+    from .flash_attention import plan
 
-    return fa.forward_plan(spec, facts, params)
+    return plan.triton_forward_plan(spec, facts, params)
+
+
+def _flash_fwd_untuned(spec, facts):
+    from .flash_attention import plan
+
+    return plan.uses_gluon(spec, facts)
 
 
 def _flash_bwd_plan(spec, facts, params):
@@ -289,7 +301,7 @@ def _flash_bwd_workload(spec, facts, features, launch):
 
 
 FLASH_FWD = Tunable("flash_attention_fwd", 1, FwdParams, _flash_key, _flash_fwd_plan, _MN,
-                    _table(_ATTENTION, _ATTENTION_FWD_GPU), _flash_fwd_workload)
+                    _table(_ATTENTION, _ATTENTION_FWD_GPU), _flash_fwd_workload, _flash_fwd_untuned)
 FLASH_BWD = Tunable("flash_attention_bwd", 1, BwdParams, _flash_key, _flash_bwd_plan, _MN,
                     _table(_ATTENTION, _ATTENTION_BWD_GPU), _flash_bwd_workload)
 

@@ -12,6 +12,7 @@ from ..padded_attention import _bwd_tiles, _dot_precision, _fwd_tiles, override_
 from ..params import BwdParams, FwdParams
 from ..plan import DeviceFacts, LaunchPlan, Output, cdiv, fp32, next_power_of_2
 from .backward import flash_bwd_delta_kernel, flash_bwd_dkdv_kernel, flash_bwd_dq_kernel
+from . import gluon_forward
 from .dropout import dropout_mask_kernel
 from .forward import flash_fwd_kernel
 from .spec import FLOAT32_MAX, FlashSpec
@@ -89,7 +90,54 @@ def _outputs_zeroed(spec: FlashSpec) -> bool:
 @functools.lru_cache(maxsize=512)
 def forward_plan(spec: FlashSpec, facts: DeviceFacts, params: FwdParams | None = None) -> LaunchPlan:
     """Inputs: FEATURE_INPUTS. Outputs: out (q's shape and dtype), lse (float32, natural log).
-    ``params`` overrides block sizes, warps and stages (``padded_attention.override_tiles``)."""
+
+    The warp-specialized Gluon kernel where it applies (``uses_gluon``), else ``flash_fwd_kernel``.
+    ``params`` overrides block sizes, warps and stages (``padded_attention.override_tiles``) of the
+    latter, so any ``params`` also selects it."""
+    if params is None and uses_gluon(spec, facts):
+        return _gluon_forward_plan(spec, facts)
+    return triton_forward_plan(spec, facts, params)
+
+
+# Where the Gluon forward is the faster one on an H100 (bf16, 16k tokens a batch; both kernels in
+# benchmarks/results/flash_attention-bf16-{gluon,triton}-forward-nvidia-h100-80gb-hbm3.json): at
+# head_dim 128 from seq 1024 up (0.65-1.07x cuDNN against 0.66-0.79x); at head_dim 64 only from
+# seq_k 8192 (below, its fixed per-program cost loses to flash_fwd_kernel: 0.54-0.82x against 0.78-0.91x).
+GLUON_MIN_SEQ_K_D64 = 8192
+
+
+def uses_gluon(spec: FlashSpec, facts: DeviceFacts) -> bool:
+    """Whether ``forward_plan`` (without params) picks the Gluon kernel: a Hopper whose launcher
+    runs Gluon, and a plain call it covers (see ``gluon_forward``)."""
+    causal_only = spec.window is not None and spec.window[1] == 0 and spec.window[0] >= spec.seq_k - 1
+    return (facts.gluon and facts.capability == (9, 0) and gluon_forward.AVAILABLE
+            and spec.dtype in ("float16", "bfloat16") and spec.softmax_scale > 0
+            and (spec.head_dim == 128 or (spec.head_dim == 64 and spec.seq_k >= GLUON_MIN_SEQ_K_D64))
+            and not spec.varlen and spec.softcap is None and spec.bias is None and not spec.segments
+            and spec.dropout_p == 0.0 and spec.seq_q >= 1 and spec.seq_k >= 1
+            # causal: with seq_q <= seq_k every row sees key 0, so no row is fully masked
+            and (spec.window is None or (causal_only and spec.seq_q <= spec.seq_k)))
+
+
+def _gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
+    _check_grid(spec)
+    return LaunchPlan(
+        kernel=gluon_forward.flash_fwd_gluon_kernel,
+        grid=(cdiv(spec.seq_q, gluon_forward.TILE_M), spec.heads_q, spec.batch),
+        inputs=FEATURE_INPUTS, input_dtypes=feature_dtypes(spec),
+        scalars=(("seq_q", spec.seq_q), ("seq_k", spec.seq_k), ("logit_scale", fp32(spec.softmax_scale * LOG2E))),
+        outputs=(Output("o_ptr", spec.q_shape, spec.dtype), Output("lse_ptr", spec.lse_shape, "float32")),
+        constexprs=(("HEADS_Q", spec.heads_q), ("HEADS_KV", spec.heads_kv), ("HEAD_DIM", spec.head_dim),
+                    ("CAUSAL", spec.window is not None), ("BLOCK_N", gluon_forward.BLOCK_N),
+                    ("STAGES", gluon_forward.STAGES)),
+        # 4 warps: the default partition's; the workers' (4 + 1) come from the kernel's warp_specialize.
+        num_warps=4, num_stages=1, maxnreg=gluon_forward.MAXNREG,
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def triton_forward_plan(spec: FlashSpec, facts: DeviceFacts, params: FwdParams | None = None) -> LaunchPlan:
+    """``flash_fwd_kernel``'s plan, whatever ``uses_gluon`` says (autotuning times its tiles)."""
     _check_grid(spec)
     bm, bn, bd, warps, stages = override_tiles(_tiles(spec, facts, backward=False), params, spec.dtype, facts,
                                                "flash_attention fwd_params")

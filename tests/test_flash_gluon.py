@@ -1,0 +1,208 @@
+"""The warp-specialized Gluon flash forward: which calls the plans route to it, that its plans
+compile for sm_90 (CPU CI, no GPU), and on a Hopper GPU that it is correct, forward and through
+the backward, and bitwise the same from torch and jax."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tests import references as ref
+from tests.frameworks import TOLERANCE, rel_error
+from tests.test_gpu_flash_attention import GRAD_TOLERANCE, _inputs, _run
+from triton_kernels import HOPPER
+from triton_kernels import flash_attention as fa
+from triton_kernels.flash_attention import gluon_forward
+from triton_kernels.flash_attention.plan import triton_forward_plan, uses_gluon
+from triton_kernels.params import FwdParams
+
+HOPPER_GLUON = dataclasses.replace(HOPPER, gluon=True)
+needs_gluon = pytest.mark.skipif(not gluon_forward.AVAILABLE, reason="this Triton has no Gluon")
+
+
+def _spec(dtype="bfloat16", head_dim=128, seq_q=300, seq_k=8192, **options):
+    q, kv = (2, seq_q, 4, head_dim), (2, seq_k, 2, head_dim)
+    return fa.dense_spec(q, kv, kv, (dtype,) * 3, **options)
+
+
+# -- routing (any machine) --------------------------------------------------------------------------
+
+@needs_gluon
+@pytest.mark.parametrize("options", [{}, dict(causal=True), dict(head_dim=64, dtype="float16"),
+                                     dict(causal=True, seq_q=8192), dict(sliding_window=(20_000, 0)),
+                                     dict(seq_k=1000), dict(seq_q=1, seq_k=1)])
+def test_plain_calls_on_hopper_take_the_gluon_forward(options):
+    plan = fa.forward_plan(_spec(**options), HOPPER_GLUON)
+    assert plan.is_gluon and plan.maxnreg == gluon_forward.MAXNREG
+
+
+@pytest.mark.parametrize("options", [
+    dict(dtype="float32"), dict(head_dim=80), dict(head_dim=256), dict(head_dim=64, seq_k=8191),
+    dict(causal=True, seq_q=8193), dict(sliding_window=100), dict(sliding_window=(20_000, 5)),
+    dict(logits_soft_cap=30.0), dict(softmax_scale=-0.1), dict(dropout_p=0.1),
+    dict(bias_shape=(1, 4, 300, 8192), bias_dtype="bfloat16"),
+    dict(q_segment_shape=(2, 300), q_segment_dtype="int32", kv_segment_shape=(2, 8192), kv_segment_dtype="int32"),
+])
+def test_other_calls_keep_the_triton_forward(options):
+    assert not uses_gluon(_spec(**options), HOPPER_GLUON)
+    assert not fa.forward_plan(_spec(**options), HOPPER_GLUON).is_gluon
+
+
+def test_gluon_forward_needs_a_launcher_for_it_and_no_params():
+    spec = _spec()
+    assert not fa.forward_plan(spec, HOPPER).is_gluon  # facts of a front that cannot run Gluon
+    assert not fa.forward_plan(spec, dataclasses.replace(HOPPER_GLUON, capability=(8, 0))).is_gluon
+    # params are the Triton kernel's tiles: giving them selects it
+    plan = fa.forward_plan(spec, HOPPER_GLUON, FwdParams(blocksize_m=64))
+    assert not plan.is_gluon and plan.constexpr_dict["BLOCK_M"] == 64
+    assert triton_forward_plan(spec, HOPPER_GLUON) == fa.forward_plan(spec, HOPPER)
+
+
+@needs_gluon
+def test_tuning_leaves_the_gluon_forward_alone(isolated_config_cache):
+    from triton_kernels import tuning
+
+    spec = _spec()
+    measured = []
+    params = tuning.resolve(tuning.FLASH_FWD, spec, HOPPER_GLUON, "gpu0", autotune=True,
+                            measure=lambda p: measured.append(p) or 1.0)
+    assert params is None and not measured
+    # where the Triton kernel is the default, its tiles are tuned as before
+    assert tuning.FLASH_FWD.defaults(spec, HOPPER_GLUON)["blocksize_m"] == triton_forward_plan(
+        spec, HOPPER).constexpr_dict["BLOCK_M"]
+
+
+# -- ahead-of-time compile for sm_90 (any machine) --------------------------------------------------
+
+@needs_gluon
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gluon_plans_compile_for_hopper(dtype, causal, head_dim):
+    from triton_kernels.aot import compile_plan
+
+    plan = fa.forward_plan(_spec(dtype, head_dim, causal=causal), HOPPER_GLUON)
+    compiled = compile_plan(plan)
+    assert compiled.metadata.shared <= HOPPER.shared_memory
+    assert compiled.metadata.num_warps == 12  # the default partition's 4, a consumer's 4, the loader's 1 (+3 idle)
+    assert compiled.metadata.global_scratch_size > 0  # the per-program TMA descriptors
+
+
+@needs_gluon
+def test_gluon_plan_with_unit_sequences_compiles():
+    from triton_kernels.aot import compile_plan
+
+    plan = fa.forward_plan(_spec(seq_q=1, seq_k=1, causal=True), HOPPER_GLUON)
+    assert plan.is_gluon and plan.aot_constexprs()["seq_q"] == 1
+    compile_plan(plan)
+
+
+def test_plan_text_round_trips_maxnreg():
+    from ejkernel_torch.launch import plan_from_text, plan_text
+
+    plan = fa.forward_plan(_spec(), HOPPER_GLUON)
+    assert plan_from_text(plan_text(plan)) == plan
+
+
+# -- on a Hopper GPU -------------------------------------------------------------------------------
+
+GLUON_CASES = [
+    ((2, 1000, 777, 4, 2, 128), {}),
+    ((1, 129, 300, 2, 1, 128), dict(causal=True)),
+    ((3, 64, 1, 2, 2, 128), {}),
+    ((2, 255, 255, 4, 4, 128), dict(causal=True)),
+    ((1, 1, 1000, 2, 1, 128), dict(causal=True)),
+    ((1, 300, 8200, 8, 1, 64), dict(causal=True, softmax_scale=0.3)),
+    ((1, 77, 8192, 2, 2, 64), {}),
+]
+
+
+def _hopper_with_gluon():
+    import torch
+
+    from ejkernel_torch.launch import device_facts
+
+    if not torch.cuda.is_available() or not device_facts(torch.device("cuda")).gluon:
+        pytest.skip("needs a Hopper GPU and a Triton with Gluon")
+    if device_facts(torch.device("cuda")).capability != (9, 0):
+        pytest.skip("the Gluon forward is for sm_90")
+
+
+def _assert_gluon(spec):
+    import torch
+
+    from ejkernel_torch.launch import device_facts
+
+    assert uses_gluon(spec, device_facts(torch.device("cuda")))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", range(len(GLUON_CASES)))
+def test_gluon_forward_correct_and_bitwise_across_frameworks(torch_fw, jax_fw, rng, dtype, case):
+    _hopper_with_gluon()
+    from ejkernel_jax.launch import device_facts as jax_facts
+    from ejkernel_torch.launch import device_facts
+
+    shape, options = GLUON_CASES[case]
+    arrays, _ = _inputs(rng, shape, None, False)
+    spec = fa.dense_spec(*(a.shape for a in arrays), (dtype,) * 3, **options)
+    import torch
+
+    assert uses_gluon(spec, device_facts(torch.device("cuda"))) and uses_gluon(spec, jax_facts())
+    cot = rng.standard_normal(shape[:2] + (shape[3], shape[5]))
+    torch_results, values = _run(torch_fw, arrays, None, options, dtype, cot)
+    jax_results, _ = _run(jax_fw, arrays, None, options, dtype, cot)
+    for i, (a, b) in enumerate(zip(torch_results, jax_results)):
+        assert a.tobytes() == b.tobytes(), (case, i, np.nanmax(np.abs(a - b)))
+
+    def reference(q, k, v):
+        return ref.flash_attention(q, k, v, **options)
+
+    assert rel_error(torch_results[0], ref.forward(reference, *values)) < TOLERANCE[dtype]
+    _, want_lse = ref.flash_attention(*(ref._t(x) for x in values), return_lse=True, **options)
+    assert rel_error(torch_results[1], want_lse.numpy()) < 1e-3
+    cot_seen = torch_fw.to_numpy(torch_fw.asarray(cot, dtype))
+    for got, want in zip(torch_results[2:], ref.vjp(reference, values, cot_seen, n_diff=3)):
+        assert rel_error(got, want) < 2 * GRAD_TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+def test_gluon_forward_takes_unaligned_views_and_leaves_the_allocator_alone():
+    _hopper_with_gluon()
+    import torch
+    from triton.runtime import _allocation
+
+    import ejkernel_torch as ejk
+
+    shape = (2, 300, 4, 128)
+    n = int(np.prod(shape))
+    flat = torch.randn(3 * n + 1, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (flat[1 + i * n:1 + (i + 1) * n].view(shape) for i in range(3))  # contiguous, 2 bytes off 16
+    assert q.is_contiguous() and q.data_ptr() % 16 != 0
+    _assert_gluon(fa.dense_spec(shape, shape, shape, ("bfloat16",) * 3, causal=True))
+    before = _allocation._allocator.get()
+    out = ejk.flash_attention(q, k, v, causal=True)
+    assert _allocation._allocator.get() is before
+    aligned = ejk.flash_attention(q.clone(), k.clone(), v.clone(), causal=True)
+    assert torch.equal(out, aligned)
+
+
+@pytest.mark.gpu
+def test_gluon_forward_under_torch_compile_fullgraph():
+    _hopper_with_gluon()
+    import torch
+
+    from ejkernel_torch.nn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(512, 4, 2, causal=True).cuda().to(torch.bfloat16)  # head_dim 128
+    x = torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16)
+    _assert_gluon(fa.dense_spec((2, 300, 4, 128), (2, 300, 2, 128), (2, 300, 2, 128), ("bfloat16",) * 3, causal=True))
+    results = []
+    for fn in (layer, torch.compile(layer, fullgraph=True)):
+        layer.zero_grad()
+        out = fn(x)
+        out.float().square().mean().backward()
+        results.append([out.detach()] + [p.grad.clone() for p in layer.parameters()])
+    for eager, compiled in zip(*results):
+        assert rel_error(compiled.float().cpu().numpy(), eager.float().cpu().numpy()) < 1e-2

@@ -1,0 +1,239 @@
+"""Warp-specialized flash-attention forward for Hopper (sm_90), written in Gluon.
+
+The ``@triton.jit`` forward leaves Hopper's tensor cores idle while a warpgroup computes its
+softmax. This kernel splits a CTA by role, as FlashAttention-3 does:
+
+- a 1-warp loader partition copies Q once and each K/V block into a ring of shared-memory stages
+  with TMA, signalling "ready" mbarriers, and refills a stage when both consumers have freed it;
+- two 4-warp consumer warpgroups each own 64 rows of a 128-row query tile and read the same
+  K/V stages; inside each, QK^T of block j is issued asynchronously together with PV of block
+  j-1, so the softmax of block j runs while the tensor cores do PV;
+- registers move from the loader to the consumers (``worker_num_regs``, ``maxnreg``).
+
+It covers the plain calls (no bias, soft cap, segments, dropout or varlen; dense or bottom-right
+causal with seq_q <= seq_k, so that no row is fully masked; head_dim 64 or 128; fp16/bf16; a
+positive scale): ``plan.gluon_forward_plan`` decides. Its outputs match ``flash_fwd_kernel``'s:
+the output in q's layout and the natural log-sum-exp ``[batch, heads_q, seq_q]``.
+
+The kernel takes plain pointers and builds its TMA descriptors per program, in the global
+scratch the launcher provides (torch: an allocator scoped to the launch; jax: jaxlib's Triton
+custom call), so both fronts launch one binary. Gluon does not run in Triton's interpreter:
+CPU CI compiles it for sm_90 ahead of time, and the ``gpu`` tests run it.
+"""
+from __future__ import annotations
+
+import os
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+except ImportError:  # a Triton without Gluon: the plans never pick this kernel
+    AVAILABLE = False
+else:
+    AVAILABLE = True
+
+ROWS = 64  # one warpgroup's wgmma covers 64 rows; a CTA's query tile is two of them
+TILE_M = 2 * ROWS
+BLOCK_N = 128
+STAGES = 2
+MAXNREG = 168  # 12 warps x 32 lanes x 168 registers fits the 64K-register file
+RUNTIME_INTS = ["seq_q", "seq_k"]
+
+
+def enabled() -> bool:
+    """Whether the fronts may run Gluon kernels: this Triton has Gluon, and ``EJKERNEL_GLUON`` is
+    not "0" (a switch for debugging and comparisons, read once per process with the device facts)."""
+    return AVAILABLE and os.environ.get("EJKERNEL_GLUON", "1") != "0"
+
+if AVAILABLE:
+    # Triton 3.6 names the TMA load async_copy_global_to_shared; later versions async_load.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                m0, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        half: gl.constexpr = q_desc.block_type.shape[0]
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [m0, 0], q_bar, q_smem.index(0))
+        _tma_load(q_desc, [m0 + half, 0], q_bar, q_smem.index(1))
+        for j in range(n_blocks):
+            stage = j % STAGES
+            # A fresh mbarrier counts its phase 1 as complete: the first pass through the ring does not wait.
+            phase = ((j // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(stage), phase)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+            mbarrier.wait(v_empty.index(stage), phase)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, logit_scale, row0, col0, seq_k, causal_offset, s_layout: gl.constexpr,
+                 BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+        """Fold one block of raw scores into the running max and normaliser (base 2). Every row
+        attends key 0 (the plans guarantee it), so the running max is finite after block 0."""
+        if MASK:
+            cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            if CAUSAL:  # bottom-right aligned: row r sees keys up to r + seq_k - seq_q (< seq_k)
+                rows = row0 + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s_layout))
+                s = gl.where(cols[None, :] <= rows[:, None] + causal_offset, s, -float("inf"))
+            else:
+                s = gl.where(cols[None, :] < seq_k, s, -float("inf"))
+        # Scale the row max, not the tile (equal for a positive scale), so scale-and-subtract is one FMA.
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * logit_scale)
+        p = gl.exp2(s * logit_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return p, m_new, l_i, alpha
+
+    @gluon.jit
+    def _consumer(o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                  logit_scale, m0, seq_q, seq_k, n_blocks, first_masked, o_base, lse_base, WG: gl.constexpr,
+                  HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr):
+        ROWS: gl.constexpr = q_smem.shape[1]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        dtype: gl.constexpr = q_smem.dtype
+
+        q = q_smem.index(WG)
+        row0 = m0 + WG * ROWS
+        causal_offset = seq_k - seq_q
+        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+
+        # Block 0: S only; its PV is issued together with S of block 1.
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        if first_masked == 0:
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, logit_scale, row0, 0, seq_k, causal_offset, s_layout,
+                                          BLOCK_N, True, CAUSAL)
+        else:
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, logit_scale, row0, 0, seq_k, causal_offset, s_layout,
+                                          BLOCK_N, False, CAUSAL)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+        for j in range(1, n_blocks):
+            stage = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            # alpha belongs to block j-1, whose PV is issued next: rescale while QK^T runs.
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            # Wait for S only (PV may stay in flight), so the softmax overlaps PV.
+            s = warpgroup_mma_wait(1, deps=(s,))
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            if j >= first_masked:
+                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, logit_scale, row0, j * BLOCK_N, seq_k, causal_offset,
+                                              s_layout, BLOCK_N, True, CAUSAL)
+            else:
+                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, logit_scale, row0, j * BLOCK_N, seq_k, causal_offset,
+                                              s_layout, BLOCK_N, False, CAUSAL)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+        last = (n_blocks - 1) % STAGES
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        out = (acc / l_o[:, None]).to(dtype)
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        ptrs = o_ptr + o_base + rows.to(gl.int64)[:, None] * (HEADS_Q * HEAD_DIM) + cols[None, :]
+        gl.store(ptrs, out, mask=(rows < seq_q)[:, None])
+        lse_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural log, as flash_fwd_kernel writes it
+        gl.store(lse_ptr + lse_base + lse_rows, lse, mask=lse_rows < seq_q)
+
+    @gluon.jit
+    def _block_counts(m0, seq_q, seq_k, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """(key blocks the tile reads, the first of them that needs a mask)."""
+        if CAUSAL:
+            offset = seq_k - seq_q
+            last_row = gl.minimum(m0 + TILE_M, seq_q) - 1
+            n_blocks = gl.cdiv(last_row + offset + 1, BLOCK_N)
+            # A block is unmasked for the whole tile when its last key is visible to the tile's first row.
+            first_masked = gl.minimum((m0 + offset + 1) // BLOCK_N, n_blocks)
+        else:
+            n_blocks = gl.cdiv(seq_k, BLOCK_N)
+            first_masked = seq_k // BLOCK_N  # only a partial last block needs the seq_k mask
+        return n_blocks, first_masked
+
+    @gluon.jit(do_not_specialize_on_alignment=RUNTIME_INTS)
+    def flash_fwd_gluon_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_ptr, cu_k_ptr, seed_ptr,
+                               seq_q, seq_k, logit_scale,
+                               o_ptr, lse_ptr,
+                               HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
+                               CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """One 128-row query tile of one (head, batch row) against the keys it sees. Takes the nine
+        feature arrays every flash forward takes and reads q, k and v (the plans route calls that
+        use the others to ``flash_fwd_kernel``); ``logit_scale`` is the softmax scale times log2(e)."""
+        ROWS: gl.constexpr = 64
+        TILE_M: gl.constexpr = 2 * ROWS
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        # Heavy causal tiles (the last ones) first, so that they do not finish the launch alone.
+        n_tiles = gl.num_programs(0)
+        tile = (n_tiles - 1 - gl.program_id(0)) if CAUSAL else gl.program_id(0)
+        m0 = tile * TILE_M
+        h = gl.program_id(1)
+        b = gl.program_id(2).to(gl.int64)
+        q_stride: gl.constexpr = HEADS_Q * HEAD_DIM
+        kv_stride: gl.constexpr = HEADS_KV * HEAD_DIM
+        q_base = b * seq_q * q_stride + h * HEAD_DIM
+        kv_base = b * seq_k * kv_stride + (h // (HEADS_Q // HEADS_KV)) * HEAD_DIM
+
+        # Descriptors over this (batch row, head)'s slices: TMA bounds each sequence (rows past it read as zeros).
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        q_desc = tma.make_tensor_descriptor(q_ptr + q_base, [seq_q, HEAD_DIM], [q_stride, 1], [ROWS, HEAD_DIM],
+                                            q_layout)
+        k_desc = tma.make_tensor_descriptor(k_ptr + kv_base, [seq_k, HEAD_DIM], [kv_stride, 1], [BLOCK_N, HEAD_DIM],
+                                            kv_layout)
+        v_desc = tma.make_tensor_descriptor(v_ptr + kv_base, [seq_k, HEAD_DIM], [kv_stride, 1], [BLOCK_N, HEAD_DIM],
+                                            kv_layout)
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
+            mbarrier.init(v_empty.index(i), count=2)
+
+        n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
+        o_base = b * seq_q * q_stride + h * HEAD_DIM
+        lse_base = (b * HEADS_Q + h) * seq_q
+        gl.warp_specialize([
+            (_consumer, (o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                         logit_scale, m0, seq_q, seq_k, n_blocks, first_masked, o_base, lse_base, 0, HEADS_Q,
+                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+            (_consumer, (o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                         logit_scale, m0, seq_q, seq_k, n_blocks, first_masked, o_base, lse_base, 1, HEADS_Q,
+                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                       m0, n_blocks, BLOCK_N, STAGES)),
+        ], [4, 1], [232, 24])
