@@ -241,8 +241,9 @@ def _on_device(device: torch.device):
 #
 # ``launch_traceable`` is ``launch`` for the body of a ``torch.library.triton_op``: on CUDA the
 # kernel goes through ``wrap_triton`` (torch.compile sees it and traces no graph break); on CPU
-# the plan runs in the opaque ``ejkernel::launch_plan`` op (the interpreter cannot be traced), and
-# so do Gluon plans on CUDA (``wrap_triton`` traces only ``@triton.jit`` kernels).
+# the plan runs in the opaque ``ejkernel::interpret_plan`` op (the interpreter cannot be traced), and
+# so do Gluon plans on CUDA (``wrap_triton`` traces only ``@triton.jit`` kernels). The op kept its
+# first name when it took CUDA too: graphs torch cached on disk call it by name.
 # Plans cannot be op arguments, so that op receives the plan as JSON text: compiled graphs that
 # torch caches on disk stay valid in other processes.
 #
@@ -353,12 +354,12 @@ def plan_from_text(text: str) -> LaunchPlan:
         input_dtypes=tuple(doc["input_dtypes"]),
         outputs=tuple(Output(n, tuple(shape), dtype, zeroed) for n, shape, dtype, zeroed in doc["outputs"]),
         scalars=tuples(doc["scalars"]), constexprs=tuples(doc["constexprs"]), num_warps=doc["num_warps"],
-        num_stages=doc["num_stages"], enable_fp_fusion=doc["enable_fp_fusion"], maxnreg=doc["maxnreg"],
+        num_stages=doc["num_stages"], enable_fp_fusion=doc["enable_fp_fusion"], maxnreg=doc.get("maxnreg"),  # absent from texts in graphs cached before it existed
         aliases=tuples(doc["aliases"]),
     )
 
 
-@torch.library.custom_op("ejkernel::launch_plan", mutates_args=(), device_types=("cpu", "cuda"))
+@torch.library.custom_op("ejkernel::interpret_plan", mutates_args=(), device_types=("cpu", "cuda"))
 def _launch_plan_op(inputs: list[torch.Tensor], plan: str) -> list[torch.Tensor]:
     return list(launch(plan_from_text(plan), *inputs))
 
@@ -376,7 +377,7 @@ def launch_traceable(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Ten
     if plain_eager(*inputs):
         return _launch_on(plan, inputs, device)
     if device.type == "cpu" or (device.type == "cuda" and plan.is_gluon):
-        return tuple(torch.ops.ejkernel.launch_plan(list(inputs), plan_text(plan)))
+        return tuple(torch.ops.ejkernel.interpret_plan(list(inputs), plan_text(plan)))
     if device.type != "cuda":
         raise ValueError(f"{plan.name}: no Triton launcher for device {device}")
     if not plan.enable_fp_fusion:  # not a launch option torch.compile forwards
