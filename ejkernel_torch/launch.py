@@ -97,15 +97,8 @@ def _launch_compiled_kernel(plan: LaunchPlan, inputs, outputs) -> None:
     args = plan.runtime_args(inputs, outputs)
     if _launch_known(plan, args, inputs, outputs):
         return
-    _remember(plan, args, inputs, outputs, plan.kernel[plan.grid](*args, **plan.constexpr_dict, **_options(plan)))
-
-
-@functools.lru_cache(maxsize=1024)
-def _options(plan: LaunchPlan) -> dict:
-    options = dict(num_warps=plan.num_warps, num_stages=plan.num_stages, enable_fp_fusion=plan.enable_fp_fusion)
-    if plan.maxnreg is not None:
-        options["maxnreg"] = plan.maxnreg
-    return options
+    _remember(plan, args, inputs, outputs,
+              plan.kernel[plan.grid](*args, **plan.constexpr_dict, **plan.compile_options))
 
 
 # -- what Gluon kernels need from a launch -------------------------------------------------------
@@ -354,8 +347,8 @@ def plan_from_text(text: str) -> LaunchPlan:
         input_dtypes=tuple(doc["input_dtypes"]),
         outputs=tuple(Output(n, tuple(shape), dtype, zeroed) for n, shape, dtype, zeroed in doc["outputs"]),
         scalars=tuples(doc["scalars"]), constexprs=tuples(doc["constexprs"]), num_warps=doc["num_warps"],
-        num_stages=doc["num_stages"], enable_fp_fusion=doc["enable_fp_fusion"], maxnreg=doc.get("maxnreg"),  # absent from texts in graphs cached before it existed
-        aliases=tuples(doc["aliases"]),
+        num_stages=doc["num_stages"], enable_fp_fusion=doc["enable_fp_fusion"], aliases=tuples(doc["aliases"]),
+        maxnreg=doc.get("maxnreg"),  # absent from the texts in graphs cached before it existed
     )
 
 

@@ -33,14 +33,7 @@ def compile_plan(plan: LaunchPlan, target: GPUTarget = HOPPER_TARGET):
         if ty.startswith("*")
     }
     source = _source_class(plan)(plan.kernel, signature, plan.aot_constexprs(), attrs)
-    return triton.compile(source, target=target, options=compile_options(plan))
-
-
-def compile_options(plan: LaunchPlan) -> dict:
-    options = dict(num_warps=plan.num_warps, num_stages=plan.num_stages, enable_fp_fusion=plan.enable_fp_fusion)
-    if plan.maxnreg is not None:
-        options["maxnreg"] = plan.maxnreg
-    return options
+    return triton.compile(source, target=target, options=dict(plan.compile_options))
 
 
 def _source_class(plan: LaunchPlan):

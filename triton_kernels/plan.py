@@ -151,11 +151,19 @@ class LaunchPlan:
     def name(self) -> str:
         return self.kernel.fn.__name__
 
-    @property
+    @functools.cached_property
     def is_gluon(self) -> bool:
         """A Gluon kernel: compiled from GluonASTSource, never interpreted, and its launch
-        provides global scratch (its TMA descriptors are built on the device)."""
+        provides global scratch (its TMA descriptors are built on the device). Asked per launch."""
         return getattr(self.kernel, "is_gluon", lambda: False)()
+
+    @functools.cached_property
+    def compile_options(self) -> dict[str, Any]:
+        """Triton's compile options for this plan, as the torch launcher and ``aot`` pass them."""
+        options = dict(num_warps=self.num_warps, num_stages=self.num_stages, enable_fp_fusion=self.enable_fp_fusion)
+        if self.maxnreg is not None:
+            options["maxnreg"] = self.maxnreg
+        return options
 
     @property
     def is_empty(self) -> bool:

@@ -106,6 +106,7 @@ def forward_plan(spec: FlashSpec, facts: DeviceFacts, params: FwdParams | None =
 GLUON_MIN_SEQ_K_D64 = 8192
 
 
+@functools.lru_cache(maxsize=512)
 def uses_gluon(spec: FlashSpec, facts: DeviceFacts) -> bool:
     """Whether ``forward_plan`` (without params) picks the Gluon kernel: a Hopper whose launcher
     runs Gluon, and a plain call it covers (see ``gluon_forward``)."""
