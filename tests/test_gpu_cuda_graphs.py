@@ -3,6 +3,8 @@ forward and backward), as a training step under graphs or ``mode="reduce-overhea
 value checks that read tensors (host syncs, illegal while capturing) step aside during capture,
 and the captured graphs read group sizes, n_pad and cu_seqlens from the device: replayed on new
 values they give the eager results, bit for bit. Skipped without a GPU."""
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,16 @@ from tests.frameworks import TOLERANCE, rel_error
 pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def no_graphs_left_to_collect():
+    """Collect dead graphs before each test captures. ``make_graphed_callables`` leaves its graphs
+    in reference cycles, and torch no longer runs ``gc.collect()`` before a capture (unless
+    ``TORCH_CUDAGRAPH_GC=1``): a collection that happens to run inside a later capture destroys
+    a graph there, which invalidates that capture ("operation failed due to a previous error
+    during capture"). Seen on an H100 when a worker ran these tests one after another."""
+    gc.collect()
 
 
 def _rand(rng, *shape, dtype=torch.bfloat16, grad=True):
