@@ -10,9 +10,10 @@ softmax. This kernel splits a CTA by role, as FlashAttention-3 does:
   j-1, so the softmax of block j runs while the tensor cores do PV;
 - registers move from the loader to the consumers (``worker_num_regs``, ``maxnreg``).
 
-Opt-in (``enabled``). It covers the plain calls (no bias, soft cap, segments, dropout or varlen; dense or bottom-right
-causal with seq_q <= seq_k, so that no row is fully masked; head_dim 64 or 128; fp16/bf16; a
-positive scale): ``plan.gluon_forward_plan`` decides. Its outputs match ``flash_fwd_kernel``'s:
+On by default where Triton has Gluon (``enabled``; ``EJKERNEL_GLUON=0`` turns it off). It covers
+the plain calls (no bias, soft cap, segments, dropout or varlen; dense or bottom-right causal
+with seq_q <= seq_k, so that no row is fully masked; head_dim 64 or 128; fp16/bf16; a positive
+scale): ``plan.gluon_forward_plan`` decides. Its outputs match ``flash_fwd_kernel``'s:
 the output in q's layout and the natural log-sum-exp ``[batch, heads_q, seq_q]``.
 
 The kernel takes plain pointers and builds its TMA descriptors per program, in the global
@@ -43,11 +44,10 @@ RUNTIME_INTS = ["seq_q", "seq_k"]
 
 
 def enabled() -> bool:
-    """Whether the fronts may run Gluon kernels: ``EJKERNEL_GLUON=1`` (read once per process, with
-    the device facts) and a Triton with Gluon. Opt-in for now: with it on, a whole ``pytest -m gpu``
-    run on an H100 failed one CUDA-graph capture of another op (padded_softmax, twice in two runs;
-    it passed with it off, and in isolation), a cause not yet found."""
-    return AVAILABLE and os.environ.get("EJKERNEL_GLUON", "0") == "1"
+    """Whether the fronts may run Gluon kernels: a Triton with Gluon, unless ``EJKERNEL_GLUON=0``
+    (read once per process, with the device facts) turns them off, e.g. to compare with the
+    Triton forward or to rule the Gluon kernel out when chasing a problem."""
+    return AVAILABLE and os.environ.get("EJKERNEL_GLUON", "1") != "0"
 
 if AVAILABLE:
     # Triton 3.6 names the TMA load async_copy_global_to_shared; later versions async_load.
