@@ -1,6 +1,6 @@
-"""The warp-specialized Gluon flash forward: which calls the plans route to it, that its plans
-compile for sm_90 (CPU CI, no GPU), and on a Hopper GPU that it is correct, forward and through
-the backward, and bitwise the same from torch and jax."""
+"""The warp-specialized Gluon flash kernels (the forward, and the backward's dq pass): which calls
+the plans route to them, that their plans compile for sm_90 (CPU CI, no GPU), and on a Hopper GPU
+that they are correct, forward and through the backward, and bitwise the same from torch and jax."""
 import dataclasses
 
 import numpy as np
@@ -11,9 +11,9 @@ from tests.frameworks import TOLERANCE, rel_error
 from tests.test_gpu_flash_attention import GRAD_TOLERANCE, _inputs, _run
 from triton_kernels import HOPPER
 from triton_kernels import flash_attention as fa
-from triton_kernels.flash_attention import gluon_forward
-from triton_kernels.flash_attention.plan import triton_forward_plan, uses_gluon
-from triton_kernels.params import FwdParams
+from triton_kernels.flash_attention import gluon_backward, gluon_forward
+from triton_kernels.flash_attention.plan import gluon_dq_plan, triton_forward_plan, uses_gluon, uses_gluon_dq
+from triton_kernels.params import BwdParams, FwdParams
 
 HOPPER_GLUON = dataclasses.replace(HOPPER, gluon=True)
 needs_gluon = pytest.mark.skipif(not gluon_forward.AVAILABLE, reason="this Triton has no Gluon")
@@ -58,6 +58,28 @@ def test_gluon_forward_needs_a_launcher_for_it_and_no_params():
 
 
 @needs_gluon
+@pytest.mark.parametrize("options", [{}, dict(causal=True), dict(dtype="float16", seq_q=1, seq_k=1)])
+def test_head_dim_128_backward_takes_the_gluon_dq(options):
+    delta, dkdv, dq = fa.backward_plans(_spec(**options), HOPPER_GLUON)
+    assert dq.is_gluon and dq.maxnreg == gluon_backward.MAXNREG
+    assert not delta.is_gluon and not dkdv.is_gluon  # dk/dv stay with the Triton kernel
+    # its inputs and output are the Triton dq plan's, so the fronts launch either alike
+    triton_dq = fa.backward_plans(_spec(**options), HOPPER)[2]
+    assert (dq.inputs, dq.input_dtypes, dq.outputs) == (triton_dq.inputs, triton_dq.input_dtypes, triton_dq.outputs)
+
+
+@pytest.mark.parametrize("options", [dict(head_dim=64, seq_k=16384), dict(dropout_p=0.1), dict(dtype="float32")])
+def test_other_backwards_keep_the_triton_dq(options):
+    assert not uses_gluon_dq(_spec(**options), HOPPER_GLUON)
+    assert not fa.backward_plans(_spec(**options), HOPPER_GLUON)[2].is_gluon
+
+
+def test_gluon_dq_needs_a_launcher_for_it_and_no_params():
+    assert not fa.backward_plans(_spec(), HOPPER)[2].is_gluon
+    assert not fa.backward_plans(_spec(), HOPPER_GLUON, params=BwdParams(blocksize_m=32))[2].is_gluon
+
+
+@needs_gluon
 def test_tuning_leaves_the_gluon_forward_alone(isolated_config_cache):
     from triton_kernels import tuning
 
@@ -71,6 +93,16 @@ def test_tuning_leaves_the_gluon_forward_alone(isolated_config_cache):
         spec, HOPPER).constexpr_dict["BLOCK_M"]
 
 
+@needs_gluon
+def test_tuning_leaves_the_backward_with_the_gluon_dq_alone(isolated_config_cache):
+    from triton_kernels import tuning
+
+    measured = []
+    params = tuning.resolve(tuning.FLASH_BWD, _spec(), HOPPER_GLUON, "gpu0", autotune=True,
+                            measure=lambda p: measured.append(p) or 1.0)
+    assert params is None and not measured
+
+
 # -- ahead-of-time compile for sm_90 (any machine) --------------------------------------------------
 
 @needs_gluon
@@ -80,27 +112,30 @@ def test_tuning_leaves_the_gluon_forward_alone(isolated_config_cache):
 def test_gluon_plans_compile_for_hopper(dtype, causal, head_dim):
     from triton_kernels.aot import compile_plan
 
-    plan = fa.forward_plan(_spec(dtype, head_dim, causal=causal), HOPPER_GLUON)
-    compiled = compile_plan(plan)
-    assert compiled.metadata.shared <= HOPPER.shared_memory
-    assert compiled.metadata.num_warps == 12  # the default partition's 4, a consumer's 4, the loader's 1 (+3 idle)
-    assert compiled.metadata.global_scratch_size > 0  # the per-program TMA descriptors
+    spec = _spec(dtype, head_dim, causal=causal)
+    plans = [fa.forward_plan(spec, HOPPER_GLUON), gluon_dq_plan(spec, HOPPER_GLUON)]
+    for plan in plans:
+        compiled = compile_plan(plan)
+        assert compiled.metadata.shared <= HOPPER.shared_memory, plan.name
+        assert compiled.metadata.num_warps == 12  # the default partition's 4, a consumer's 4, the loader's 1 (+3 idle)
+        assert compiled.metadata.global_scratch_size > 0  # the per-program TMA descriptors
 
 
 @needs_gluon
 def test_gluon_plan_with_unit_sequences_compiles():
     from triton_kernels.aot import compile_plan
 
-    plan = fa.forward_plan(_spec(seq_q=1, seq_k=1, causal=True), HOPPER_GLUON)
-    assert plan.is_gluon and plan.aot_constexprs()["seq_q"] == 1
-    compile_plan(plan)
+    spec = _spec(seq_q=1, seq_k=1, causal=True)
+    for plan in (fa.forward_plan(spec, HOPPER_GLUON), fa.backward_plans(spec, HOPPER_GLUON)[2]):
+        assert plan.is_gluon and plan.aot_constexprs()["seq_q"] == 1
+        compile_plan(plan)
 
 
 def test_plan_text_round_trips_maxnreg():
     from ejkernel_torch.launch import plan_from_text, plan_text
 
-    plan = fa.forward_plan(_spec(), HOPPER_GLUON)
-    assert plan_from_text(plan_text(plan)) == plan
+    for plan in (fa.forward_plan(_spec(), HOPPER_GLUON), fa.backward_plans(_spec(), HOPPER_GLUON)[2]):
+        assert plan_from_text(plan_text(plan)) == plan
 
 
 # -- on a Hopper GPU -------------------------------------------------------------------------------
@@ -116,29 +151,31 @@ GLUON_CASES = [
 ]
 
 
+def _torch_facts():
+    import torch
+
+    from ejkernel_torch.launch import device_facts
+
+    return device_facts(torch.device("cuda"))
+
+
 def _hopper_with_gluon():
     import torch
 
-    from ejkernel_torch.launch import device_facts
-
-    if not torch.cuda.is_available() or not device_facts(torch.device("cuda")).gluon:
+    if not torch.cuda.is_available() or not _torch_facts().gluon:
         pytest.skip("needs a Hopper GPU and a Triton with Gluon (and not EJKERNEL_GLUON=0)")
-    if device_facts(torch.device("cuda")).capability != (9, 0):
-        pytest.skip("the Gluon forward is for sm_90")
+    if _torch_facts().capability != (9, 0):
+        pytest.skip("the Gluon kernels are for sm_90")
 
 
 def _assert_gluon(spec):
-    import torch
-
-    from ejkernel_torch.launch import device_facts
-
-    assert uses_gluon(spec, device_facts(torch.device("cuda")))
+    assert uses_gluon(spec, _torch_facts())
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", range(len(GLUON_CASES)))
-def test_gluon_forward_correct_and_bitwise_across_frameworks(torch_fw, jax_fw, rng, dtype, case):
+def test_gluon_kernels_correct_and_bitwise_across_frameworks(torch_fw, jax_fw, rng, dtype, case):
     _hopper_with_gluon()
     from ejkernel_jax.launch import device_facts as jax_facts
     from ejkernel_torch.launch import device_facts
@@ -149,6 +186,7 @@ def test_gluon_forward_correct_and_bitwise_across_frameworks(torch_fw, jax_fw, r
     import torch
 
     assert uses_gluon(spec, device_facts(torch.device("cuda"))) and uses_gluon(spec, jax_facts())
+    assert uses_gluon_dq(spec, jax_facts()) == (shape[-1] == 128)
     cot = rng.standard_normal(shape[:2] + (shape[3], shape[5]))
     torch_results, values = _run(torch_fw, arrays, None, options, dtype, cot)
     jax_results, _ = _run(jax_fw, arrays, None, options, dtype, cot)
@@ -167,7 +205,7 @@ def test_gluon_forward_correct_and_bitwise_across_frameworks(torch_fw, jax_fw, r
 
 
 @pytest.mark.gpu
-def test_gluon_forward_takes_unaligned_views_and_leaves_the_allocator_alone():
+def test_gluon_kernels_take_unaligned_views_and_leave_the_allocator_alone():
     _hopper_with_gluon()
     import torch
     from triton.runtime import _allocation
@@ -177,14 +215,21 @@ def test_gluon_forward_takes_unaligned_views_and_leaves_the_allocator_alone():
     shape = (2, 300, 4, 128)
     n = int(np.prod(shape))
     flat = torch.randn(3 * n + 1, device="cuda", dtype=torch.bfloat16)
-    q, k, v = (flat[1 + i * n:1 + (i + 1) * n].view(shape) for i in range(3))  # contiguous, 2 bytes off 16
+    q, k, v = (flat[1 + i * n:1 + (i + 1) * n].view(shape).requires_grad_() for i in range(3))  # 2 bytes off 16
     assert q.is_contiguous() and q.data_ptr() % 16 != 0
-    _assert_gluon(fa.dense_spec(shape, shape, shape, ("bfloat16",) * 3, causal=True))
+    spec = fa.dense_spec(shape, shape, shape, ("bfloat16",) * 3, causal=True)
+    _assert_gluon(spec)
+    assert uses_gluon_dq(spec, _torch_facts())
+    cot = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     before = _allocation._allocator.get()
     out = ejk.flash_attention(q, k, v, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), cot)
     assert _allocation._allocator.get() is before
-    aligned = ejk.flash_attention(q.clone(), k.clone(), v.clone(), causal=True)
-    assert torch.equal(out, aligned)
+    aligned = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    want = ejk.flash_attention(*aligned, causal=True)
+    assert torch.equal(out, want)
+    for got, expected in zip(grads, torch.autograd.grad(want, aligned, cot)):
+        assert torch.equal(got, expected)
 
 
 @pytest.mark.gpu

@@ -57,7 +57,7 @@ class Tunable:
     * ``workload(problem, facts, arrays, launch)``: ``run(params)`` that launches the tuned
       kernels once on ``arrays`` with a front's ``launch``;
     * ``untuned(problem, facts)`` (optional): True where the op's default is a kernel without
-      these tiles (the Gluon flash forward), which neither a cached entry nor tuning replaces.
+      these tiles (the Gluon flash forward, the Gluon dq kernel), which neither a cached entry nor tuning replaces.
     """
 
     def __init__(self, op: str, version: int, params: type, key: Callable[[Any], dict],
@@ -273,6 +273,12 @@ def _flash_fwd_untuned(spec, facts):
     return plan.uses_gluon(spec, facts)
 
 
+def _flash_bwd_untuned(spec, facts):
+    from .flash_attention import plan
+
+    return plan.uses_gluon_dq(spec, facts)
+
+
 def _flash_bwd_plan(spec, facts, params):
     from . import flash_attention as fa
 
@@ -303,7 +309,7 @@ def _flash_bwd_workload(spec, facts, features, launch):
 FLASH_FWD = Tunable("flash_attention_fwd", 1, FwdParams, _flash_key, _flash_fwd_plan, _MN,
                     _table(_ATTENTION, _ATTENTION_FWD_GPU), _flash_fwd_workload, _flash_fwd_untuned)
 FLASH_BWD = Tunable("flash_attention_bwd", 1, BwdParams, _flash_key, _flash_bwd_plan, _MN,
-                    _table(_ATTENTION, _ATTENTION_BWD_GPU), _flash_bwd_workload)
+                    _table(_ATTENTION, _ATTENTION_BWD_GPU), _flash_bwd_workload, _flash_bwd_untuned)
 
 # --------------------------------------------------------------------------------------------
 # padded_attention: the problem is (q_shape, dtype, softmax_scale); arrays (q, k, v, n_pad)

@@ -54,12 +54,10 @@ if AVAILABLE:
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                m0, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        half: gl.constexpr = q_desc.block_type.shape[0]
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [m0, 0], q_bar, q_smem.index(0))
-        _tma_load(q_desc, [m0 + half, 0], q_bar, q_smem.index(1))
+    def _kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_blocks,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """Stream key/value blocks 0..n_blocks-1 through the ring of shared-memory stages: a stage is
+        refilled once its consumers have arrived on its "empty" barrier."""
         for j in range(n_blocks):
             stage = j % STAGES
             # A fresh mbarrier counts its phase 1 as complete: the first pass through the ring does not wait.
@@ -70,6 +68,28 @@ if AVAILABLE:
             mbarrier.wait(v_empty.index(stage), phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
             _tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+
+    @gluon.jit
+    def _barriers(N: gl.constexpr, COUNT: gl.constexpr):
+        """``N`` mbarriers in shared memory, each expecting ``COUNT`` arrivals a phase."""
+        bars = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(N):
+            mbarrier.init(bars.index(i), count=COUNT)
+        return bars
+
+    @gluon.jit
+    def _load_halves(desc, smem, bar, m0):
+        """Both 64-row halves of the query tile at ``m0`` (one per consumer), signalling ``bar``."""
+        half: gl.constexpr = desc.block_type.shape[0]
+        _tma_load(desc, [m0, 0], bar, smem.index(0))
+        _tma_load(desc, [m0 + half, 0], bar, smem.index(1))
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                m0, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        _load_halves(q_desc, q_smem, q_bar, m0)
+        _kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_blocks, BLOCK_N, STAGES)
 
     @gluon.jit
     def _softmax(s, m_i, l_i, logit_scale, row0, col0, seq_k, causal_offset, s_layout: gl.constexpr,
@@ -178,6 +198,23 @@ if AVAILABLE:
             first_masked = seq_k // BLOCK_N  # only a partial last block needs the seq_k mask
         return n_blocks, first_masked
 
+    @gluon.jit
+    def _program_tile(TILE_M: gl.constexpr, CAUSAL: gl.constexpr):
+        """(first query row, head, batch row) of this program. Heavy causal tiles (the last ones)
+        run first, so that they do not finish the launch alone."""
+        n_tiles = gl.num_programs(0)
+        tile = (n_tiles - 1 - gl.program_id(0)) if CAUSAL else gl.program_id(0)
+        return tile * TILE_M, gl.program_id(1), gl.program_id(2).to(gl.int64)
+
+    @gluon.jit
+    def _head_rows(ptr, b, head, seq, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr,
+                   layout: gl.constexpr):
+        """TMA descriptor of one (batch row, head)'s [seq, head_dim] slice of a [batch, seq, heads,
+        head_dim] array, in boxes of BLOCK rows. TMA bounds the sequence: rows past it read as zeros."""
+        stride: gl.constexpr = HEADS * HEAD_DIM
+        return tma.make_tensor_descriptor(ptr + b * seq * stride + head * HEAD_DIM, [seq, HEAD_DIM], [stride, 1],
+                                          [BLOCK, HEAD_DIM], layout)
+
     @gluon.jit(do_not_specialize_on_alignment=RUNTIME_INTS)
     def flash_fwd_gluon_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_ptr, cu_k_ptr, seed_ptr,
                                seq_q, seq_k, logit_scale,
@@ -190,52 +227,33 @@ if AVAILABLE:
         ROWS: gl.constexpr = 64
         TILE_M: gl.constexpr = 2 * ROWS
         dtype: gl.constexpr = q_ptr.dtype.element_ty
-        # Heavy causal tiles (the last ones) first, so that they do not finish the launch alone.
-        n_tiles = gl.num_programs(0)
-        tile = (n_tiles - 1 - gl.program_id(0)) if CAUSAL else gl.program_id(0)
-        m0 = tile * TILE_M
-        h = gl.program_id(1)
-        b = gl.program_id(2).to(gl.int64)
-        q_stride: gl.constexpr = HEADS_Q * HEAD_DIM
-        kv_stride: gl.constexpr = HEADS_KV * HEAD_DIM
-        q_base = b * seq_q * q_stride + h * HEAD_DIM
-        kv_base = b * seq_k * kv_stride + (h // (HEADS_Q // HEADS_KV)) * HEAD_DIM
-
-        # Descriptors over this (batch row, head)'s slices: TMA bounds each sequence (rows past it read as zeros).
+        m0, h, b = _program_tile(TILE_M, CAUSAL)
+        h_kv = h // (HEADS_Q // HEADS_KV)
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        q_desc = tma.make_tensor_descriptor(q_ptr + q_base, [seq_q, HEAD_DIM], [q_stride, 1], [ROWS, HEAD_DIM],
-                                            q_layout)
-        k_desc = tma.make_tensor_descriptor(k_ptr + kv_base, [seq_k, HEAD_DIM], [kv_stride, 1], [BLOCK_N, HEAD_DIM],
-                                            kv_layout)
-        v_desc = tma.make_tensor_descriptor(v_ptr + kv_base, [seq_k, HEAD_DIM], [kv_stride, 1], [BLOCK_N, HEAD_DIM],
-                                            kv_layout)
+        q_desc = _head_rows(q_ptr, b, h, seq_q, HEADS_Q, HEAD_DIM, ROWS, q_layout)
+        k_desc = _head_rows(k_ptr, b, h_kv, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N, kv_layout)
+        v_desc = _head_rows(v_ptr, b, h_kv, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N, kv_layout)
 
         q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
-            mbarrier.init(v_empty.index(i), count=2)
+        q_bar = _barriers(1, 1)
+        k_ready = _barriers(STAGES, 1)
+        v_ready = _barriers(STAGES, 1)
+        k_empty = _barriers(STAGES, 2)  # both consumers release a stage
+        v_empty = _barriers(STAGES, 2)
 
         n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
-        o_base = b * seq_q * q_stride + h * HEAD_DIM
+        o_base = b * seq_q * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM
         lse_base = (b * HEADS_Q + h) * seq_q
         gl.warp_specialize([
-            (_consumer, (o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+            (_consumer, (o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty, v_empty,
                          logit_scale, m0, seq_q, seq_k, n_blocks, first_masked, o_base, lse_base, 0, HEADS_Q,
                          HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-            (_consumer, (o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+            (_consumer, (o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty, v_empty,
                          logit_scale, m0, seq_q, seq_k, n_blocks, first_masked, o_base, lse_base, 1, HEADS_Q,
                          HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                       m0, n_blocks, BLOCK_N, STAGES)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty,
+                       v_empty, m0, n_blocks, BLOCK_N, STAGES)),
         ], [4, 1], [232, 24])

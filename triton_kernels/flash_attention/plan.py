@@ -12,7 +12,7 @@ from ..padded_attention import _bwd_tiles, _dot_precision, _fwd_tiles, override_
 from ..params import BwdParams, FwdParams
 from ..plan import DeviceFacts, LaunchPlan, Output, cdiv, fp32, next_power_of_2
 from .backward import flash_bwd_delta_kernel, flash_bwd_dkdv_kernel, flash_bwd_dq_kernel
-from . import gluon_forward
+from . import gluon_backward, gluon_forward
 from .dropout import dropout_mask_kernel
 from .forward import flash_fwd_kernel
 from .spec import FLOAT32_MAX, FlashSpec
@@ -137,6 +137,35 @@ def _gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
 
 
 @functools.lru_cache(maxsize=512)
+def uses_gluon_dq(spec: FlashSpec, facts: DeviceFacts) -> bool:
+    """Whether ``backward_plans`` (without params) picks the Gluon dq kernel: where the Gluon
+    forward runs, at head_dim 128. On an H100 (bf16, 16k tokens a batch,
+    benchmarks/results/probe_flash_gluon_dq-nvidia-h100-80gb-hbm3.json) it takes 0.72-0.81x the
+    Triton dq kernel's time from seq 4096 and 0.93-1.06x at 1024; at head_dim 64 it is no faster
+    (0.96-1.07x from seq 4096, 1.3-1.6x at 1024)."""
+    return spec.head_dim == 128 and uses_gluon(spec, facts)
+
+
+def gluon_dq_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
+    """``gluon_backward.flash_bwd_dq_gluon_kernel``'s plan: the inputs and output of the dq plan
+    of ``backward_plans``, for calls that ``uses_gluon`` accepts."""
+    _check_grid(spec)
+    return LaunchPlan(
+        kernel=gluon_backward.flash_bwd_dq_gluon_kernel,
+        grid=(cdiv(spec.seq_q, gluon_forward.TILE_M), spec.heads_q, spec.batch),
+        inputs=FEATURE_INPUTS + ("do_ptr", "lse_ptr", "delta_ptr"),
+        input_dtypes=feature_dtypes(spec) + (spec.dtype, "float32", "float32"),
+        scalars=(("seq_q", spec.seq_q), ("seq_k", spec.seq_k), ("logit_scale", fp32(spec.softmax_scale * LOG2E)),
+                 ("sm_scale", fp32(spec.softmax_scale))),
+        outputs=(Output("dq_ptr", spec.q_shape, spec.dtype),),
+        constexprs=(("HEADS_Q", spec.heads_q), ("HEADS_KV", spec.heads_kv), ("HEAD_DIM", spec.head_dim),
+                    ("CAUSAL", spec.window is not None), ("BLOCK_N", gluon_backward.BLOCK_N),
+                    ("STAGES", gluon_backward.STAGES)),
+        num_warps=4, num_stages=1, maxnreg=gluon_backward.MAXNREG,
+    )
+
+
+@functools.lru_cache(maxsize=512)
 def triton_forward_plan(spec: FlashSpec, facts: DeviceFacts, params: FwdParams | None = None) -> LaunchPlan:
     """``flash_fwd_kernel``'s plan, whatever ``uses_gluon`` says (autotuning times its tiles)."""
     _check_grid(spec)
@@ -179,11 +208,11 @@ def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False, 
     * dkdv: (FEATURE_INPUTS, dout, lse, delta) -> dk, dv, ds. ``ds`` is the float32 gradient of the
       logits [batch, heads_q, seq_q, seq_k] when ``write_ds`` (for a bias gradient), else a
       one-element placeholder.
-    * dq: (FEATURE_INPUTS, dout, lse, delta) -> dq.
+    * dq: (FEATURE_INPUTS, dout, lse, delta) -> dq; the Gluon dq kernel where ``uses_gluon_dq``.
 
     ``params`` overrides the tiles as dk/dv sees them: ``blocksize_m`` queries streamed past
     ``blocksize_n`` resident keys; dq uses the transpose (``blocksize_n`` resident queries,
-    ``blocksize_m`` keys a step). The delta plan keeps its own.
+    ``blocksize_m`` keys a step), and so selects the Triton dq kernel. The delta plan keeps its own.
     """
     _check_grid(spec)
     bm, bn, bd, warps, stages = override_tiles(_tiles(spec, facts, backward=True), params, spec.dtype, facts,
@@ -204,6 +233,8 @@ def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False, 
                  Output("dv_ptr", spec.kv_shape, spec.dtype, zeroed), ds),
         constexprs=consts + (("WRITE_DS", write_ds),) + precision, num_warps=warps, num_stages=stages,
     )
+    if params is None and uses_gluon_dq(spec, facts):
+        return _delta_plan(spec, facts, use_dlse), dkdv, gluon_dq_plan(spec, facts)
     # dq transposes the tile: its program holds bn queries and steps over bm keys. So one
     # (bm, bn) gives both kernels a long resident side and a short streamed one.
     dq = LaunchPlan(
