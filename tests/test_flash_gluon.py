@@ -1,5 +1,5 @@
-"""The warp-specialized Gluon flash kernels (the forward, and the backward's dq pass): which calls
-the plans route to them, that their plans compile for sm_90 (CPU CI, no GPU), and on a Hopper GPU
+"""The warp-specialized Gluon flash kernels (the forward, and the backward's dk/dv and dq passes):
+which calls the plans route to them, that their plans compile for sm_90 (CPU CI, no GPU), and on a Hopper GPU
 that they are correct, forward and through the backward, and bitwise the same from torch and jax."""
 import dataclasses
 
@@ -12,7 +12,8 @@ from tests.test_gpu_flash_attention import GRAD_TOLERANCE, _inputs, _run
 from triton_kernels import HOPPER
 from triton_kernels import flash_attention as fa
 from triton_kernels.flash_attention import gluon_backward, gluon_forward
-from triton_kernels.flash_attention.plan import gluon_dq_plan, triton_forward_plan, uses_gluon, uses_gluon_dq
+from triton_kernels.flash_attention.plan import (GLUON_DKDV_MIN_SEQ_K_D64, gluon_dkdv_plan, gluon_dq_plan,
+                                                triton_forward_plan, uses_gluon, uses_gluon_dkdv, uses_gluon_dq)
 from triton_kernels.params import BwdParams, FwdParams
 
 HOPPER_GLUON = dataclasses.replace(HOPPER, gluon=True)
@@ -57,26 +58,53 @@ def test_gluon_forward_needs_a_launcher_for_it_and_no_params():
     assert triton_forward_plan(spec, HOPPER_GLUON) == fa.forward_plan(spec, HOPPER)
 
 
+def _same_interface(plan, other):
+    """The fronts launch either plan alike: same inputs, dtypes and outputs."""
+    return (plan.inputs, plan.input_dtypes, plan.outputs) == (other.inputs, other.input_dtypes, other.outputs)
+
+
 @needs_gluon
 @pytest.mark.parametrize("options", [{}, dict(causal=True), dict(dtype="float16", seq_q=1, seq_k=1)])
-def test_head_dim_128_backward_takes_the_gluon_dq(options):
+def test_head_dim_128_backward_takes_the_gluon_dkdv_and_dq(options):
     delta, dkdv, dq = fa.backward_plans(_spec(**options), HOPPER_GLUON)
-    assert dq.is_gluon and dq.maxnreg == gluon_backward.MAXNREG
-    assert not delta.is_gluon and not dkdv.is_gluon  # dk/dv stay with the Triton kernel
-    # its inputs and output are the Triton dq plan's, so the fronts launch either alike
-    triton_dq = fa.backward_plans(_spec(**options), HOPPER)[2]
-    assert (dq.inputs, dq.input_dtypes, dq.outputs) == (triton_dq.inputs, triton_dq.input_dtypes, triton_dq.outputs)
+    assert dq.is_gluon and dkdv.is_gluon and not delta.is_gluon
+    assert dq.maxnreg == dkdv.maxnreg == gluon_backward.MAXNREG
+    _, triton_dkdv, triton_dq = fa.backward_plans(_spec(**options), HOPPER)
+    assert _same_interface(dq, triton_dq) and _same_interface(dkdv, triton_dkdv)
 
 
-@pytest.mark.parametrize("options", [dict(head_dim=64, seq_k=16384), dict(dropout_p=0.1), dict(dtype="float32")])
-def test_other_backwards_keep_the_triton_dq(options):
-    assert not uses_gluon_dq(_spec(**options), HOPPER_GLUON)
-    assert not fa.backward_plans(_spec(**options), HOPPER_GLUON)[2].is_gluon
+@needs_gluon
+@pytest.mark.parametrize("seq_k", [GLUON_DKDV_MIN_SEQ_K_D64, 16384])
+def test_head_dim_64_backward_takes_the_gluon_dkdv_from_its_own_length(seq_k):
+    spec = _spec(head_dim=64, seq_k=seq_k)
+    _, dkdv, dq = fa.backward_plans(spec, HOPPER_GLUON)
+    assert dkdv.is_gluon and uses_gluon_dkdv(spec, HOPPER_GLUON)
+    assert not dq.is_gluon and not uses_gluon_dq(spec, HOPPER_GLUON)  # the Gluon dq is no faster at head_dim 64
+    assert fa.forward_plan(spec, HOPPER_GLUON).is_gluon == (seq_k >= 8192)
 
 
-def test_gluon_dq_needs_a_launcher_for_it_and_no_params():
-    assert not fa.backward_plans(_spec(), HOPPER)[2].is_gluon
-    assert not fa.backward_plans(_spec(), HOPPER_GLUON, params=BwdParams(blocksize_m=32))[2].is_gluon
+def test_short_head_dim_64_backward_keeps_the_triton_kernels():
+    spec = _spec(head_dim=64, seq_k=GLUON_DKDV_MIN_SEQ_K_D64 - 1)
+    assert not uses_gluon_dkdv(spec, HOPPER_GLUON)
+    assert not any(plan.is_gluon for plan in fa.backward_plans(spec, HOPPER_GLUON))
+
+
+@pytest.mark.parametrize("options", [dict(dropout_p=0.1), dict(dtype="float32"), dict(head_dim=96),
+                                     dict(causal=True, seq_q=8193)])
+def test_other_backwards_keep_the_triton_kernels(options):
+    assert not uses_gluon_dq(_spec(**options), HOPPER_GLUON) and not uses_gluon_dkdv(_spec(**options), HOPPER_GLUON)
+    assert not any(plan.is_gluon for plan in fa.backward_plans(_spec(**options), HOPPER_GLUON))
+
+
+def test_gluon_backward_needs_a_launcher_for_it_and_no_params():
+    assert not any(plan.is_gluon for plan in fa.backward_plans(_spec(), HOPPER))
+    plans = fa.backward_plans(_spec(), HOPPER_GLUON, params=BwdParams(blocksize_m=32))
+    assert not any(plan.is_gluon for plan in plans) and plans[1].constexpr_dict["BLOCK_M"] == 32
+
+
+def test_gluon_dkdv_stages_follow_the_probe():
+    assert gluon_backward.dkdv_stages(128, causal=True) == 2
+    assert gluon_backward.dkdv_stages(128, causal=False) == gluon_backward.dkdv_stages(64, causal=True) == 3
 
 
 @needs_gluon
@@ -94,7 +122,7 @@ def test_tuning_leaves_the_gluon_forward_alone(isolated_config_cache):
 
 
 @needs_gluon
-def test_tuning_leaves_the_backward_with_the_gluon_dq_alone(isolated_config_cache):
+def test_tuning_leaves_the_gluon_backward_alone(isolated_config_cache):
     from triton_kernels import tuning
 
     measured = []
@@ -113,7 +141,7 @@ def test_gluon_plans_compile_for_hopper(dtype, causal, head_dim):
     from triton_kernels.aot import compile_plan
 
     spec = _spec(dtype, head_dim, causal=causal)
-    plans = [fa.forward_plan(spec, HOPPER_GLUON), gluon_dq_plan(spec, HOPPER_GLUON)]
+    plans = [fa.forward_plan(spec, HOPPER_GLUON), gluon_dq_plan(spec, HOPPER_GLUON), gluon_dkdv_plan(spec, HOPPER_GLUON)]
     for plan in plans:
         compiled = compile_plan(plan)
         assert compiled.metadata.shared <= HOPPER.shared_memory, plan.name
@@ -126,7 +154,7 @@ def test_gluon_plan_with_unit_sequences_compiles():
     from triton_kernels.aot import compile_plan
 
     spec = _spec(seq_q=1, seq_k=1, causal=True)
-    for plan in (fa.forward_plan(spec, HOPPER_GLUON), fa.backward_plans(spec, HOPPER_GLUON)[2]):
+    for plan in (fa.forward_plan(spec, HOPPER_GLUON),) + fa.backward_plans(spec, HOPPER_GLUON)[1:]:
         assert plan.is_gluon and plan.aot_constexprs()["seq_q"] == 1
         compile_plan(plan)
 
@@ -134,7 +162,7 @@ def test_gluon_plan_with_unit_sequences_compiles():
 def test_plan_text_round_trips_maxnreg():
     from ejkernel_torch.launch import plan_from_text, plan_text
 
-    for plan in (fa.forward_plan(_spec(), HOPPER_GLUON), fa.backward_plans(_spec(), HOPPER_GLUON)[2]):
+    for plan in (fa.forward_plan(_spec(), HOPPER_GLUON),) + fa.backward_plans(_spec(), HOPPER_GLUON)[1:]:
         assert plan_from_text(plan_text(plan)) == plan
 
 
@@ -148,6 +176,7 @@ GLUON_CASES = [
     ((1, 1, 1000, 2, 1, 128), dict(causal=True)),
     ((1, 300, 8200, 8, 1, 64), dict(causal=True, softmax_scale=0.3)),
     ((1, 77, 8192, 2, 2, 64), {}),
+    ((1, 200, 5000, 4, 2, 64), dict(causal=True)),  # the Gluon dk/dv beside the Triton forward and dq
 ]
 
 
@@ -177,16 +206,15 @@ def _assert_gluon(spec):
 @pytest.mark.parametrize("case", range(len(GLUON_CASES)))
 def test_gluon_kernels_correct_and_bitwise_across_frameworks(torch_fw, jax_fw, rng, dtype, case):
     _hopper_with_gluon()
-    from ejkernel_jax.launch import device_facts as jax_facts
-    from ejkernel_torch.launch import device_facts
+    from ejkernel_jax.launch import device_facts as jax_device_facts
 
     shape, options = GLUON_CASES[case]
     arrays, _ = _inputs(rng, shape, None, False)
     spec = fa.dense_spec(*(a.shape for a in arrays), (dtype,) * 3, **options)
-    import torch
-
-    assert uses_gluon(spec, device_facts(torch.device("cuda"))) and uses_gluon(spec, jax_facts())
-    assert uses_gluon_dq(spec, jax_facts()) == (shape[-1] == 128)
+    for facts in (_torch_facts(), jax_device_facts()):
+        assert uses_gluon_dkdv(spec, facts)
+        assert uses_gluon(spec, facts) == (shape[2] >= 8192 or shape[-1] == 128)
+        assert uses_gluon_dq(spec, facts) == (shape[-1] == 128)
     cot = rng.standard_normal(shape[:2] + (shape[3], shape[5]))
     torch_results, values = _run(torch_fw, arrays, None, options, dtype, cot)
     jax_results, _ = _run(jax_fw, arrays, None, options, dtype, cot)
@@ -219,7 +247,7 @@ def test_gluon_kernels_take_unaligned_views_and_leave_the_allocator_alone():
     assert q.is_contiguous() and q.data_ptr() % 16 != 0
     spec = fa.dense_spec(shape, shape, shape, ("bfloat16",) * 3, causal=True)
     _assert_gluon(spec)
-    assert uses_gluon_dq(spec, _torch_facts())
+    assert all(plan.is_gluon for plan in fa.backward_plans(spec, _torch_facts())[1:])
     cot = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     before = _allocation._allocator.get()
     out = ejk.flash_attention(q, k, v, causal=True)

@@ -104,20 +104,32 @@ def forward_plan(spec: FlashSpec, facts: DeviceFacts, params: FwdParams | None =
 # head_dim 128 from seq 1024 up (0.65-1.07x cuDNN against 0.66-0.79x); at head_dim 64 only from
 # seq_k 8192 (below, its fixed per-program cost loses to flash_fwd_kernel: 0.54-0.82x against 0.78-0.91x).
 GLUON_MIN_SEQ_K_D64 = 8192
+# The Gluon dk/dv kernel at head_dim 64 (benchmarks/results/probe_flash_gluon_dkdv-nvidia-h100-80gb-hbm3.json):
+# 0.84-0.92x the Triton kernel's time at seq 4096, 0.97-1.05x at 2048, 1.1-1.2x at 1024.
+GLUON_DKDV_MIN_SEQ_K_D64 = 4096
 
 
-@functools.lru_cache(maxsize=512)
-def uses_gluon(spec: FlashSpec, facts: DeviceFacts) -> bool:
-    """Whether ``forward_plan`` (without params) picks the Gluon kernel: a Hopper whose launcher
-    runs Gluon, and a plain call it covers (see ``gluon_forward``)."""
+def _gluon_covers(spec: FlashSpec, facts: DeviceFacts) -> bool:
+    """A Hopper whose launcher runs Gluon, and a plain call the Gluon kernels cover (see ``gluon_forward``)."""
     causal_only = spec.window is not None and spec.window[1] == 0 and spec.window[0] >= spec.seq_k - 1
     return (facts.gluon and facts.capability == (9, 0) and gluon_forward.AVAILABLE
-            and spec.dtype in ("float16", "bfloat16") and spec.softmax_scale > 0
-            and (spec.head_dim == 128 or (spec.head_dim == 64 and spec.seq_k >= GLUON_MIN_SEQ_K_D64))
+            and spec.dtype in ("float16", "bfloat16") and spec.softmax_scale > 0 and spec.head_dim in (64, 128)
             and not spec.varlen and spec.softcap is None and spec.bias is None and not spec.segments
             and spec.dropout_p == 0.0 and spec.seq_q >= 1 and spec.seq_k >= 1
             # causal: with seq_q <= seq_k every row sees key 0, so no row is fully masked
             and (spec.window is None or (causal_only and spec.seq_q <= spec.seq_k)))
+
+
+@functools.lru_cache(maxsize=512)
+def uses_gluon(spec: FlashSpec, facts: DeviceFacts) -> bool:
+    """Whether ``forward_plan`` (without params) picks the Gluon kernel."""
+    return _gluon_covers(spec, facts) and (spec.head_dim == 128 or spec.seq_k >= GLUON_MIN_SEQ_K_D64)
+
+
+@functools.lru_cache(maxsize=512)
+def uses_gluon_dkdv(spec: FlashSpec, facts: DeviceFacts) -> bool:
+    """Whether ``backward_plans`` (without params) picks the Gluon dk/dv kernel."""
+    return _gluon_covers(spec, facts) and (spec.head_dim == 128 or spec.seq_k >= GLUON_DKDV_MIN_SEQ_K_D64)
 
 
 def _gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
@@ -161,6 +173,30 @@ def gluon_dq_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
         constexprs=(("HEADS_Q", spec.heads_q), ("HEADS_KV", spec.heads_kv), ("HEAD_DIM", spec.head_dim),
                     ("CAUSAL", spec.window is not None), ("BLOCK_N", gluon_backward.BLOCK_N),
                     ("STAGES", gluon_backward.STAGES)),
+        num_warps=4, num_stages=1, maxnreg=gluon_backward.MAXNREG,
+    )
+
+
+def gluon_dkdv_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
+    """``gluon_backward.flash_bwd_dkdv_gluon_kernel``'s plan: the inputs and outputs of the dk/dv
+    plan of ``backward_plans`` without a bias gradient, for calls that ``uses_gluon`` accepts.
+    ``backward_plans`` picks it where ``uses_gluon_dkdv``: on an H100 (bf16, 16k tokens a batch,
+    benchmarks/results/probe_flash_gluon_dkdv-nvidia-h100-80gb-hbm3.json) it takes 0.75-0.85x the
+    Triton dk/dv kernel's time at head_dim 128 from seq 2048 (0.88-1.00x at 1024) and 0.82-0.92x
+    at head_dim 64 from seq 4096."""
+    _check_grid(spec)
+    return LaunchPlan(
+        kernel=gluon_backward.flash_bwd_dkdv_gluon_kernel,
+        grid=(cdiv(spec.seq_k, gluon_backward.TILE_N), spec.heads_kv, spec.batch),
+        inputs=FEATURE_INPUTS + ("do_ptr", "lse_ptr", "delta_ptr"),
+        input_dtypes=feature_dtypes(spec) + (spec.dtype, "float32", "float32"),
+        scalars=(("seq_q", spec.seq_q), ("seq_k", spec.seq_k), ("logit_scale", fp32(spec.softmax_scale * LOG2E)),
+                 ("sm_scale", fp32(spec.softmax_scale))),
+        outputs=(Output("dk_ptr", spec.kv_shape, spec.dtype), Output("dv_ptr", spec.kv_shape, spec.dtype),
+                 Output("ds_ptr", (1,), "float32")),
+        constexprs=(("HEADS_Q", spec.heads_q), ("HEADS_KV", spec.heads_kv), ("HEAD_DIM", spec.head_dim),
+                    ("CAUSAL", spec.window is not None), ("BLOCK_M", gluon_backward.BLOCK_M),
+                    ("STAGES", gluon_backward.dkdv_stages(spec.head_dim, spec.window is not None))),
         num_warps=4, num_stages=1, maxnreg=gluon_backward.MAXNREG,
     )
 
@@ -210,9 +246,11 @@ def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False, 
       one-element placeholder.
     * dq: (FEATURE_INPUTS, dout, lse, delta) -> dq; the Gluon dq kernel where ``uses_gluon_dq``.
 
-    ``params`` overrides the tiles as dk/dv sees them: ``blocksize_m`` queries streamed past
-    ``blocksize_n`` resident keys; dq uses the transpose (``blocksize_n`` resident queries,
-    ``blocksize_m`` keys a step), and so selects the Triton dq kernel. The delta plan keeps its own.
+    dk/dv run the Gluon kernel (``gluon_dkdv_plan``) where ``uses_gluon_dkdv``.
+    ``params`` overrides the Triton kernels' tiles as dk/dv sees them: ``blocksize_m`` queries
+    streamed past ``blocksize_n`` resident keys; dq uses the transpose (``blocksize_n`` resident
+    queries, ``blocksize_m`` keys a step). So ``params`` select the Triton kernels; the delta plan
+    keeps its own tiles.
     """
     _check_grid(spec)
     bm, bn, bd, warps, stages = override_tiles(_tiles(spec, facts, backward=True), params, spec.dtype, facts,
@@ -226,7 +264,8 @@ def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False, 
     if write_ds and spec.bias is None:
         raise ValueError("write_ds needs a bias")
     ds = Output("ds_ptr", spec.dbias_full_shape if write_ds else (1,), "float32", zeroed=write_ds)
-    dkdv = LaunchPlan(
+    gluon = params is None and uses_gluon_dkdv(spec, facts)
+    dkdv = gluon_dkdv_plan(spec, facts) if gluon else LaunchPlan(
         kernel=flash_bwd_dkdv_kernel, grid=(cdiv(spec.seq_k, bn), spec.heads_kv, spec.batch),
         inputs=inputs, input_dtypes=dtypes, scalars=scalars,
         outputs=(Output("dk_ptr", spec.kv_shape, spec.dtype, zeroed),
