@@ -105,7 +105,7 @@ def forward_plan(spec: FlashSpec, facts: DeviceFacts, params: FwdParams | None =
 # seq_k 8192 (below, its fixed per-program cost loses to flash_fwd_kernel: 0.54-0.82x against 0.78-0.91x).
 GLUON_MIN_SEQ_K_D64 = 8192
 # The Gluon dk/dv kernel at head_dim 64 (benchmarks/results/probe_flash_gluon_dkdv-nvidia-h100-80gb-hbm3.json):
-# 0.84-0.92x the Triton kernel's time at seq 4096, 0.97-1.05x at 2048, 1.1-1.2x at 1024.
+# 0.84-0.96x the Triton kernel's time at seq 4096, 0.98-1.00x at 2048, 1.14x at 1024.
 GLUON_DKDV_MIN_SEQ_K_D64 = 4096
 
 
@@ -158,47 +158,46 @@ def uses_gluon_dq(spec: FlashSpec, facts: DeviceFacts) -> bool:
     return spec.head_dim == 128 and uses_gluon(spec, facts)
 
 
-def gluon_dq_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
-    """``gluon_backward.flash_bwd_dq_gluon_kernel``'s plan: the inputs and output of the dq plan
-    of ``backward_plans``, for calls that ``uses_gluon`` accepts."""
+def _gluon_backward_plan(spec: FlashSpec, kernel, grid: tuple[int, int, int], outputs: tuple[Output, ...],
+                         block: tuple[str, int], stages: int) -> LaunchPlan:
+    """A Gluon backward kernel's plan: the inputs of the Triton backward plans, the scalars the
+    Gluon kernels read, and ``block`` (the streamed block's constexpr) with ``stages``."""
     _check_grid(spec)
     return LaunchPlan(
-        kernel=gluon_backward.flash_bwd_dq_gluon_kernel,
-        grid=(cdiv(spec.seq_q, gluon_forward.TILE_M), spec.heads_q, spec.batch),
+        kernel=kernel, grid=grid,
         inputs=FEATURE_INPUTS + ("do_ptr", "lse_ptr", "delta_ptr"),
         input_dtypes=feature_dtypes(spec) + (spec.dtype, "float32", "float32"),
         scalars=(("seq_q", spec.seq_q), ("seq_k", spec.seq_k), ("logit_scale", fp32(spec.softmax_scale * LOG2E)),
                  ("sm_scale", fp32(spec.softmax_scale))),
-        outputs=(Output("dq_ptr", spec.q_shape, spec.dtype),),
+        outputs=outputs,
         constexprs=(("HEADS_Q", spec.heads_q), ("HEADS_KV", spec.heads_kv), ("HEAD_DIM", spec.head_dim),
-                    ("CAUSAL", spec.window is not None), ("BLOCK_N", gluon_backward.BLOCK_N),
-                    ("STAGES", gluon_backward.STAGES)),
+                    ("CAUSAL", spec.window is not None), block, ("STAGES", stages)),
         num_warps=4, num_stages=1, maxnreg=gluon_backward.MAXNREG,
     )
+
+
+def gluon_dq_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
+    """``gluon_backward.flash_bwd_dq_gluon_kernel``'s plan: the inputs and output of the dq plan
+    of ``backward_plans``, for calls that ``uses_gluon`` accepts."""
+    grid = (cdiv(spec.seq_q, gluon_forward.TILE_M), spec.heads_q, spec.batch)
+    return _gluon_backward_plan(spec, gluon_backward.flash_bwd_dq_gluon_kernel, grid,
+                                (Output("dq_ptr", spec.q_shape, spec.dtype),), ("BLOCK_N", gluon_backward.BLOCK_N),
+                                gluon_backward.STAGES)
 
 
 def gluon_dkdv_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
     """``gluon_backward.flash_bwd_dkdv_gluon_kernel``'s plan: the inputs and outputs of the dk/dv
     plan of ``backward_plans`` without a bias gradient, for calls that ``uses_gluon`` accepts.
     ``backward_plans`` picks it where ``uses_gluon_dkdv``: on an H100 (bf16, 16k tokens a batch,
-    benchmarks/results/probe_flash_gluon_dkdv-nvidia-h100-80gb-hbm3.json) it takes 0.75-0.85x the
-    Triton dk/dv kernel's time at head_dim 128 from seq 2048 (0.88-1.00x at 1024) and 0.82-0.92x
-    at head_dim 64 from seq 4096."""
-    _check_grid(spec)
-    return LaunchPlan(
-        kernel=gluon_backward.flash_bwd_dkdv_gluon_kernel,
-        grid=(cdiv(spec.seq_k, gluon_backward.TILE_N), spec.heads_kv, spec.batch),
-        inputs=FEATURE_INPUTS + ("do_ptr", "lse_ptr", "delta_ptr"),
-        input_dtypes=feature_dtypes(spec) + (spec.dtype, "float32", "float32"),
-        scalars=(("seq_q", spec.seq_q), ("seq_k", spec.seq_k), ("logit_scale", fp32(spec.softmax_scale * LOG2E)),
-                 ("sm_scale", fp32(spec.softmax_scale))),
-        outputs=(Output("dk_ptr", spec.kv_shape, spec.dtype), Output("dv_ptr", spec.kv_shape, spec.dtype),
-                 Output("ds_ptr", (1,), "float32")),
-        constexprs=(("HEADS_Q", spec.heads_q), ("HEADS_KV", spec.heads_kv), ("HEAD_DIM", spec.head_dim),
-                    ("CAUSAL", spec.window is not None), ("BLOCK_M", gluon_backward.BLOCK_M),
-                    ("STAGES", gluon_backward.dkdv_stages(spec.head_dim, spec.window is not None))),
-        num_warps=4, num_stages=1, maxnreg=gluon_backward.MAXNREG,
-    )
+    benchmarks/results/probe_flash_gluon_dkdv-nvidia-h100-80gb-hbm3.json) it takes 0.75-0.83x the
+    Triton dk/dv kernel's time at head_dim 128 from seq 2048 (0.88-1.00x at 1024) and 0.82-0.96x
+    at head_dim 64 from seq 4096, with the same bits."""
+    grid = (cdiv(spec.seq_k, gluon_backward.TILE_N), spec.heads_kv, spec.batch)
+    outputs = (Output("dk_ptr", spec.kv_shape, spec.dtype), Output("dv_ptr", spec.kv_shape, spec.dtype),
+               Output("ds_ptr", (1,), "float32"))  # the stand-in: these calls have no bias
+    stages = gluon_backward.dkdv_stages(spec.head_dim, spec.window is not None)
+    return _gluon_backward_plan(spec, gluon_backward.flash_bwd_dkdv_gluon_kernel, grid, outputs,
+                                ("BLOCK_M", gluon_backward.BLOCK_M), stages)
 
 
 @functools.lru_cache(maxsize=512)
