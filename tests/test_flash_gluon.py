@@ -102,10 +102,6 @@ def test_gluon_backward_needs_a_launcher_for_it_and_no_params():
     assert not any(plan.is_gluon for plan in plans) and plans[1].constexpr_dict["BLOCK_M"] == 32
 
 
-def test_gluon_dkdv_stages_follow_the_probe():
-    assert gluon_backward.dkdv_stages(128, causal=True) == 2
-    assert gluon_backward.dkdv_stages(128, causal=False) == gluon_backward.dkdv_stages(64, causal=True) == 3
-
 
 @needs_gluon
 def test_tuning_leaves_the_gluon_forward_alone(isolated_config_cache):

@@ -45,7 +45,7 @@ if AVAILABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-    from .gluon_forward import (_barriers, _block_counts, _head_rows, _kv_ring, _load_halves, _program_tile,
+    from .gluon_forward import (_barriers, _block_counts, _head_rows, _kv_ring, _load_halves, _program_tile, _rings,
                                 _tma_load)
 
     LOG2E = gl.constexpr(1.4426950408889634)
@@ -170,13 +170,8 @@ if AVAILABLE:
 
         q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
         do_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         q_bar = _barriers(1, 1)
-        k_ready = _barriers(STAGES, 1)
-        v_ready = _barriers(STAGES, 1)
-        k_empty = _barriers(STAGES, 2)  # both consumers release a stage
-        v_empty = _barriers(STAGES, 2)
+        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _rings(dtype, STAGES, BLOCK_N, HEAD_DIM, kv_layout)
 
         n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
         q_base = b * seq_q * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM  # dq's (b, h) slice
@@ -332,16 +327,11 @@ if AVAILABLE:
 
         k_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], kv_layout)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
-        row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
-        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
         kv_bar = _barriers(1, 1)
-        q_ready = _barriers(STAGES, 1)
-        do_ready = _barriers(STAGES, 1)
-        q_empty = _barriers(STAGES, 2)  # both consumers release a stage
-        do_empty = _barriers(STAGES, 2)
+        q_smem, do_smem, q_ready, do_ready, q_empty, do_empty = _rings(dtype, STAGES, BLOCK_M, HEAD_DIM, q_layout)
+        row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)  # filled with q's stage
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
 
         j_lo, n_q, n_masked = _query_blocks(n0, seq_q, seq_k, TILE_N, BLOCK_M, CAUSAL)
         h_first = h_kv * GROUP

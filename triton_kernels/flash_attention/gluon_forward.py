@@ -78,6 +78,16 @@ if AVAILABLE:
         return bars
 
     @gluon.jit
+    def _rings(dtype: gl.constexpr, STAGES: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+               layout: gl.constexpr):
+        """Two rings of STAGES [BLOCK, head_dim] shared-memory stages that the loader fills in step
+        (K and V, or q and dO), with their "ready" barriers (the loader's one arrival and the TMA
+        bytes) and "empty" barriers (both consumers release a stage)."""
+        a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], layout)
+        b_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], layout)
+        return a_smem, b_smem, _barriers(STAGES, 1), _barriers(STAGES, 1), _barriers(STAGES, 2), _barriers(STAGES, 2)
+
+    @gluon.jit
     def _load_halves(desc, smem, bar, m0):
         """Both 64-row halves of the query tile at ``m0`` (one per consumer), signalling ``bar``."""
         half: gl.constexpr = desc.block_type.shape[0]
@@ -236,13 +246,8 @@ if AVAILABLE:
         v_desc = _head_rows(v_ptr, b, h_kv, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N, kv_layout)
 
         q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         q_bar = _barriers(1, 1)
-        k_ready = _barriers(STAGES, 1)
-        v_ready = _barriers(STAGES, 1)
-        k_empty = _barriers(STAGES, 2)  # both consumers release a stage
-        v_empty = _barriers(STAGES, 2)
+        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _rings(dtype, STAGES, BLOCK_N, HEAD_DIM, kv_layout)
 
         n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
         o_base = b * seq_q * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM
