@@ -1,14 +1,15 @@
-"""The backward's passes on a Hopper GPU: the Triton kernels (``flash_bwd_dq_kernel``,
-``flash_bwd_dkdv_kernel``) against their warp-specialized Gluon versions
-(``flash_bwd_dq_gluon_kernel``, ``flash_bwd_dkdv_gluon_kernel``), plans launched directly from torch.
+"""Flash attention's passes on a Hopper GPU: the Triton kernels (``flash_fwd_kernel``,
+``flash_bwd_dq_kernel``, ``flash_bwd_dkdv_kernel``) against their warp-specialized Gluon versions,
+plans launched directly from torch.
 
-    python scripts/probe_flash_gluon_dq.py [--passes dq dkdv] [--seqs 1024 4096 16384] [--out PATH]
+    python scripts/probe_flash_gluon_dq.py [--passes fwd dq dkdv] [--seqs 1024 4096 16384] [--out PATH]
 
 bf16, batch x seq = 16k tokens, heads = 2048 / head_dim (the benchmark's shapes; ``--group g``
-shares each kv head among g query heads). Each Gluon variant (streamed block, stages) is checked
+shares each kv head among g query heads). Each Gluon variant (streamed block, stages; the forward's
+"gluon" is the kernel with a program per query tile, "gluon persistent" the persistent one) is checked
 against the Triton kernel's outputs on the same inputs (relative error, the worst output) before
-it is timed. Effective TFLOP/s count the pass's matmuls: dq three (QK^T, dO V^T, dS K), dk/dv
-four (K Q^T, V dO^T, P^T dO, dS^T Q).
+it is timed. Effective TFLOP/s count the pass's matmuls: the forward two (QK^T, PV), dq three
+(QK^T, dO V^T, dS K), dk/dv four (K Q^T, V dO^T, P^T dO, dS^T Q).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 # (streamed block, STAGES) of each Gluon kernel; the plans use dq (64, 3), dk/dv (64, DKDV_STAGES).
 VARIANTS = {"dq": ("BLOCK_N", ((64, 2), (64, 3), (64, 4), (128, 2))),
             "dkdv": ("BLOCK_M", ((64, 2), (64, 3)))}
-MATMULS = {"dq": 3, "dkdv": 4}
+MATMULS = {"fwd": 2, "dq": 3, "dkdv": 4}
 
 
 def _variant(plan, block_name: str, block: int, stages: int):
@@ -58,14 +59,25 @@ def _probe(kind: str, head_dim: int, seq: int, causal: bool, group: int) -> list
     dlse = torch.zeros(1, device="cuda", dtype=torch.float32)
     (delta,) = launch(delta_plan, out, do, dlse, arrays[6], arrays[7])
     grads_in = arrays + [do, lse, delta]
-    triton_plan, gluon_plan = (dq_plan, gluon_dq_plan) if kind == "dq" else (dkdv_plan, gluon_dkdv_plan)
-    want = launch(triton_plan, *grads_in)[:2]  # dq, or dk and dv
-    per_matmul = flops(b, h, seq, d, causal, "fwd") / 2
-    block_name, variants = VARIANTS[kind]
+    if kind == "fwd":
+        from triton_kernels.flash_attention.plan import (_gluon_forward_plan, gluon_persistent_forward_plan,
+                                                         triton_forward_plan)
+
+        grads_in = arrays
+        triton_plan = triton_forward_plan(spec, facts)
+        candidates = [("triton", triton_plan), ("gluon", _gluon_forward_plan(spec, facts))] + [
+            (f"gluon persistent s{s}", _variant(gluon_persistent_forward_plan(spec, facts), "BLOCK_N", 128, s))
+            for s in (2, 3)]
+        per_matmul = flops(b, h, seq, d, causal, "fwd") / 2
+    else:
+        triton_plan, gluon_plan = (dq_plan, gluon_dq_plan) if kind == "dq" else (dkdv_plan, gluon_dkdv_plan)
+        per_matmul = flops(b, h, seq, d, causal, "fwd") / 2
+        block_name, variants = VARIANTS[kind]
+        candidates = [("triton", triton_plan)] + [
+            (f"gluon {block_name[-1].lower()}{n} s{s}", _variant(gluon_plan(spec, facts), block_name, n, s))
+            for n, s in variants]
+    want = launch(triton_plan, *grads_in)[:2]  # dq, or dk and dv, or out and lse
     rows = []
-    candidates = [("triton", triton_plan)] + [
-        (f"gluon {block_name[-1].lower()}{n} s{s}", _variant(gluon_plan(spec, facts), block_name, n, s))
-        for n, s in variants]
     for name, plan in candidates:
         row = {"pass": kind, "head_dim": d, "seq": seq, "group": group, "causal": causal, "kernel": name}
         try:
@@ -83,7 +95,7 @@ def _probe(kind: str, head_dim: int, seq: int, causal: bool, group: int) -> list
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--passes", nargs="+", default=["dq"], choices=["dq", "dkdv"])
+    parser.add_argument("--passes", nargs="+", default=["dq"], choices=["fwd", "dq", "dkdv"])
     parser.add_argument("--group", type=int, default=1, help="query heads per kv head")
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096, 16384])

@@ -30,14 +30,14 @@ def _spec(dtype="bfloat16", head_dim=128, seq_q=300, seq_k=8192, **options):
 @needs_gluon
 @pytest.mark.parametrize("options", [{}, dict(causal=True), dict(head_dim=64, dtype="float16"),
                                      dict(causal=True, seq_q=8192), dict(sliding_window=(20_000, 0)),
-                                     dict(seq_k=1000), dict(seq_q=1, seq_k=1)])
+                                     dict(seq_k=1000), dict(seq_q=1, seq_k=1), dict(head_dim=64, seq_k=1000)])
 def test_plain_calls_on_hopper_take_the_gluon_forward(options):
     plan = fa.forward_plan(_spec(**options), HOPPER_GLUON)
     assert plan.is_gluon and plan.maxnreg == gluon_forward.MAXNREG
 
 
 @pytest.mark.parametrize("options", [
-    dict(dtype="float32"), dict(head_dim=80), dict(head_dim=256), dict(head_dim=64, seq_k=8191),
+    dict(dtype="float32"), dict(head_dim=80), dict(head_dim=256),
     dict(causal=True, seq_q=8193), dict(sliding_window=100), dict(sliding_window=(20_000, 5)),
     dict(logits_soft_cap=30.0), dict(softmax_scale=-0.1), dict(dropout_p=0.1),
     dict(bias_shape=(1, 4, 300, 8192), bias_dtype="bfloat16"),
@@ -46,6 +46,17 @@ def test_plain_calls_on_hopper_take_the_gluon_forward(options):
 def test_other_calls_keep_the_triton_forward(options):
     assert not uses_gluon(_spec(**options), HOPPER_GLUON)
     assert not fa.forward_plan(_spec(**options), HOPPER_GLUON).is_gluon
+
+
+@needs_gluon
+@pytest.mark.parametrize("seq_q, causal, units", [(300, False, 2 * 4 * 3), (300, True, 2 * 4 * 2),
+                                                  (128, True, 2 * 4), (1, True, 2 * 4), (16384, False, 2 * 4 * 128)])
+def test_gluon_forward_runs_one_program_an_sm_at_most(seq_q, causal, units):
+    """A program per schedule unit (a 128-row query tile, or with a causal mask a pair of them)
+    up to the SM count; pairs only where a head has two tiles."""
+    plan = fa.forward_plan(_spec(seq_q=seq_q, seq_k=16384, causal=causal), HOPPER_GLUON)
+    assert plan.grid == (min(units, HOPPER_GLUON.num_sms),)
+    assert plan.constexpr_dict["PAIRS"] == (causal and seq_q > 128)
 
 
 def test_gluon_forward_needs_a_launcher_for_it_and_no_params():
@@ -80,7 +91,7 @@ def test_head_dim_64_backward_takes_the_gluon_dkdv_from_its_own_length(seq_k):
     _, dkdv, dq = fa.backward_plans(spec, HOPPER_GLUON)
     assert dkdv.is_gluon and uses_gluon_dkdv(spec, HOPPER_GLUON)
     assert not dq.is_gluon and not uses_gluon_dq(spec, HOPPER_GLUON)  # the Gluon dq is no faster at head_dim 64
-    assert fa.forward_plan(spec, HOPPER_GLUON).is_gluon == (seq_k >= 8192)
+    assert fa.forward_plan(spec, HOPPER_GLUON).is_gluon
 
 
 def test_short_head_dim_64_backward_keeps_the_triton_kernels():
@@ -172,7 +183,12 @@ GLUON_CASES = [
     ((1, 1, 1000, 2, 1, 128), dict(causal=True)),
     ((1, 300, 8200, 8, 1, 64), dict(causal=True, softmax_scale=0.3)),
     ((1, 77, 8192, 2, 2, 64), {}),
-    ((1, 200, 5000, 4, 2, 64), dict(causal=True)),  # the Gluon dk/dv beside the Triton forward and dq
+    ((1, 200, 5000, 4, 2, 64), dict(causal=True)),  # the Gluon dk/dv beside the Triton dq
+    # More schedule units than an H100 has SMs, so programs loop: causal pairs with an odd tile
+    # count (the middle tile alone), pairs with seq_q < seq_k, and single tiles.
+    ((3, 1100, 1100, 16, 4, 64), dict(causal=True)),
+    ((3, 700, 1500, 16, 2, 128), dict(causal=True)),
+    ((4, 600, 1500, 16, 8, 128), {}),
 ]
 
 
@@ -209,7 +225,7 @@ def test_gluon_kernels_correct_and_bitwise_across_frameworks(torch_fw, jax_fw, r
     spec = fa.dense_spec(*(a.shape for a in arrays), (dtype,) * 3, **options)
     for facts in (_torch_facts(), jax_device_facts()):
         assert uses_gluon_dkdv(spec, facts)
-        assert uses_gluon(spec, facts) == (shape[2] >= 8192 or shape[-1] == 128)
+        assert uses_gluon(spec, facts)
         assert uses_gluon_dq(spec, facts) == (shape[-1] == 128)
     cot = rng.standard_normal(shape[:2] + (shape[3], shape[5]))
     torch_results, values = _run(torch_fw, arrays, None, options, dtype, cot)

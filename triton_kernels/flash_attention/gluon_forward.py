@@ -43,6 +43,12 @@ MAXNREG = 168  # 12 warps x 32 lanes x 168 registers fits the 64K-register file
 RUNTIME_INTS = ["seq_q", "seq_k"]
 
 
+def forward_stages(head_dim: int) -> int:
+    """K/V ring stages of the persistent forward: 2 at head_dim 128 (3 do not fit beside two query
+    tiles), 3 at 64, where they were 0-3% faster than 2 on an H100 (probe_flash_gluon_fwd)."""
+    return 2 if head_dim == 128 else 3
+
+
 def enabled() -> bool:
     """Whether the fronts may run Gluon kernels: a Triton with Gluon, unless ``EJKERNEL_GLUON=0``
     (read once per process, with the device facts) turns them off, e.g. to compare with the
@@ -126,15 +132,30 @@ if AVAILABLE:
                   HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr):
         ROWS: gl.constexpr = q_smem.shape[1]
+        row0 = m0 + WG * ROWS
+        mbarrier.wait(q_bar, 0)
+        # q_bar stands in for the "queries read" barrier: nothing waits on it after this program's one tile.
+        acc, m_i, l_i = _attend(q_smem.index(WG), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_bar,
+                                logit_scale, row0, seq_q, seq_k, n_blocks, first_masked, 0, HEAD_DIM, BLOCK_N,
+                                STAGES, CAUSAL)
+        _store_rows(o_ptr, lse_ptr, acc, m_i, l_i, row0, seq_q, o_base, lse_base, HEADS_Q, HEAD_DIM, BLOCK_N)
+
+    @gluon.jit
+    def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, logit_scale, row0, seq_q, seq_k,
+                n_blocks, first_masked, ring, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                CAUSAL: gl.constexpr):
+        """One warpgroup's 64 query rows (``q``, in shared memory) against key blocks 0..n_blocks-1,
+        which the loader puts in the ring from position ``ring`` on. Arrives on ``q_empty`` once the
+        last QK^T is done with ``q``. Returns the unnormalised output and the running max and
+        normaliser (base 2)."""
+        ROWS: gl.constexpr = q.shape[0]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_DIM, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        dtype: gl.constexpr = q_smem.dtype
+        dtype: gl.constexpr = q.dtype
 
-        q = q_smem.index(WG)
-        row0 = m0 + WG * ROWS
         causal_offset = seq_k - seq_q
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
@@ -142,11 +163,11 @@ if AVAILABLE:
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
 
         # Block 0: S only; its PV is issued together with S of block 1.
-        mbarrier.wait(q_bar, 0)
-        mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        stage = ring % STAGES
+        mbarrier.wait(k_ready.index(stage), (ring // STAGES) & 1)
+        s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
-        mbarrier.arrive(k_empty.index(0), count=1)
+        mbarrier.arrive(k_empty.index(stage), count=1)
         if first_masked == 0:
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, logit_scale, row0, 0, seq_k, causal_offset, s_layout,
                                           BLOCK_N, True, CAUSAL)
@@ -156,13 +177,14 @@ if AVAILABLE:
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
         for j in range(1, n_blocks):
-            stage = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+            c = ring + j
+            stage = c % STAGES
+            prev = (c - 1) % STAGES
+            mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             # alpha belongs to block j-1, whose PV is issued next: rescale while QK^T runs.
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
             acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             # Wait for S only (PV may stay in flight), so the softmax overlaps PV.
             s = warpgroup_mma_wait(1, deps=(s,))
@@ -176,16 +198,29 @@ if AVAILABLE:
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(prev), count=1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.arrive(q_empty, count=1)
 
-        last = (n_blocks - 1) % STAGES
+        c = ring + n_blocks - 1
+        last = c % STAGES
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(last), (c // STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last), count=1)
+        return acc, m_i, l_i
 
+    @gluon.jit
+    def _store_rows(o_ptr, lse_ptr, acc, m_i, l_i, row0, seq_q, o_base, lse_base, HEADS_Q: gl.constexpr,
+                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Normalise a warpgroup's output rows and store them (q's layout) with their natural
+        log-sum-exp; rows past seq_q are left alone."""
+        ROWS: gl.constexpr = acc.shape[0]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        out = (acc / l_o[:, None]).to(dtype)
+        out = (acc / l_o[:, None]).to(o_ptr.dtype.element_ty)
         rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         ptrs = o_ptr + o_base + rows.to(gl.int64)[:, None] * (HEADS_Q * HEAD_DIM) + cols[None, :]
@@ -261,4 +296,143 @@ if AVAILABLE:
                          HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty,
                        v_empty, m0, n_blocks, BLOCK_N, STAGES)),
+        ], [4, 1], [232, 24])
+
+    # -- the persistent forward -------------------------------------------------------------------
+
+    @gluon.jit
+    def _unit_tile(unit, half: gl.constexpr, n_m, per_head, HEADS_Q: gl.constexpr, TILE_M: gl.constexpr,
+                   PAIRS: gl.constexpr):
+        """(first query row, head, batch row, whether it exists) of tile ``half`` of a schedule unit.
+        A unit is one query tile, or with ``PAIRS`` (a causal mask) a pair of tiles of one head: the
+        heavy tile ``n_m - 1 - p`` then the light tile ``p``, whose key counts sum to the same for
+        every p. So a static round robin over units gives every program the same work."""
+        bh = unit // per_head
+        p = unit % per_head
+        if PAIRS:
+            if half == 0:
+                m = n_m - 1 - p
+                exists = p >= 0
+            else:
+                m = p
+                exists = 2 * p + 1 < n_m  # the middle tile of an odd n_m is alone in its unit
+        else:
+            m = p
+            exists = p >= 0
+        return m * TILE_M, bh % HEADS_Q, bh // HEADS_Q, exists
+
+    @gluon.jit
+    def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                           k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units,
+                           HEADS_Q: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                           PAIRS: gl.constexpr):
+        TILE_M: gl.constexpr = 2 * q_smem.shape[1]
+        UNIT: gl.constexpr = 2 if PAIRS else 1
+        ring = 0
+        tiles = 0
+        for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
+            for half in gl.static_range(UNIT):
+                m0, h, b, exists = _unit_tile(unit, half, n_m, per_head, HEADS_Q, TILE_M, PAIRS)
+                if exists:
+                    n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
+                    buf = tiles % 2
+                    mbarrier.wait(q_empty.index(buf), ((tiles // 2) & 1) ^ 1)
+                    mbarrier.expect(q_ready.index(buf), 2 * q_desc.block_type.nbytes)
+                    _tma_load(q_desc, [b, m0, h * HEAD_DIM], q_ready.index(buf), q_smem.index(2 * buf))
+                    _tma_load(q_desc, [b, m0 + TILE_M // 2, h * HEAD_DIM], q_ready.index(buf),
+                              q_smem.index(2 * buf + 1))
+                    col = (h // GROUP) * HEAD_DIM
+                    for j in range(n_blocks):
+                        c = ring + j
+                        stage = c % STAGES
+                        phase = ((c // STAGES) & 1) ^ 1
+                        mbarrier.wait(k_empty.index(stage), phase)
+                        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+                        _tma_load(k_desc, [b, j * BLOCK_N, col], k_ready.index(stage), k_smem.index(stage))
+                        mbarrier.wait(v_empty.index(stage), phase)
+                        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+                        _tma_load(v_desc, [b, j * BLOCK_N, col], v_ready.index(stage), v_smem.index(stage))
+                    ring += n_blocks
+                    tiles += 1
+
+    @gluon.jit
+    def _persistent_consumer(o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                             v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, WG: gl.constexpr,
+                             HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                             STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
+        ROWS: gl.constexpr = q_smem.shape[1]
+        TILE_M: gl.constexpr = 2 * ROWS
+        UNIT: gl.constexpr = 2 if PAIRS else 1
+        ring = 0
+        tiles = 0
+        for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
+            for half in gl.static_range(UNIT):
+                m0, h, b, exists = _unit_tile(unit, half, n_m, per_head, HEADS_Q, TILE_M, PAIRS)
+                if exists:
+                    n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
+                    buf = tiles % 2
+                    mbarrier.wait(q_ready.index(buf), (tiles // 2) & 1)
+                    row0 = m0 + WG * ROWS
+                    acc, m_i, l_i = _attend(q_smem.index(2 * buf + WG), k_smem, v_smem, k_ready, v_ready, k_empty,
+                                            v_empty, q_empty.index(buf), logit_scale, row0, seq_q, seq_k, n_blocks,
+                                            first_masked, ring, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)
+                    b64 = b.to(gl.int64)
+                    _store_rows(o_ptr, lse_ptr, acc, m_i, l_i, row0, seq_q,
+                                b64 * seq_q * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM, (b64 * HEADS_Q + h) * seq_q,
+                                HEADS_Q, HEAD_DIM, BLOCK_N)
+                    ring += n_blocks
+                    tiles += 1
+
+    @gluon.jit
+    def _batch_heads(ptr, batch, seq, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr,
+                     layout: gl.constexpr):
+        """TMA descriptor of a [batch, seq, heads, head_dim] array seen as [batch, seq, heads * head_dim],
+        in boxes of one batch row, BLOCK rows and one head (the column offset picks it). TMA bounds
+        each batch row's sequence: rows past it read as zeros."""
+        row: gl.constexpr = HEADS * HEAD_DIM
+        # to_tensor: seq may be the constant 1 (Triton specializes it).
+        return tma.make_tensor_descriptor(ptr, [batch, seq, row], [gl.to_tensor(seq).to(gl.int64) * row, row, 1],
+                                          [1, BLOCK, HEAD_DIM], layout)
+
+    @gluon.jit(do_not_specialize_on_alignment=RUNTIME_INTS + ["batch"])
+    def flash_fwd_gluon_persistent_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_ptr, cu_k_ptr,
+                                          seed_ptr, batch, seq_q, seq_k, logit_scale,
+                                          o_ptr, lse_ptr,
+                                          HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
+                                          CAUSAL: gl.constexpr, PAIRS: gl.constexpr, BLOCK_N: gl.constexpr,
+                                          STAGES: gl.constexpr):
+        """``flash_fwd_gluon_kernel`` as a persistent grid: each program walks schedule units
+        (``_unit_tile``) in a static round robin. The loader fetches the next tile's queries (into
+        the other of two buffers) and keys while the consumers finish the current one, so a short
+        tile no longer pays for its program's start and its epilogue alone."""
+        ROWS: gl.constexpr = 64
+        TILE_M: gl.constexpr = 2 * ROWS
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        q_desc = _batch_heads(q_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS,
+                              gl.NVMMASharedLayout.get_default_for([1, ROWS, HEAD_DIM], dtype))
+        kv3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, HEAD_DIM], dtype)
+        k_desc = _batch_heads(k_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N, kv3_layout)
+        v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N, kv3_layout)
+
+        q_smem = gl.allocate_shared_memory(dtype, [4, ROWS, HEAD_DIM], q_layout)  # two tiles' two halves
+        q_ready = _barriers(2, 1)
+        q_empty = _barriers(2, 2)
+        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _rings(dtype, STAGES, BLOCK_N, HEAD_DIM, kv_layout)
+
+        n_m = gl.cdiv(seq_q, TILE_M)
+        per_head = (n_m + 1) // 2 if PAIRS else n_m
+        n_units = batch * HEADS_Q * per_head
+        gl.warp_specialize([
+            (_persistent_consumer, (o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                                    k_empty, v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, 0, HEADS_Q,
+                                    HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
+            (_persistent_consumer, (o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                                    k_empty, v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, 1, HEADS_Q,
+                                    HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
+            (_persistent_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                                  k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q,
+                                  HEADS_Q // HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
         ], [4, 1], [232, 24])
