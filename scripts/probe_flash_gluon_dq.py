@@ -6,7 +6,7 @@ plans launched directly from torch.
 
 bf16, batch x seq = 16k tokens, heads = 2048 / head_dim (the benchmark's shapes; ``--group g``
 shares each kv head among g query heads). Each Gluon variant (streamed block, stages; the forward's
-"gluon" is the kernel with a program per query tile, "gluon persistent" the persistent one) is checked
+"gluon" rows in the committed JSON are the kernel with a program per query tile, since replaced) is checked
 against the Triton kernel's outputs on the same inputs (relative error, the worst output) before
 it is timed. Effective TFLOP/s count the pass's matmuls: the forward two (QK^T, PV), dq three
 (QK^T, dO V^T, dS K), dk/dv four (K Q^T, V dO^T, P^T dO, dS^T Q).
@@ -60,14 +60,12 @@ def _probe(kind: str, head_dim: int, seq: int, causal: bool, group: int) -> list
     (delta,) = launch(delta_plan, out, do, dlse, arrays[6], arrays[7])
     grads_in = arrays + [do, lse, delta]
     if kind == "fwd":
-        from triton_kernels.flash_attention.plan import (_gluon_forward_plan, gluon_persistent_forward_plan,
-                                                         triton_forward_plan)
+        from triton_kernels.flash_attention.plan import gluon_forward_plan, triton_forward_plan
 
         grads_in = arrays
         triton_plan = triton_forward_plan(spec, facts)
-        candidates = [("triton", triton_plan), ("gluon", _gluon_forward_plan(spec, facts))] + [
-            (f"gluon persistent s{s}", _variant(gluon_persistent_forward_plan(spec, facts), "BLOCK_N", 128, s))
-            for s in (2, 3)]
+        candidates = [("triton", triton_plan)] + [
+            (f"gluon persistent s{s}", _variant(gluon_forward_plan(spec, facts), "BLOCK_N", 128, s)) for s in (2, 3)]
         per_matmul = flops(b, h, seq, d, causal, "fwd") / 2
     else:
         triton_plan, gluon_plan = (dq_plan, gluon_dq_plan) if kind == "dq" else (dkdv_plan, gluon_dkdv_plan)

@@ -45,10 +45,49 @@ if AVAILABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-    from .gluon_forward import (_barriers, _block_counts, _head_rows, _kv_ring, _load_halves, _program_tile, _rings,
-                                _tma_load)
+    from .gluon_forward import _barriers, _block_counts, _rings, _tma_load
 
     LOG2E = gl.constexpr(1.4426950408889634)
+
+    @gluon.jit
+    def _kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_blocks,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """Stream key/value blocks 0..n_blocks-1 through the ring of shared-memory stages: a stage is
+        refilled once its consumers have arrived on its "empty" barrier."""
+        for j in range(n_blocks):
+            stage = j % STAGES
+            # A fresh mbarrier counts its phase 1 as complete: the first pass through the ring does not wait.
+            phase = ((j // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(stage), phase)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+            mbarrier.wait(v_empty.index(stage), phase)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+
+    @gluon.jit
+    def _load_halves(desc, smem, bar, m0):
+        """Both 64-row halves of the query tile at ``m0`` (one per consumer), signalling ``bar``."""
+        half: gl.constexpr = desc.block_type.shape[0]
+        _tma_load(desc, [m0, 0], bar, smem.index(0))
+        _tma_load(desc, [m0 + half, 0], bar, smem.index(1))
+
+    @gluon.jit
+    def _program_tile(TILE_M: gl.constexpr, CAUSAL: gl.constexpr):
+        """(first query row, head, batch row) of this program. Heavy causal tiles (the last ones)
+        run first, so that they do not finish the launch alone."""
+        n_tiles = gl.num_programs(0)
+        tile = (n_tiles - 1 - gl.program_id(0)) if CAUSAL else gl.program_id(0)
+        return tile * TILE_M, gl.program_id(1), gl.program_id(2).to(gl.int64)
+
+    @gluon.jit
+    def _head_rows(ptr, b, head, seq, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr,
+                   layout: gl.constexpr):
+        """TMA descriptor of one (batch row, head)'s [seq, head_dim] slice of a [batch, seq, heads,
+        head_dim] array, in boxes of BLOCK rows. TMA bounds the sequence: rows past it read as zeros."""
+        stride: gl.constexpr = HEADS * HEAD_DIM
+        return tma.make_tensor_descriptor(ptr + b * seq * stride + head * HEAD_DIM, [seq, HEAD_DIM], [stride, 1],
+                                          [BLOCK, HEAD_DIM], layout)
 
     @gluon.jit
     def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready,

@@ -1,19 +1,25 @@
-"""Warp-specialized flash-attention forward for Hopper (sm_90), written in Gluon.
+"""Warp-specialized, persistent flash-attention forward for Hopper (sm_90), written in Gluon.
 
 The ``@triton.jit`` forward leaves Hopper's tensor cores idle while a warpgroup computes its
 softmax. This kernel splits a CTA by role, as FlashAttention-3 does:
 
-- a 1-warp loader partition copies Q once and each K/V block into a ring of shared-memory stages
-  with TMA, signalling "ready" mbarriers, and refills a stage when both consumers have freed it;
-- two 4-warp consumer warpgroups each own 64 rows of a 128-row query tile and read the same
-  K/V stages; inside each, QK^T of block j is issued asynchronously together with PV of block
-  j-1, so the softmax of block j runs while the tensor cores do PV;
+- a 1-warp loader partition copies each 128-row query tile (into one of two buffers) and each
+  K/V block (into a ring of shared-memory stages) with TMA, signalling "ready" mbarriers, and
+  refills a buffer or stage when both consumers have freed it;
+- two 4-warp consumer warpgroups each own 64 rows of the query tile and read the same K/V
+  stages; inside each, QK^T of block j is issued asynchronously together with PV of block j-1,
+  so the softmax of block j runs while the tensor cores do PV;
 - registers move from the loader to the consumers (``worker_num_regs``, ``maxnreg``).
+
+The grid is persistent: one program an SM walks schedule units (``_unit_tile``) in a static
+round robin, and the loader fetches the next tile while the consumers finish the current one.
+So a short sequence no longer pays, per tile, a program's start (barriers, descriptors, the
+first loads) and its epilogue: at seq 1024 that was 10-35% of the time.
 
 On by default where Triton has Gluon (``enabled``; ``EJKERNEL_GLUON=0`` turns it off). It covers
 the plain calls (no bias, soft cap, segments, dropout or varlen; dense or bottom-right causal
 with seq_q <= seq_k, so that no row is fully masked; head_dim 64 or 128; fp16/bf16; a positive
-scale): ``plan.gluon_forward_plan`` decides. Its outputs match ``flash_fwd_kernel``'s:
+scale): ``plan.uses_gluon`` decides. Its outputs match ``flash_fwd_kernel``'s:
 the output in q's layout and the natural log-sum-exp ``[batch, heads_q, seq_q]``.
 
 The kernel takes plain pointers and builds its TMA descriptors per program, in the global
@@ -38,13 +44,12 @@ else:
 ROWS = 64  # one warpgroup's wgmma covers 64 rows; a CTA's query tile is two of them
 TILE_M = 2 * ROWS
 BLOCK_N = 128
-STAGES = 2
 MAXNREG = 168  # 12 warps x 32 lanes x 168 registers fits the 64K-register file
 RUNTIME_INTS = ["seq_q", "seq_k"]
 
 
 def forward_stages(head_dim: int) -> int:
-    """K/V ring stages of the persistent forward: 2 at head_dim 128 (3 do not fit beside two query
+    """K/V ring stages of the forward: 2 at head_dim 128 (3 do not fit beside two query
     tiles), 3 at 64, where they were 0-3% faster than 2 on an H100 (probe_flash_gluon_fwd)."""
     return 2 if head_dim == 128 else 3
 
@@ -58,22 +63,6 @@ def enabled() -> bool:
 if AVAILABLE:
     # Triton 3.6 names the TMA load async_copy_global_to_shared; later versions async_load.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
-    @gluon.jit
-    def _kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_blocks,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """Stream key/value blocks 0..n_blocks-1 through the ring of shared-memory stages: a stage is
-        refilled once its consumers have arrived on its "empty" barrier."""
-        for j in range(n_blocks):
-            stage = j % STAGES
-            # A fresh mbarrier counts its phase 1 as complete: the first pass through the ring does not wait.
-            phase = ((j // STAGES) & 1) ^ 1
-            mbarrier.wait(k_empty.index(stage), phase)
-            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
-            mbarrier.wait(v_empty.index(stage), phase)
-            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
 
     @gluon.jit
     def _barriers(N: gl.constexpr, COUNT: gl.constexpr):
@@ -94,20 +83,6 @@ if AVAILABLE:
         return a_smem, b_smem, _barriers(STAGES, 1), _barriers(STAGES, 1), _barriers(STAGES, 2), _barriers(STAGES, 2)
 
     @gluon.jit
-    def _load_halves(desc, smem, bar, m0):
-        """Both 64-row halves of the query tile at ``m0`` (one per consumer), signalling ``bar``."""
-        half: gl.constexpr = desc.block_type.shape[0]
-        _tma_load(desc, [m0, 0], bar, smem.index(0))
-        _tma_load(desc, [m0 + half, 0], bar, smem.index(1))
-
-    @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                m0, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        _load_halves(q_desc, q_smem, q_bar, m0)
-        _kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_blocks, BLOCK_N, STAGES)
-
-    @gluon.jit
     def _softmax(s, m_i, l_i, logit_scale, row0, col0, seq_k, causal_offset, s_layout: gl.constexpr,
                  BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
         """Fold one block of raw scores into the running max and normaliser (base 2). Every row
@@ -125,20 +100,6 @@ if AVAILABLE:
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         return p, m_new, l_i, alpha
-
-    @gluon.jit
-    def _consumer(o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                  logit_scale, m0, seq_q, seq_k, n_blocks, first_masked, o_base, lse_base, WG: gl.constexpr,
-                  HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr):
-        ROWS: gl.constexpr = q_smem.shape[1]
-        row0 = m0 + WG * ROWS
-        mbarrier.wait(q_bar, 0)
-        # q_bar stands in for the "queries read" barrier: nothing waits on it after this program's one tile.
-        acc, m_i, l_i = _attend(q_smem.index(WG), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_bar,
-                                logit_scale, row0, seq_q, seq_k, n_blocks, first_masked, 0, HEAD_DIM, BLOCK_N,
-                                STAGES, CAUSAL)
-        _store_rows(o_ptr, lse_ptr, acc, m_i, l_i, row0, seq_q, o_base, lse_base, HEADS_Q, HEAD_DIM, BLOCK_N)
 
     @gluon.jit
     def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, logit_scale, row0, seq_q, seq_k,
@@ -244,63 +205,6 @@ if AVAILABLE:
         return n_blocks, first_masked
 
     @gluon.jit
-    def _program_tile(TILE_M: gl.constexpr, CAUSAL: gl.constexpr):
-        """(first query row, head, batch row) of this program. Heavy causal tiles (the last ones)
-        run first, so that they do not finish the launch alone."""
-        n_tiles = gl.num_programs(0)
-        tile = (n_tiles - 1 - gl.program_id(0)) if CAUSAL else gl.program_id(0)
-        return tile * TILE_M, gl.program_id(1), gl.program_id(2).to(gl.int64)
-
-    @gluon.jit
-    def _head_rows(ptr, b, head, seq, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr,
-                   layout: gl.constexpr):
-        """TMA descriptor of one (batch row, head)'s [seq, head_dim] slice of a [batch, seq, heads,
-        head_dim] array, in boxes of BLOCK rows. TMA bounds the sequence: rows past it read as zeros."""
-        stride: gl.constexpr = HEADS * HEAD_DIM
-        return tma.make_tensor_descriptor(ptr + b * seq * stride + head * HEAD_DIM, [seq, HEAD_DIM], [stride, 1],
-                                          [BLOCK, HEAD_DIM], layout)
-
-    @gluon.jit(do_not_specialize_on_alignment=RUNTIME_INTS)
-    def flash_fwd_gluon_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_ptr, cu_k_ptr, seed_ptr,
-                               seq_q, seq_k, logit_scale,
-                               o_ptr, lse_ptr,
-                               HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
-                               CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """One 128-row query tile of one (head, batch row) against the keys it sees. Takes the nine
-        feature arrays every flash forward takes and reads q, k and v (the plans route calls that
-        use the others to ``flash_fwd_kernel``); ``logit_scale`` is the softmax scale times log2(e)."""
-        ROWS: gl.constexpr = 64
-        TILE_M: gl.constexpr = 2 * ROWS
-        dtype: gl.constexpr = q_ptr.dtype.element_ty
-        m0, h, b = _program_tile(TILE_M, CAUSAL)
-        h_kv = h // (HEADS_Q // HEADS_KV)
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
-        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        q_desc = _head_rows(q_ptr, b, h, seq_q, HEADS_Q, HEAD_DIM, ROWS, q_layout)
-        k_desc = _head_rows(k_ptr, b, h_kv, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N, kv_layout)
-        v_desc = _head_rows(v_ptr, b, h_kv, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N, kv_layout)
-
-        q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
-        q_bar = _barriers(1, 1)
-        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _rings(dtype, STAGES, BLOCK_N, HEAD_DIM, kv_layout)
-
-        n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
-        o_base = b * seq_q * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM
-        lse_base = (b * HEADS_Q + h) * seq_q
-        gl.warp_specialize([
-            (_consumer, (o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty, v_empty,
-                         logit_scale, m0, seq_q, seq_k, n_blocks, first_masked, o_base, lse_base, 0, HEADS_Q,
-                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-            (_consumer, (o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty, v_empty,
-                         logit_scale, m0, seq_q, seq_k, n_blocks, first_masked, o_base, lse_base, 1, HEADS_Q,
-                         HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0), k_ready, v_ready, k_empty,
-                       v_empty, m0, n_blocks, BLOCK_N, STAGES)),
-        ], [4, 1], [232, 24])
-
-    # -- the persistent forward -------------------------------------------------------------------
-
-    @gluon.jit
     def _unit_tile(unit, half: gl.constexpr, n_m, per_head, HEADS_Q: gl.constexpr, TILE_M: gl.constexpr,
                    PAIRS: gl.constexpr):
         """(first query row, head, batch row, whether it exists) of tile ``half`` of a schedule unit.
@@ -312,21 +216,22 @@ if AVAILABLE:
         if PAIRS:
             if half == 0:
                 m = n_m - 1 - p
-                exists = p >= 0
+                exists = True
             else:
                 m = p
                 exists = 2 * p + 1 < n_m  # the middle tile of an odd n_m is alone in its unit
         else:
             m = p
-            exists = p >= 0
+            exists = True
         return m * TILE_M, bh % HEADS_Q, bh // HEADS_Q, exists
 
     @gluon.jit
-    def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                           k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units,
-                           HEADS_Q: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                           PAIRS: gl.constexpr):
+    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                seq_q, seq_k, n_m, per_head, n_units, HEADS_Q: gl.constexpr, GROUP: gl.constexpr,
+                HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                PAIRS: gl.constexpr):
+        """This program's tiles in turn: a tile's query halves into the free one of two buffers,
+        then its key/value blocks through the ring (``ring`` counts the blocks streamed so far)."""
         TILE_M: gl.constexpr = 2 * q_smem.shape[1]
         UNIT: gl.constexpr = 2 if PAIRS else 1
         ring = 0
@@ -357,10 +262,11 @@ if AVAILABLE:
                     tiles += 1
 
     @gluon.jit
-    def _persistent_consumer(o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, WG: gl.constexpr,
-                             HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                             STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
+    def _consumer(o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                  logit_scale, seq_q, seq_k, n_m, per_head, n_units, WG: gl.constexpr, HEADS_Q: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  PAIRS: gl.constexpr):
+        """Warpgroup ``WG``'s 64 rows of each of this program's tiles, in the loader's order."""
         ROWS: gl.constexpr = q_smem.shape[1]
         TILE_M: gl.constexpr = 2 * ROWS
         UNIT: gl.constexpr = 2 if PAIRS else 1
@@ -396,16 +302,16 @@ if AVAILABLE:
                                           [1, BLOCK, HEAD_DIM], layout)
 
     @gluon.jit(do_not_specialize_on_alignment=RUNTIME_INTS + ["batch"])
-    def flash_fwd_gluon_persistent_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_ptr, cu_k_ptr,
-                                          seed_ptr, batch, seq_q, seq_k, logit_scale,
-                                          o_ptr, lse_ptr,
-                                          HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
-                                          CAUSAL: gl.constexpr, PAIRS: gl.constexpr, BLOCK_N: gl.constexpr,
-                                          STAGES: gl.constexpr):
-        """``flash_fwd_gluon_kernel`` as a persistent grid: each program walks schedule units
-        (``_unit_tile``) in a static round robin. The loader fetches the next tile's queries (into
-        the other of two buffers) and keys while the consumers finish the current one, so a short
-        tile no longer pays for its program's start and its epilogue alone."""
+    def flash_fwd_gluon_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_ptr, cu_k_ptr, seed_ptr,
+                               batch, seq_q, seq_k, logit_scale,
+                               o_ptr, lse_ptr,
+                               HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
+                               CAUSAL: gl.constexpr, PAIRS: gl.constexpr, BLOCK_N: gl.constexpr,
+                               STAGES: gl.constexpr):
+        """128-row query tiles against the keys they see, a program per SM walking the schedule
+        units of ``_unit_tile``. Takes the nine feature arrays every flash forward takes and reads
+        q, k and v (the plans route calls that use the others to ``flash_fwd_kernel``);
+        ``logit_scale`` is the softmax scale times log2(e)."""
         ROWS: gl.constexpr = 64
         TILE_M: gl.constexpr = 2 * ROWS
         dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -426,13 +332,13 @@ if AVAILABLE:
         per_head = (n_m + 1) // 2 if PAIRS else n_m
         n_units = batch * HEADS_Q * per_head
         gl.warp_specialize([
-            (_persistent_consumer, (o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+            (_consumer, (o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                                     k_empty, v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, 0, HEADS_Q,
                                     HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
-            (_persistent_consumer, (o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+            (_consumer, (o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                                     k_empty, v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, 1, HEADS_Q,
                                     HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
-            (_persistent_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                                   k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q,
                                   HEADS_Q // HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
         ], [4, 1], [232, 24])

@@ -95,7 +95,7 @@ def forward_plan(spec: FlashSpec, facts: DeviceFacts, params: FwdParams | None =
     ``params`` overrides block sizes, warps and stages (``padded_attention.override_tiles``) of the
     latter, so any ``params`` also selects it."""
     if params is None and uses_gluon(spec, facts):
-        return gluon_persistent_forward_plan(spec, facts)
+        return gluon_forward_plan(spec, facts)
     return triton_forward_plan(spec, facts, params)
 
 
@@ -118,7 +118,7 @@ def _gluon_covers(spec: FlashSpec, facts: DeviceFacts) -> bool:
 @functools.lru_cache(maxsize=512)
 def uses_gluon(spec: FlashSpec, facts: DeviceFacts) -> bool:
     """Whether ``forward_plan`` (without params) picks the Gluon kernel: wherever it covers the
-    call. The persistent Gluon forward takes 0.74-0.80x flash_fwd_kernel's time at head_dim 128
+    call. The Gluon forward takes 0.74-0.80x flash_fwd_kernel's time at head_dim 128
     and 0.90-0.99x at 64, from seq 1024 to 16384 (H100, bf16, 16k tokens a batch;
     benchmarks/results/probe_flash_gluon_fwd-nvidia-h100-80gb-hbm3.json)."""
     return _gluon_covers(spec, facts)
@@ -130,31 +130,15 @@ def uses_gluon_dkdv(spec: FlashSpec, facts: DeviceFacts) -> bool:
     return _gluon_covers(spec, facts) and (spec.head_dim == 128 or spec.seq_k >= GLUON_DKDV_MIN_SEQ_K_D64)
 
 
-def _gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
-    _check_grid(spec)
-    return LaunchPlan(
-        kernel=gluon_forward.flash_fwd_gluon_kernel,
-        grid=(cdiv(spec.seq_q, gluon_forward.TILE_M), spec.heads_q, spec.batch),
-        inputs=FEATURE_INPUTS, input_dtypes=feature_dtypes(spec),
-        scalars=(("seq_q", spec.seq_q), ("seq_k", spec.seq_k), ("logit_scale", fp32(spec.softmax_scale * LOG2E))),
-        outputs=(Output("o_ptr", spec.q_shape, spec.dtype), Output("lse_ptr", spec.lse_shape, "float32")),
-        constexprs=(("HEADS_Q", spec.heads_q), ("HEADS_KV", spec.heads_kv), ("HEAD_DIM", spec.head_dim),
-                    ("CAUSAL", spec.window is not None), ("BLOCK_N", gluon_forward.BLOCK_N),
-                    ("STAGES", gluon_forward.STAGES)),
-        # 4 warps: the default partition's; the workers' (4 + 1) come from the kernel's warp_specialize.
-        num_warps=4, num_stages=1, maxnreg=gluon_forward.MAXNREG,
-    )
-
-
-def gluon_persistent_forward_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
-    """``gluon_forward.flash_fwd_gluon_persistent_kernel``'s plan: one program an SM (at most one a
+def gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
+    """``gluon_forward.flash_fwd_gluon_kernel``'s plan: one program an SM (at most one a
     schedule unit), for the calls ``uses_gluon`` accepts."""
     n_m = cdiv(spec.seq_q, gluon_forward.TILE_M)
     causal = spec.window is not None
     pairs = causal and n_m > 1  # (Triton 3.6 fails to compile the pairs' code where seq_q is the constant 1)
     units = spec.batch * spec.heads_q * (cdiv(n_m, 2) if pairs else n_m)
     return LaunchPlan(
-        kernel=gluon_forward.flash_fwd_gluon_persistent_kernel,
+        kernel=gluon_forward.flash_fwd_gluon_kernel,
         grid=(min(units, facts.num_sms),),
         inputs=FEATURE_INPUTS, input_dtypes=feature_dtypes(spec),
         scalars=(("batch", spec.batch), ("seq_q", spec.seq_q), ("seq_k", spec.seq_k),
