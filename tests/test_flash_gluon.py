@@ -12,7 +12,7 @@ from tests.test_gpu_flash_attention import GRAD_TOLERANCE, _inputs, _run
 from triton_kernels import HOPPER
 from triton_kernels import flash_attention as fa
 from triton_kernels.flash_attention import gluon_backward, gluon_forward
-from triton_kernels.flash_attention.plan import (GLUON_DKDV_MIN_SEQ_K_D64, gluon_dkdv_plan, gluon_dq_plan,
+from triton_kernels.flash_attention.plan import (GLUON_BWD_MIN_SEQ_K_D64, gluon_dkdv_plan, gluon_dq_plan,
                                                 triton_forward_plan, uses_gluon, uses_gluon_dkdv, uses_gluon_dq)
 from triton_kernels.params import BwdParams, FwdParams
 
@@ -51,12 +51,13 @@ def test_other_calls_keep_the_triton_forward(options):
 @needs_gluon
 @pytest.mark.parametrize("seq_q, causal, units", [(300, False, 2 * 4 * 3), (300, True, 2 * 4 * 2),
                                                   (128, True, 2 * 4), (1, True, 2 * 4), (16384, False, 2 * 4 * 128)])
-def test_gluon_forward_runs_one_program_an_sm_at_most(seq_q, causal, units):
+def test_gluon_forward_and_dq_run_one_program_an_sm_at_most(seq_q, causal, units):
     """A program per schedule unit (a 128-row query tile, or with a causal mask a pair of them)
     up to the SM count; pairs only where a head has two tiles."""
-    plan = fa.forward_plan(_spec(seq_q=seq_q, seq_k=16384, causal=causal), HOPPER_GLUON)
-    assert plan.grid == (min(units, HOPPER_GLUON.num_sms),)
-    assert plan.constexpr_dict["PAIRS"] == (causal and seq_q > 128)
+    spec = _spec(seq_q=seq_q, seq_k=16384, causal=causal)
+    for plan in (fa.forward_plan(spec, HOPPER_GLUON), fa.backward_plans(spec, HOPPER_GLUON)[2]):
+        assert plan.is_gluon and plan.grid == (min(units, HOPPER_GLUON.num_sms),)
+        assert plan.constexpr_dict["PAIRS"] == (causal and seq_q > 128)
 
 
 def test_gluon_forward_needs_a_launcher_for_it_and_no_params():
@@ -85,17 +86,17 @@ def test_head_dim_128_backward_takes_the_gluon_dkdv_and_dq(options):
 
 
 @needs_gluon
-@pytest.mark.parametrize("seq_k", [GLUON_DKDV_MIN_SEQ_K_D64, 16384])
-def test_head_dim_64_backward_takes_the_gluon_dkdv_from_its_own_length(seq_k):
+@pytest.mark.parametrize("seq_k", [GLUON_BWD_MIN_SEQ_K_D64, 16384])
+def test_head_dim_64_backward_takes_the_gluon_kernels_from_its_own_length(seq_k):
     spec = _spec(head_dim=64, seq_k=seq_k)
     _, dkdv, dq = fa.backward_plans(spec, HOPPER_GLUON)
     assert dkdv.is_gluon and uses_gluon_dkdv(spec, HOPPER_GLUON)
-    assert not dq.is_gluon and not uses_gluon_dq(spec, HOPPER_GLUON)  # the Gluon dq is no faster at head_dim 64
+    assert dq.is_gluon and uses_gluon_dq(spec, HOPPER_GLUON)
     assert fa.forward_plan(spec, HOPPER_GLUON).is_gluon
 
 
 def test_short_head_dim_64_backward_keeps_the_triton_kernels():
-    spec = _spec(head_dim=64, seq_k=GLUON_DKDV_MIN_SEQ_K_D64 - 1)
+    spec = _spec(head_dim=64, seq_k=GLUON_BWD_MIN_SEQ_K_D64 - 1)
     assert not uses_gluon_dkdv(spec, HOPPER_GLUON)
     assert not any(plan.is_gluon for plan in fa.backward_plans(spec, HOPPER_GLUON))
 
@@ -183,9 +184,10 @@ GLUON_CASES = [
     ((1, 1, 1000, 2, 1, 128), dict(causal=True)),
     ((1, 300, 8200, 8, 1, 64), dict(causal=True, softmax_scale=0.3)),
     ((1, 77, 8192, 2, 2, 64), {}),
-    ((1, 200, 5000, 4, 2, 64), dict(causal=True)),  # the Gluon dk/dv beside the Triton dq
+    ((1, 200, 5000, 4, 2, 64), dict(causal=True)),
     # More schedule units than an H100 has SMs, so programs loop: causal pairs with an odd tile
-    # count (the middle tile alone), pairs with seq_q < seq_k, and single tiles.
+    # count (the middle tile alone; the Triton backward beside the Gluon forward), pairs with
+    # seq_q < seq_k, and single tiles.
     ((3, 1100, 1100, 16, 4, 64), dict(causal=True)),
     ((3, 700, 1500, 16, 2, 128), dict(causal=True)),
     ((4, 600, 1500, 16, 8, 128), {}),
@@ -224,9 +226,8 @@ def test_gluon_kernels_correct_and_bitwise_across_frameworks(torch_fw, jax_fw, r
     arrays, _ = _inputs(rng, shape, None, False)
     spec = fa.dense_spec(*(a.shape for a in arrays), (dtype,) * 3, **options)
     for facts in (_torch_facts(), jax_device_facts()):
-        assert uses_gluon_dkdv(spec, facts)
         assert uses_gluon(spec, facts)
-        assert uses_gluon_dq(spec, facts) == (shape[-1] == 128)
+        assert uses_gluon_dq(spec, facts) == uses_gluon_dkdv(spec, facts) == (shape[-1] == 128 or shape[2] >= 4096)
     cot = rng.standard_normal(shape[:2] + (shape[3], shape[5]))
     torch_results, values = _run(torch_fw, arrays, None, options, dtype, cot)
     jax_results, _ = _run(jax_fw, arrays, None, options, dtype, cot)

@@ -140,7 +140,7 @@ def test_autotune_on_gpu_torch_tunes_jax_reads(torch_fw, jax_fw, rng, tmp_path, 
         monkeypatch.setattr(cc, "_caches_by_env", {})
         tuning.clear_memo()
         if fresh:
-            shape = (2, 512, 512, 4, 2, 64)
+            shape = (2, 512, 512, 4, 2, 32)  # head_dim 32: the Triton kernels (the Gluon ones are not tuned)
             arrays, _ = _inputs(rng, shape, None, False)
             cot = rng.standard_normal(shape[:2] + (shape[3], shape[5]))
             tuned, values = _run(torch_fw, arrays, None, dict(causal=True, autotune=True), "bfloat16", cot)

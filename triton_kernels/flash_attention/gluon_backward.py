@@ -8,7 +8,9 @@ that stays in shared memory.
 - dq (``flash_bwd_dq_gluon_kernel``) has the forward's shape: a query tile stays while key and
   value blocks stream past. Per key block a consumer computes S = Q K^T and dP = dO V^T, then
   dS = P * (dP - delta) with P recomputed from the saved log-sum-exp, and adds dS K to dq. The
-  dS K product of block j-1 stays in flight while the consumer computes dS of block j.
+  dS K product of block j-1 stays in flight while the consumer computes dS of block j. Like
+  the forward it is persistent (a program per SM walks the forward's schedule units), with two
+  buffers of q and dO so the next tile's load overlaps the current tile's end.
 - dk/dv (``flash_bwd_dkdv_gluon_kernel``) turns it around: a 128-key tile of K and V stays while
   the query, dO, lse and delta blocks of every query head of its group stream past. A consumer
   works on transposed tiles (its 64 keys down, 64 queries across): S^T = K Q^T and
@@ -45,25 +47,9 @@ if AVAILABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-    from .gluon_forward import _barriers, _block_counts, _rings, _tma_load
+    from .gluon_forward import _barriers, _batch_heads, _block_counts, _kv_blocks, _rings, _tma_load, _unit_tile
 
     LOG2E = gl.constexpr(1.4426950408889634)
-
-    @gluon.jit
-    def _kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_blocks,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """Stream key/value blocks 0..n_blocks-1 through the ring of shared-memory stages: a stage is
-        refilled once its consumers have arrived on its "empty" barrier."""
-        for j in range(n_blocks):
-            stage = j % STAGES
-            # A fresh mbarrier counts its phase 1 as complete: the first pass through the ring does not wait.
-            phase = ((j // STAGES) & 1) ^ 1
-            mbarrier.wait(k_empty.index(stage), phase)
-            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
-            mbarrier.wait(v_empty.index(stage), phase)
-            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
 
     @gluon.jit
     def _load_halves(desc, smem, bar, m0):
@@ -71,14 +57,6 @@ if AVAILABLE:
         half: gl.constexpr = desc.block_type.shape[0]
         _tma_load(desc, [m0, 0], bar, smem.index(0))
         _tma_load(desc, [m0 + half, 0], bar, smem.index(1))
-
-    @gluon.jit
-    def _program_tile(TILE_M: gl.constexpr, CAUSAL: gl.constexpr):
-        """(first query row, head, batch row) of this program. Heavy causal tiles (the last ones)
-        run first, so that they do not finish the launch alone."""
-        n_tiles = gl.num_programs(0)
-        tile = (n_tiles - 1 - gl.program_id(0)) if CAUSAL else gl.program_id(0)
-        return tile * TILE_M, gl.program_id(1), gl.program_id(2).to(gl.int64)
 
     @gluon.jit
     def _head_rows(ptr, b, head, seq, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr,
@@ -90,12 +68,32 @@ if AVAILABLE:
                                           [BLOCK, HEAD_DIM], layout)
 
     @gluon.jit
-    def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                   k_empty, v_empty, m0, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
-        _load_halves(q_desc, q_smem, q_bar, m0)
-        _load_halves(do_desc, do_smem, q_bar, m0)
-        _kv_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_blocks, BLOCK_N, STAGES)
+    def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                   v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q: gl.constexpr,
+                   GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
+        """The forward's loader (``gluon_forward._loader``), with dO beside q."""
+        TILE_M: gl.constexpr = 2 * q_smem.shape[1]
+        UNIT: gl.constexpr = 2 if PAIRS else 1
+        ring = 0
+        tiles = 0
+        for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
+            for half in gl.static_range(UNIT):
+                m0, h, b, exists = _unit_tile(unit, half, n_m, per_head, HEADS_Q, TILE_M, PAIRS)
+                if exists:
+                    n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
+                    buf = tiles % 2
+                    mbarrier.wait(q_empty.index(buf), ((tiles // 2) & 1) ^ 1)
+                    bar = q_ready.index(buf)
+                    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
+                    for i in gl.static_range(2):
+                        _tma_load(q_desc, [b, m0 + i * (TILE_M // 2), h * HEAD_DIM], bar, q_smem.index(2 * buf + i))
+                        _tma_load(do_desc, [b, m0 + i * (TILE_M // 2), h * HEAD_DIM], bar,
+                                  do_smem.index(2 * buf + i))
+                    _kv_blocks(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b,
+                               (h // GROUP) * HEAD_DIM, n_blocks, ring, BLOCK_N, STAGES)
+                    ring += n_blocks
+                    tiles += 1
 
     @gluon.jit
     def _dlogits(s, dp, lse2, delta, logit_scale, row0, col0, seq_k, causal_offset, s_layout: gl.constexpr,
@@ -113,37 +111,33 @@ if AVAILABLE:
         return p * (dp - delta[:, None])
 
     @gluon.jit
-    def _dq_consumer(dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                     k_empty, v_empty, logit_scale, sm_scale, m0, seq_q, seq_k, n_blocks, first_masked, dq_base,
-                     lse_base, WG: gl.constexpr, HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-        ROWS: gl.constexpr = q_smem.shape[1]
+    def _dq_tile(q, do, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, lse2, delta, logit_scale, row0,
+                 seq_q, seq_k, n_blocks, first_masked, ring, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """dq (unscaled) of one warpgroup's 64 query rows (``q`` and ``do`` in shared memory) over key
+        blocks 0..n_blocks-1, read from the ring from position ``ring`` on. Arrives on ``q_empty``
+        once the last S and dP are done with ``q`` and ``do``."""
+        ROWS: gl.constexpr = q.shape[0]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
         ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
-        dtype: gl.constexpr = q_smem.dtype
+        dtype: gl.constexpr = q.dtype
 
-        q = q_smem.index(WG)
-        do = do_smem.index(WG)
-        row0 = m0 + WG * ROWS
         causal_offset = seq_k - seq_q
-        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-        # Rows past seq_q read lse = delta = 0 (their q and dO rows are TMA zeros, so dS is 0).
-        lse2 = gl.load(lse_ptr + lse_base + rows, mask=rows < seq_q, other=0.0) * LOG2E
-        delta = gl.load(delta_ptr + lse_base + rows, mask=rows < seq_q, other=0.0)
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
         dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, dq_layout)
 
         # Block 0: S and dP only; its dS K is issued together with S and dP of block 1.
-        mbarrier.wait(q_bar, 0)
-        mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(0), 0)
-        dp = warpgroup_mma(do, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        stage = ring % STAGES
+        phase = (ring // STAGES) & 1
+        mbarrier.wait(k_ready.index(stage), phase)
+        s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(stage), phase)
+        dp = warpgroup_mma(do, v_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
-        mbarrier.arrive(v_empty.index(0), count=1)
+        mbarrier.arrive(v_empty.index(stage), count=1)
         if first_masked == 0:
             ds = _dlogits(s, dp, lse2, delta, logit_scale, row0, 0, seq_k, causal_offset, s_layout, BLOCK_N, True,
                           CAUSAL)
@@ -153,9 +147,10 @@ if AVAILABLE:
         ds_op = gl.convert_layout(ds.to(dtype), ds_layout)
 
         for j in range(1, n_blocks):
-            stage = j % STAGES
-            prev = (j - 1) % STAGES
-            phase = (j // STAGES) & 1
+            c = ring + j
+            stage = c % STAGES
+            prev = (c - 1) % STAGES
+            phase = (c // STAGES) & 1
             mbarrier.wait(k_ready.index(stage), phase)
             s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(stage), phase)
@@ -174,56 +169,97 @@ if AVAILABLE:
             dq = warpgroup_mma_wait(0, deps=(dq,))
             mbarrier.arrive(k_empty.index(prev), count=1)
             ds_op = gl.convert_layout(ds.to(dtype), ds_layout)
+        mbarrier.arrive(q_empty, count=1)
 
-        last = (n_blocks - 1) % STAGES
+        last = (ring + n_blocks - 1) % STAGES
         dq = warpgroup_mma(ds_op, k_smem.index(last), dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq,))
         mbarrier.arrive(k_empty.index(last), count=1)
+        return dq
 
-        out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq_layout))
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
-        ptrs = dq_ptr + dq_base + out_rows.to(gl.int64)[:, None] * (HEADS_Q * HEAD_DIM) + cols[None, :]
-        gl.store(ptrs, (dq * sm_scale).to(dtype), mask=(out_rows < seq_q)[:, None])
+    @gluon.jit
+    def _dq_consumer(dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                     k_empty, v_empty, logit_scale, sm_scale, seq_q, seq_k, n_m, per_head, n_units,
+                     WG: gl.constexpr, HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
+        """Warpgroup ``WG``'s 64 rows of dq for each of this program's tiles, in the loader's order."""
+        ROWS: gl.constexpr = q_smem.shape[1]
+        TILE_M: gl.constexpr = 2 * ROWS
+        UNIT: gl.constexpr = 2 if PAIRS else 1
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_DIM, 16])
+        ring = 0
+        tiles = 0
+        for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
+            for half in gl.static_range(UNIT):
+                m0, h, b, exists = _unit_tile(unit, half, n_m, per_head, HEADS_Q, TILE_M, PAIRS)
+                if exists:
+                    n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
+                    b64 = b.to(gl.int64)
+                    row0 = m0 + WG * ROWS
+                    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+                    # Rows past seq_q read lse = delta = 0 (their q and dO rows are TMA zeros, so dS is 0).
+                    lse_base = (b64 * HEADS_Q + h) * seq_q
+                    lse2 = gl.load(lse_ptr + lse_base + rows, mask=rows < seq_q, other=0.0) * LOG2E
+                    delta = gl.load(delta_ptr + lse_base + rows, mask=rows < seq_q, other=0.0)
+                    buf = tiles % 2
+                    mbarrier.wait(q_ready.index(buf), (tiles // 2) & 1)
+                    dq = _dq_tile(q_smem.index(2 * buf + WG), do_smem.index(2 * buf + WG), k_smem, v_smem, k_ready,
+                                  v_ready, k_empty, v_empty, q_empty.index(buf), lse2, delta, logit_scale, row0, seq_q,
+                                  seq_k, n_blocks, first_masked, ring, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)
+                    out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq_layout))
+                    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+                    ptrs = (dq_ptr + b64 * seq_q * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM
+                            + out_rows.to(gl.int64)[:, None] * (HEADS_Q * HEAD_DIM) + cols[None, :])
+                    gl.store(ptrs, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=(out_rows < seq_q)[:, None])
+                    ring += n_blocks
+                    tiles += 1
 
-    @gluon.jit(do_not_specialize_on_alignment=RUNTIME_INTS)
+    @gluon.jit(do_not_specialize_on_alignment=RUNTIME_INTS + ["batch"])
     def flash_bwd_dq_gluon_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_ptr, cu_k_ptr, seed_ptr,
                                   do_ptr, lse_ptr, delta_ptr,
-                                  seq_q, seq_k, logit_scale, sm_scale,
+                                  batch, seq_q, seq_k, logit_scale, sm_scale,
                                   dq_ptr,
                                   HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
-                                  CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """dq of one 128-row query tile of one (head, batch row). Takes the inputs of
-        ``flash_bwd_dq_kernel`` (the nine feature arrays, dO, the natural lse and delta) and reads
-        q, k, v, dO, lse and delta; ``logit_scale`` is the softmax scale times log2(e)."""
+                                  CAUSAL: gl.constexpr, PAIRS: gl.constexpr, BLOCK_N: gl.constexpr,
+                                  STAGES: gl.constexpr):
+        """dq of 128-row query tiles, a persistent program per SM walking the forward's schedule
+        units (``gluon_forward._unit_tile``). Takes the inputs of ``flash_bwd_dq_kernel`` (the nine
+        feature arrays, dO, the natural lse and delta) and reads q, k, v, dO, lse and delta;
+        ``logit_scale`` is the softmax scale times log2(e)."""
         ROWS: gl.constexpr = 64
         TILE_M: gl.constexpr = 2 * ROWS
         dtype: gl.constexpr = q_ptr.dtype.element_ty
-        m0, h, b = _program_tile(TILE_M, CAUSAL)
-        h_kv = h // (HEADS_Q // HEADS_KV)
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        q_desc = _head_rows(q_ptr, b, h, seq_q, HEADS_Q, HEAD_DIM, ROWS, q_layout)
-        do_desc = _head_rows(do_ptr, b, h, seq_q, HEADS_Q, HEAD_DIM, ROWS, q_layout)
-        k_desc = _head_rows(k_ptr, b, h_kv, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N, kv_layout)
-        v_desc = _head_rows(v_ptr, b, h_kv, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N, kv_layout)
+        q3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, ROWS, HEAD_DIM], dtype)
+        kv3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, HEAD_DIM], dtype)
+        q_desc = _batch_heads(q_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS, q3_layout)
+        do_desc = _batch_heads(do_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS, q3_layout)
+        k_desc = _batch_heads(k_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N, kv3_layout)
+        v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N, kv3_layout)
 
-        q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
-        do_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
-        q_bar = _barriers(1, 1)
+        q_smem = gl.allocate_shared_memory(dtype, [4, ROWS, HEAD_DIM], q_layout)  # two tiles' two halves
+        do_smem = gl.allocate_shared_memory(dtype, [4, ROWS, HEAD_DIM], q_layout)
+        q_ready = _barriers(2, 1)
+        q_empty = _barriers(2, 2)
         k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _rings(dtype, STAGES, BLOCK_N, HEAD_DIM, kv_layout)
 
-        n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
-        q_base = b * seq_q * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM  # dq's (b, h) slice
-        lse_base = (b * HEADS_Q + h) * seq_q
+        n_m = gl.cdiv(seq_q, TILE_M)
+        per_head = (n_m + 1) // 2 if PAIRS else n_m
+        n_units = batch * HEADS_Q * per_head
         gl.warp_specialize([
-            (_dq_consumer, (dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar.index(0), k_ready,
-                            v_ready, k_empty, v_empty, logit_scale, sm_scale, m0, seq_q, seq_k, n_blocks,
-                            first_masked, q_base, lse_base, 0, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-            (_dq_consumer, (dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar.index(0), k_ready,
-                            v_ready, k_empty, v_empty, logit_scale, sm_scale, m0, seq_q, seq_k, n_blocks,
-                            first_masked, q_base, lse_base, 1, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-            (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar.index(0), k_ready,
-                          v_ready, k_empty, v_empty, m0, n_blocks, BLOCK_N, STAGES)),
+            (_dq_consumer, (dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                            v_ready, k_empty, v_empty, logit_scale, sm_scale, seq_q, seq_k, n_m, per_head, n_units,
+                            0, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
+            (_dq_consumer, (dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                            v_ready, k_empty, v_empty, logit_scale, sm_scale, seq_q, seq_k, n_m, per_head, n_units,
+                            1, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
+            (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                          v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q,
+                          HEADS_Q // HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
         ], [4, 1], [232, 24])
 
     # -- dk/dv -------------------------------------------------------------------------------------

@@ -226,6 +226,24 @@ if AVAILABLE:
         return m * TILE_M, bh % HEADS_Q, bh // HEADS_Q, exists
 
     @gluon.jit
+    def _kv_blocks(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, col, n_blocks, ring,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """Key/value blocks 0..n_blocks-1 of batch row ``b`` (the head at column ``col``) into the
+        ring from position ``ring`` on: a stage is refilled once both consumers have arrived on its
+        "empty" barrier."""
+        for j in range(n_blocks):
+            c = ring + j
+            stage = c % STAGES
+            # A fresh mbarrier counts its phase 1 as complete: the first pass through the ring does not wait.
+            phase = ((c // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(stage), phase)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [b, j * BLOCK_N, col], k_ready.index(stage), k_smem.index(stage))
+            mbarrier.wait(v_empty.index(stage), phase)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [b, j * BLOCK_N, col], v_ready.index(stage), v_smem.index(stage))
+
+    @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                 seq_q, seq_k, n_m, per_head, n_units, HEADS_Q: gl.constexpr, GROUP: gl.constexpr,
                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -247,17 +265,8 @@ if AVAILABLE:
                     _tma_load(q_desc, [b, m0, h * HEAD_DIM], q_ready.index(buf), q_smem.index(2 * buf))
                     _tma_load(q_desc, [b, m0 + TILE_M // 2, h * HEAD_DIM], q_ready.index(buf),
                               q_smem.index(2 * buf + 1))
-                    col = (h // GROUP) * HEAD_DIM
-                    for j in range(n_blocks):
-                        c = ring + j
-                        stage = c % STAGES
-                        phase = ((c // STAGES) & 1) ^ 1
-                        mbarrier.wait(k_empty.index(stage), phase)
-                        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-                        _tma_load(k_desc, [b, j * BLOCK_N, col], k_ready.index(stage), k_smem.index(stage))
-                        mbarrier.wait(v_empty.index(stage), phase)
-                        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-                        _tma_load(v_desc, [b, j * BLOCK_N, col], v_ready.index(stage), v_smem.index(stage))
+                    _kv_blocks(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b,
+                               (h // GROUP) * HEAD_DIM, n_blocks, ring, BLOCK_N, STAGES)
                     ring += n_blocks
                     tiles += 1
 

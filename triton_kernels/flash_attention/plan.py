@@ -99,9 +99,11 @@ def forward_plan(spec: FlashSpec, facts: DeviceFacts, params: FwdParams | None =
     return triton_forward_plan(spec, facts, params)
 
 
-# The Gluon dk/dv kernel at head_dim 64 (benchmarks/results/probe_flash_gluon_dkdv-nvidia-h100-80gb-hbm3.json):
-# 0.84-0.96x the Triton kernel's time at seq 4096, 0.98-1.00x at 2048, 1.14x at 1024.
-GLUON_DKDV_MIN_SEQ_K_D64 = 4096
+# The Gluon backward kernels at head_dim 64, against the Triton ones (H100, bf16): dk/dv takes 0.84-0.96x
+# their time at seq 4096, 0.98-1.00x at 2048, 1.14x at 1024 (probe_flash_gluon_dkdv-nvidia-h100-80gb-hbm3.json);
+# the persistent dq 0.91-0.93x from 4096, 0.96-0.97x at 2048, 1.00-1.06x at 1024
+# (probe_flash_gluon_dq-persistent-nvidia-h100-80gb-hbm3.json). At head_dim 128 both win from seq 1024.
+GLUON_BWD_MIN_SEQ_K_D64 = 4096
 
 
 def _gluon_covers(spec: FlashSpec, facts: DeviceFacts) -> bool:
@@ -127,25 +129,31 @@ def uses_gluon(spec: FlashSpec, facts: DeviceFacts) -> bool:
 @functools.lru_cache(maxsize=512)
 def uses_gluon_dkdv(spec: FlashSpec, facts: DeviceFacts) -> bool:
     """Whether ``backward_plans`` (without params) picks the Gluon dk/dv kernel."""
-    return _gluon_covers(spec, facts) and (spec.head_dim == 128 or spec.seq_k >= GLUON_DKDV_MIN_SEQ_K_D64)
+    return _gluon_covers(spec, facts) and (spec.head_dim == 128 or spec.seq_k >= GLUON_BWD_MIN_SEQ_K_D64)
+
+
+def _persistent_schedule(spec: FlashSpec, facts: DeviceFacts) -> tuple[tuple[int], bool]:
+    """(grid, PAIRS) of the persistent Gluon kernels (forward, dq): a program an SM, at most one a
+    schedule unit (a query tile, or with a causal mask a pair of them: ``gluon_forward._unit_tile``)."""
+    n_m = cdiv(spec.seq_q, gluon_forward.TILE_M)
+    # Pairs where a head has two tiles (Triton 3.6 fails to compile their code where seq_q is the constant 1).
+    pairs = spec.window is not None and n_m > 1
+    units = spec.batch * spec.heads_q * (cdiv(n_m, 2) if pairs else n_m)
+    return (min(units, facts.num_sms),), pairs
 
 
 def gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
-    """``gluon_forward.flash_fwd_gluon_kernel``'s plan: one program an SM (at most one a
-    schedule unit), for the calls ``uses_gluon`` accepts."""
-    n_m = cdiv(spec.seq_q, gluon_forward.TILE_M)
-    causal = spec.window is not None
-    pairs = causal and n_m > 1  # (Triton 3.6 fails to compile the pairs' code where seq_q is the constant 1)
-    units = spec.batch * spec.heads_q * (cdiv(n_m, 2) if pairs else n_m)
+    """``gluon_forward.flash_fwd_gluon_kernel``'s plan, for the calls ``uses_gluon`` accepts."""
+    grid, pairs = _persistent_schedule(spec, facts)
     return LaunchPlan(
         kernel=gluon_forward.flash_fwd_gluon_kernel,
-        grid=(min(units, facts.num_sms),),
+        grid=grid,
         inputs=FEATURE_INPUTS, input_dtypes=feature_dtypes(spec),
         scalars=(("batch", spec.batch), ("seq_q", spec.seq_q), ("seq_k", spec.seq_k),
                  ("logit_scale", fp32(spec.softmax_scale * LOG2E))),
         outputs=(Output("o_ptr", spec.q_shape, spec.dtype), Output("lse_ptr", spec.lse_shape, "float32")),
         constexprs=(("HEADS_Q", spec.heads_q), ("HEADS_KV", spec.heads_kv), ("HEAD_DIM", spec.head_dim),
-                    ("CAUSAL", causal), ("PAIRS", pairs), ("BLOCK_N", gluon_forward.BLOCK_N),
+                    ("CAUSAL", spec.window is not None), ("PAIRS", pairs), ("BLOCK_N", gluon_forward.BLOCK_N),
                     ("STAGES", gluon_forward.forward_stages(spec.head_dim))),
         num_warps=4, num_stages=1, maxnreg=gluon_forward.MAXNREG,
     )
@@ -153,28 +161,32 @@ def gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
 
 @functools.lru_cache(maxsize=512)
 def uses_gluon_dq(spec: FlashSpec, facts: DeviceFacts) -> bool:
-    """Whether ``backward_plans`` (without params) picks the Gluon dq kernel: where the Gluon
-    forward runs, at head_dim 128. On an H100 (bf16, 16k tokens a batch,
-    benchmarks/results/probe_flash_gluon_dq-nvidia-h100-80gb-hbm3.json) it takes 0.72-0.81x the
-    Triton dq kernel's time from seq 4096 and 0.93-1.06x at 1024; at head_dim 64 it is no faster
-    (0.96-1.07x from seq 4096, 1.3-1.6x at 1024)."""
-    return spec.head_dim == 128 and uses_gluon(spec, facts)
+    """Whether ``backward_plans`` (without params) picks the Gluon dq kernel: where it picks the
+    Gluon dk/dv. On an H100 (bf16, 16k tokens a batch,
+    benchmarks/results/probe_flash_gluon_dq-persistent-nvidia-h100-80gb-hbm3.json) the persistent
+    dq takes 0.71-0.81x the Triton dq kernel's time at head_dim 128 from seq 1024, and at 64
+    0.91-0.93x from seq 4096 (0.96-1.06x below)."""
+    return uses_gluon_dkdv(spec, facts)
 
 
-def _gluon_backward_plan(spec: FlashSpec, kernel, grid: tuple[int, int, int], outputs: tuple[Output, ...],
-                         block: tuple[str, int], stages: int) -> LaunchPlan:
+def _gluon_backward_plan(spec: FlashSpec, kernel, grid: tuple[int, ...], outputs: tuple[Output, ...],
+                         block: tuple[str, int], stages: int, pairs: bool | None = None) -> LaunchPlan:
     """A Gluon backward kernel's plan: the inputs of the Triton backward plans, the scalars the
-    Gluon kernels read, and ``block`` (the streamed block's constexpr) with ``stages``."""
+    Gluon kernels read, and ``block`` (the streamed block's constexpr) with ``stages``. A
+    persistent kernel (dq) also takes the batch and ``pairs`` (``_persistent_schedule``)."""
     _check_grid(spec)
+    persistent = pairs is not None
     return LaunchPlan(
         kernel=kernel, grid=grid,
         inputs=FEATURE_INPUTS + ("do_ptr", "lse_ptr", "delta_ptr"),
         input_dtypes=feature_dtypes(spec) + (spec.dtype, "float32", "float32"),
-        scalars=(("seq_q", spec.seq_q), ("seq_k", spec.seq_k), ("logit_scale", fp32(spec.softmax_scale * LOG2E)),
-                 ("sm_scale", fp32(spec.softmax_scale))),
+        scalars=((("batch", spec.batch),) if persistent else ()) + (
+            ("seq_q", spec.seq_q), ("seq_k", spec.seq_k), ("logit_scale", fp32(spec.softmax_scale * LOG2E)),
+            ("sm_scale", fp32(spec.softmax_scale))),
         outputs=outputs,
         constexprs=(("HEADS_Q", spec.heads_q), ("HEADS_KV", spec.heads_kv), ("HEAD_DIM", spec.head_dim),
-                    ("CAUSAL", spec.window is not None), block, ("STAGES", stages)),
+                    ("CAUSAL", spec.window is not None))
+        + ((("PAIRS", pairs),) if persistent else ()) + (block, ("STAGES", stages)),
         num_warps=4, num_stages=1, maxnreg=gluon_backward.MAXNREG,
     )
 
@@ -182,10 +194,10 @@ def _gluon_backward_plan(spec: FlashSpec, kernel, grid: tuple[int, int, int], ou
 def gluon_dq_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
     """``gluon_backward.flash_bwd_dq_gluon_kernel``'s plan: the inputs and output of the dq plan
     of ``backward_plans``, for calls that ``uses_gluon`` accepts."""
-    grid = (cdiv(spec.seq_q, gluon_forward.TILE_M), spec.heads_q, spec.batch)
+    grid, pairs = _persistent_schedule(spec, facts)
     return _gluon_backward_plan(spec, gluon_backward.flash_bwd_dq_gluon_kernel, grid,
                                 (Output("dq_ptr", spec.q_shape, spec.dtype),), ("BLOCK_N", gluon_backward.BLOCK_N),
-                                gluon_backward.STAGES)
+                                gluon_backward.STAGES, pairs)
 
 
 def gluon_dkdv_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
