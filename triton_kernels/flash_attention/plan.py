@@ -120,8 +120,8 @@ def _gluon_covers(spec: FlashSpec, facts: DeviceFacts) -> bool:
 @functools.lru_cache(maxsize=512)
 def uses_gluon(spec: FlashSpec, facts: DeviceFacts) -> bool:
     """Whether ``forward_plan`` (without params) picks the Gluon kernel: wherever it covers the
-    call. The Gluon forward takes 0.74-0.80x flash_fwd_kernel's time at head_dim 128
-    and 0.90-0.99x at 64, from seq 1024 to 16384 (H100, bf16, 16k tokens a batch;
+    call. The Gluon forward takes 0.74-0.91x flash_fwd_kernel's time at head_dim 128
+    and 0.89-0.97x at 64, from seq 1024 to 16384 (H100, bf16, 16k tokens a batch;
     benchmarks/results/probe_flash_gluon_fwd-nvidia-h100-80gb-hbm3.json)."""
     return _gluon_covers(spec, facts)
 
