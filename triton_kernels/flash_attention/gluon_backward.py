@@ -47,13 +47,13 @@ if AVAILABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-    from .gluon_forward import _barriers, _batch_heads, _block_counts, _kv_blocks, _rings, _tma_load, _unit_tile
+    from .gluon_forward import _barriers, _batch_heads, _block_counts, _loader, _rings, _tma_load, _unit_tile
 
     LOG2E = gl.constexpr(1.4426950408889634)
 
     @gluon.jit
     def _load_halves(desc, smem, bar, m0):
-        """Both 64-row halves of the query tile at ``m0`` (one per consumer), signalling ``bar``."""
+        """Both 64-row halves of the tile at ``m0`` (one per consumer), signalling ``bar``."""
         half: gl.constexpr = desc.block_type.shape[0]
         _tma_load(desc, [m0, 0], bar, smem.index(0))
         _tma_load(desc, [m0 + half, 0], bar, smem.index(1))
@@ -66,34 +66,6 @@ if AVAILABLE:
         stride: gl.constexpr = HEADS * HEAD_DIM
         return tma.make_tensor_descriptor(ptr + b * seq * stride + head * HEAD_DIM, [seq, HEAD_DIM], [stride, 1],
                                           [BLOCK, HEAD_DIM], layout)
-
-    @gluon.jit
-    def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                   v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q: gl.constexpr,
-                   GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
-        """The forward's loader (``gluon_forward._loader``), with dO beside q."""
-        TILE_M: gl.constexpr = 2 * q_smem.shape[1]
-        UNIT: gl.constexpr = 2 if PAIRS else 1
-        ring = 0
-        tiles = 0
-        for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
-            for half in gl.static_range(UNIT):
-                m0, h, b, exists = _unit_tile(unit, half, n_m, per_head, HEADS_Q, TILE_M, PAIRS)
-                if exists:
-                    n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
-                    buf = tiles % 2
-                    mbarrier.wait(q_empty.index(buf), ((tiles // 2) & 1) ^ 1)
-                    bar = q_ready.index(buf)
-                    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
-                    for i in gl.static_range(2):
-                        _tma_load(q_desc, [b, m0 + i * (TILE_M // 2), h * HEAD_DIM], bar, q_smem.index(2 * buf + i))
-                        _tma_load(do_desc, [b, m0 + i * (TILE_M // 2), h * HEAD_DIM], bar,
-                                  do_smem.index(2 * buf + i))
-                    _kv_blocks(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b,
-                               (h // GROUP) * HEAD_DIM, n_blocks, ring, BLOCK_N, STAGES)
-                    ring += n_blocks
-                    tiles += 1
 
     @gluon.jit
     def _dlogits(s, dp, lse2, delta, logit_scale, row0, col0, seq_k, causal_offset, s_layout: gl.constexpr,
@@ -257,9 +229,9 @@ if AVAILABLE:
             (_dq_consumer, (dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                             v_ready, k_empty, v_empty, logit_scale, sm_scale, seq_q, seq_k, n_m, per_head, n_units,
                             1, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
-            (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                          v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q,
-                          HEADS_Q // HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
+            (_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                       v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q, HEADS_Q // HEADS_KV,
+                       HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS, True)),
         ], [4, 1], [232, 24])
 
     # -- dk/dv -------------------------------------------------------------------------------------

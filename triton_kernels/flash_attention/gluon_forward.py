@@ -244,12 +244,13 @@ if AVAILABLE:
             _tma_load(v_desc, [b, j * BLOCK_N, col], v_ready.index(stage), v_smem.index(stage))
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                seq_q, seq_k, n_m, per_head, n_units, HEADS_Q: gl.constexpr, GROUP: gl.constexpr,
+    def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q: gl.constexpr, GROUP: gl.constexpr,
                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                PAIRS: gl.constexpr):
-        """This program's tiles in turn: a tile's query halves into the free one of two buffers,
-        then its key/value blocks through the ring (``ring`` counts the blocks streamed so far)."""
+                PAIRS: gl.constexpr, WITH_DO: gl.constexpr):
+        """This program's tiles in turn: a tile's query halves (and with ``WITH_DO``, for dq, its dO
+        halves) into the free one of two buffers, then its key/value blocks through the ring
+        (``ring`` counts the blocks streamed so far). The forward passes q's for dO's arguments."""
         TILE_M: gl.constexpr = 2 * q_smem.shape[1]
         UNIT: gl.constexpr = 2 if PAIRS else 1
         ring = 0
@@ -261,10 +262,13 @@ if AVAILABLE:
                     n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
                     buf = tiles % 2
                     mbarrier.wait(q_empty.index(buf), ((tiles // 2) & 1) ^ 1)
-                    mbarrier.expect(q_ready.index(buf), 2 * q_desc.block_type.nbytes)
-                    _tma_load(q_desc, [b, m0, h * HEAD_DIM], q_ready.index(buf), q_smem.index(2 * buf))
-                    _tma_load(q_desc, [b, m0 + TILE_M // 2, h * HEAD_DIM], q_ready.index(buf),
-                              q_smem.index(2 * buf + 1))
+                    bar = q_ready.index(buf)
+                    mbarrier.expect(bar, (4 if WITH_DO else 2) * q_desc.block_type.nbytes)
+                    for i in gl.static_range(2):
+                        row = m0 + i * (TILE_M // 2)
+                        _tma_load(q_desc, [b, row, h * HEAD_DIM], bar, q_smem.index(2 * buf + i))
+                        if WITH_DO:
+                            _tma_load(do_desc, [b, row, h * HEAD_DIM], bar, do_smem.index(2 * buf + i))
                     _kv_blocks(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b,
                                (h // GROUP) * HEAD_DIM, n_blocks, ring, BLOCK_N, STAGES)
                     ring += n_blocks
@@ -347,7 +351,7 @@ if AVAILABLE:
             (_consumer, (o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                                     k_empty, v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, 1, HEADS_Q,
                                     HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                                  k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q,
-                                  HEADS_Q // HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
+            (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                       v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q, HEADS_Q // HEADS_KV,
+                       HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS, False)),
         ], [4, 1], [232, 24])
