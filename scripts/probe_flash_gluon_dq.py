@@ -74,6 +74,11 @@ def _probe(kind: str, head_dim: int, seq: int, causal: bool, group: int) -> list
         candidates = [("triton", triton_plan)] + [
             (f"gluon {block_name[-1].lower()}{n} s{s}", _variant(gluon_plan(spec, facts), block_name, n, s))
             for n, s in variants]
+        if kind == "dkdv":
+            from triton_kernels.flash_attention.plan import gluon_dkdv_persistent_plan
+
+            candidates += [(f"gluon persistent s{s}", _variant(gluon_dkdv_persistent_plan(spec, facts), "BLOCK_M", 64, s))
+                           for s in (2, 3)]
     want = launch(triton_plan, *grads_in)[:2]  # dq, or dk and dv, or out and lse
     rows = []
     for name, plan in candidates:

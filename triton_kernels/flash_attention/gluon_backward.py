@@ -397,3 +397,214 @@ if AVAILABLE:
                             lse_smem, delta_smem, kv_bar.index(0), q_ready, do_ready, q_empty, do_empty, n0, seq_q,
                             h_first, lse_first, j_lo, n_q, GROUP, BLOCK_M, STAGES)),
         ], [4, 1], [232, 24])
+
+    # -- persistent dk/dv (probe) ----------------------------------------------------------------------
+
+    @gluon.jit
+    def _query_stream(q_desc, do_desc, lse_ptr, delta_ptr, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
+                      q_empty, do_empty, b, h_first, lse_first, seq_q, j_lo, n_q, ring, GROUP: gl.constexpr,
+                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        """The query and dO blocks j_lo.. of each query head of a group (heads outer, as
+        ``flash_bwd_dkdv_kernel`` sums them) into the ring from position ``ring`` on. A stage also
+        holds its queries' base-2 lse and delta, copied by this warp: loaded per thread, they would
+        cost each consumer thread 16 pointers a vector (the columns it holds), and spill."""
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[2]
+        row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+        for t in range(GROUP * n_q):
+            row = (j_lo + t % n_q) * BLOCK_M
+            rows = row + gl.arange(0, BLOCK_M, layout=row_layout)
+            at = lse_first + (t // n_q) * seq_q + rows
+            # Queries past seq_q get lse = delta = 0; their q/dO rows are TMA zeros, so they add nothing.
+            lse2 = gl.load(lse_ptr + at, mask=rows < seq_q, other=0.0) * LOG2E
+            delta = gl.load(delta_ptr + at, mask=rows < seq_q, other=0.0)
+            col = (h_first + t // n_q) * HEAD_DIM
+            c = ring + t
+            stage = c % STAGES
+            phase = ((c // STAGES) & 1) ^ 1  # the first pass through the ring does not wait
+            mbarrier.wait(q_empty.index(stage), phase)
+            lse_smem.index(stage).store(lse2)
+            delta_smem.index(stage).store(delta)
+            # This arrival releases the stores above to the consumers that wait on the barrier.
+            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [b, row, col], q_ready.index(stage), q_smem.index(stage))
+            mbarrier.wait(do_empty.index(stage), phase)
+            mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+            _tma_load(do_desc, [b, row, col], do_ready.index(stage), do_smem.index(stage))
+
+    @gluon.jit
+    def _dkdv_persistent_loader(k_desc, v_desc, q_desc, do_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem,
+                                lse_smem, delta_smem, kv_ready, kv_empty, q_ready, do_ready, q_empty, do_empty,
+                                seq_q, seq_k, n_n, per_head, n_units, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr,
+                                BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                PAIRS: gl.constexpr):
+        """This program's key tiles in turn: a tile's K and V halves into the free one of two
+        buffers, then its query blocks through the ring (``ring`` counts the blocks so far)."""
+        HEAD_DIM: gl.constexpr = k_desc.block_type.shape[2]
+        ROWS: gl.constexpr = k_smem.shape[1]
+        TILE_N: gl.constexpr = 2 * ROWS
+        GROUP: gl.constexpr = HEADS_Q // HEADS_KV
+        UNIT: gl.constexpr = 2 if PAIRS else 1
+        ring = 0
+        tiles = 0
+        for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
+            for half in gl.static_range(UNIT):
+                n0, h_kv, b, exists = _unit_tile(unit, half, n_n, per_head, HEADS_KV, TILE_N, PAIRS)
+                if exists:
+                    j_lo, n_q, n_masked = _query_blocks(n0, seq_q, seq_k, TILE_N, BLOCK_M, CAUSAL)
+                    buf = tiles % 2
+                    mbarrier.wait(kv_empty.index(buf), ((tiles // 2) & 1) ^ 1)
+                    bar = kv_ready.index(buf)
+                    mbarrier.expect(bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+                    for i in gl.static_range(2):
+                        _tma_load(k_desc, [b, n0 + i * ROWS, h_kv * HEAD_DIM], bar, k_smem.index(2 * buf + i))
+                        _tma_load(v_desc, [b, n0 + i * ROWS, h_kv * HEAD_DIM], bar, v_smem.index(2 * buf + i))
+                    h_first = h_kv * GROUP
+                    lse_first = (b.to(gl.int64) * HEADS_Q + h_first) * seq_q
+                    _query_stream(q_desc, do_desc, lse_ptr, delta_ptr, q_smem, do_smem, lse_smem, delta_smem, q_ready,
+                                  do_ready, q_empty, do_empty, b, h_first, lse_first, seq_q, j_lo, n_q, ring, GROUP,
+                                  BLOCK_M, STAGES)
+                    ring += GROUP * n_q
+                    tiles += 1
+
+    @gluon.jit
+    def _dkdv_tile(k, v, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, q_empty, do_empty, kv_empty,
+                   logit_scale, key0, seq_q, seq_k, j_lo, n_q, n_masked, ring, GROUP: gl.constexpr,
+                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """dk (unscaled) and dv of one warpgroup's 64 keys (``k`` and ``v`` in shared memory) over the
+        query blocks of every head of the group, read from the ring from position ``ring`` on.
+        Works on transposed tiles (keys down, queries across): S^T = K Q^T and dP^T = V dO^T, so
+        P^T and dS^T are the register operands of dV += P^T dO and dK += dS^T Q without a
+        transpose. Arrives on ``kv_empty`` once the last products are done with ``k`` and ``v``."""
+        ROWS: gl.constexpr = k.shape[0]
+        HEAD_DIM: gl.constexpr = k.shape[1]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        dtype: gl.constexpr = q_smem.dtype
+
+        keys = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        causal_offset = seq_k - seq_q
+        s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
+        dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+        for t in range(GROUP * n_q):
+            i = t % n_q
+            c = ring + t
+            stage = c % STAGES
+            phase = (c // STAGES) & 1
+            mbarrier.wait(q_ready.index(stage), phase)
+            s = warpgroup_mma(k, q_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(do_ready.index(stage), phase)
+            dp = warpgroup_mma(v, do_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            lse2 = lse_smem.index(stage).load(gl.SliceLayout(0, s_layout))
+            s = warpgroup_mma_wait(1, deps=(s,))
+            p = gl.exp2(s * logit_scale - lse2[None, :])
+            if CAUSAL:
+                if i < n_masked:  # bottom-right aligned: query r sees keys up to r + seq_k - seq_q
+                    cols = (j_lo + i) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+                    p = gl.where(keys[:, None] <= cols[None, :] + causal_offset, p, 0.0)
+            p_op = gl.convert_layout(p.to(dtype), op_layout)
+            dv = warpgroup_mma(p_op, do_smem.index(stage), dv, is_async=True)
+            delta = delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))
+            dp = warpgroup_mma_wait(1, deps=(dp,))  # dV may stay in flight while dS is computed
+            ds_op = gl.convert_layout((p * (dp - delta[None, :])).to(dtype), op_layout)
+            dk = warpgroup_mma(ds_op, q_smem.index(stage), dk, is_async=True)
+            # The operands' registers feed the products in flight: keep them until both are done.
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
+            mbarrier.arrive(q_empty.index(stage), count=1)
+            mbarrier.arrive(do_empty.index(stage), count=1)
+        mbarrier.arrive(kv_empty, count=1)
+        return dk, dv
+
+    @gluon.jit
+    def _dkdv_persistent_consumer(dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready,
+                                  kv_empty, q_ready, do_ready, q_empty, do_empty, logit_scale, sm_scale, seq_q, seq_k,
+                                  n_n, per_head, n_units, WG: gl.constexpr, HEADS_Q: gl.constexpr,
+                                  HEADS_KV: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                                  CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
+        """Warpgroup ``WG``'s 64 keys of dk and dv for each of this program's key tiles, in the
+        loader's order."""
+        ROWS: gl.constexpr = k_smem.shape[1]
+        HEAD_DIM: gl.constexpr = k_smem.shape[2]
+        TILE_N: gl.constexpr = 2 * ROWS
+        GROUP: gl.constexpr = HEADS_Q // HEADS_KV
+        UNIT: gl.constexpr = 2 if PAIRS else 1
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        dtype: gl.constexpr = q_smem.dtype
+        ring = 0
+        tiles = 0
+        for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
+            for half in gl.static_range(UNIT):
+                n0, h_kv, b, exists = _unit_tile(unit, half, n_n, per_head, HEADS_KV, TILE_N, PAIRS)
+                if exists:
+                    j_lo, n_q, n_masked = _query_blocks(n0, seq_q, seq_k, TILE_N, BLOCK_M, CAUSAL)
+                    buf = tiles % 2
+                    mbarrier.wait(kv_ready.index(buf), (tiles // 2) & 1)
+                    key0 = n0 + WG * ROWS
+                    dk, dv = _dkdv_tile(k_smem.index(2 * buf + WG), v_smem.index(2 * buf + WG), q_smem, do_smem,
+                                        lse_smem, delta_smem, q_ready, do_ready, q_empty, do_empty,
+                                        kv_empty.index(buf), logit_scale, key0, seq_q, seq_k, j_lo, n_q, n_masked,
+                                        ring, GROUP, BLOCK_M, STAGES, CAUSAL)
+                    rows = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+                    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+                    kv_base = b.to(gl.int64) * seq_k * (HEADS_KV * HEAD_DIM) + h_kv * HEAD_DIM
+                    offsets = kv_base + rows.to(gl.int64)[:, None] * (HEADS_KV * HEAD_DIM) + dims[None, :]
+                    gl.store(dk_ptr + offsets, (dk * sm_scale).to(dtype), mask=(rows < seq_k)[:, None])
+                    gl.store(dv_ptr + offsets, dv.to(dtype), mask=(rows < seq_k)[:, None])
+                    ring += GROUP * n_q
+                    tiles += 1
+
+    @gluon.jit(do_not_specialize_on_alignment=RUNTIME_INTS + ["batch"])
+    def flash_bwd_dkdv_persistent_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_ptr, cu_k_ptr,
+                                         seed_ptr, do_ptr, lse_ptr, delta_ptr,
+                                         batch, seq_q, seq_k, logit_scale, sm_scale,
+                                         dk_ptr, dv_ptr, ds_ptr,
+                                         HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
+                                         CAUSAL: gl.constexpr, PAIRS: gl.constexpr, BLOCK_M: gl.constexpr,
+                                         STAGES: gl.constexpr):
+        """dk and dv of 128-key tiles, each summed over the query heads of its group, a persistent
+        program per SM walking schedule units of key tiles (``gluon_forward._unit_tile`` over key
+        tiles and kv heads; with a causal mask a unit pairs the light tile n_n-1-p with the heavy p).
+        Takes the inputs and outputs of ``flash_bwd_dkdv_kernel`` (``ds_ptr`` is the one-element
+        stand-in: these calls have no bias)."""
+        ROWS: gl.constexpr = 64
+        TILE_N: gl.constexpr = 2 * ROWS
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+        kv3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, ROWS, HEAD_DIM], dtype)
+        q3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HEAD_DIM], dtype)
+        k_desc = _batch_heads(k_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, ROWS, kv3_layout)
+        v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, ROWS, kv3_layout)
+        q_desc = _batch_heads(q_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, BLOCK_M, q3_layout)
+        do_desc = _batch_heads(do_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, BLOCK_M, q3_layout)
+
+        k_smem = gl.allocate_shared_memory(dtype, [4, ROWS, HEAD_DIM], kv_layout)  # two tiles' two halves
+        v_smem = gl.allocate_shared_memory(dtype, [4, ROWS, HEAD_DIM], kv_layout)
+        kv_ready = _barriers(2, 1)
+        kv_empty = _barriers(2, 2)
+        q_smem, do_smem, q_ready, do_ready, q_empty, do_empty = _rings(dtype, STAGES, BLOCK_M, HEAD_DIM, q_layout)
+        row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)  # filled with q's stage
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+
+        n_n = gl.cdiv(seq_k, TILE_N)
+        per_head = (n_n + 1) // 2 if PAIRS else n_n
+        n_units = batch * HEADS_KV * per_head
+        gl.warp_specialize([
+            (_dkdv_persistent_consumer, (dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                                         kv_ready, kv_empty, q_ready, do_ready, q_empty, do_empty, logit_scale,
+                                         sm_scale, seq_q, seq_k, n_n, per_head, n_units, 0, HEADS_Q, HEADS_KV,
+                                         BLOCK_M, STAGES, CAUSAL, PAIRS)),
+            (_dkdv_persistent_consumer, (dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                                         kv_ready, kv_empty, q_ready, do_ready, q_empty, do_empty, logit_scale,
+                                         sm_scale, seq_q, seq_k, n_n, per_head, n_units, 1, HEADS_Q, HEADS_KV,
+                                         BLOCK_M, STAGES, CAUSAL, PAIRS)),
+            (_dkdv_persistent_loader, (k_desc, v_desc, q_desc, do_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem,
+                                       do_smem, lse_smem, delta_smem, kv_ready, kv_empty, q_ready, do_ready, q_empty,
+                                       do_empty, seq_q, seq_k, n_n, per_head, n_units, HEADS_Q, HEADS_KV, BLOCK_M,
+                                       STAGES, CAUSAL, PAIRS)),
+        ], [4, 1], [232, 24])

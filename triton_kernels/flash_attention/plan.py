@@ -132,19 +132,24 @@ def uses_gluon_dkdv(spec: FlashSpec, facts: DeviceFacts) -> bool:
     return _gluon_covers(spec, facts) and (spec.head_dim == 128 or spec.seq_k >= GLUON_BWD_MIN_SEQ_K_D64)
 
 
-def _persistent_schedule(spec: FlashSpec, facts: DeviceFacts) -> tuple[tuple[int], bool]:
-    """(grid, PAIRS) of the persistent Gluon kernels (forward, dq): a program an SM, at most one a
-    schedule unit (a query tile, or with a causal mask a pair of them: ``gluon_forward._unit_tile``)."""
-    n_m = cdiv(spec.seq_q, gluon_forward.TILE_M)
+def _persistent_schedule(spec: FlashSpec, facts: DeviceFacts, tiles: int, heads: int) -> tuple[tuple[int], bool]:
+    """(grid, PAIRS) of a persistent Gluon kernel that walks ``tiles`` tiles of each of ``heads``
+    heads and ``spec.batch`` batch rows: a program an SM, at most one a schedule unit (a tile, or
+    with a causal mask a pair of them: ``gluon_forward._unit_tile``)."""
     # Pairs where a head has two tiles (Triton 3.6 fails to compile their code where seq_q is the constant 1).
-    pairs = spec.window is not None and n_m > 1
-    units = spec.batch * spec.heads_q * (cdiv(n_m, 2) if pairs else n_m)
+    pairs = spec.window is not None and tiles > 1
+    units = spec.batch * heads * (cdiv(tiles, 2) if pairs else tiles)
     return (min(units, facts.num_sms),), pairs
+
+
+def _query_tiles(spec: FlashSpec, facts: DeviceFacts) -> tuple[tuple[int], bool]:
+    """The persistent schedule of the kernels that hold query tiles (forward, dq)."""
+    return _persistent_schedule(spec, facts, cdiv(spec.seq_q, gluon_forward.TILE_M), spec.heads_q)
 
 
 def gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
     """``gluon_forward.flash_fwd_gluon_kernel``'s plan, for the calls ``uses_gluon`` accepts."""
-    grid, pairs = _persistent_schedule(spec, facts)
+    grid, pairs = _query_tiles(spec, facts)
     return LaunchPlan(
         kernel=gluon_forward.flash_fwd_gluon_kernel,
         grid=grid,
@@ -194,10 +199,19 @@ def _gluon_backward_plan(spec: FlashSpec, kernel, grid: tuple[int, ...], outputs
 def gluon_dq_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
     """``gluon_backward.flash_bwd_dq_gluon_kernel``'s plan: the inputs and output of the dq plan
     of ``backward_plans``, for calls that ``uses_gluon`` accepts."""
-    grid, pairs = _persistent_schedule(spec, facts)
+    grid, pairs = _query_tiles(spec, facts)
     return _gluon_backward_plan(spec, gluon_backward.flash_bwd_dq_gluon_kernel, grid,
                                 (Output("dq_ptr", spec.q_shape, spec.dtype),), ("BLOCK_N", gluon_backward.BLOCK_N),
                                 gluon_backward.STAGES, pairs)
+
+
+def gluon_dkdv_persistent_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
+    grid, pairs = _persistent_schedule(spec, facts, cdiv(spec.seq_k, gluon_backward.TILE_N), spec.heads_kv)
+    outputs = (Output("dk_ptr", spec.kv_shape, spec.dtype), Output("dv_ptr", spec.kv_shape, spec.dtype),
+               Output("ds_ptr", (1,), "float32"))  # the stand-in: these calls have no bias
+    stages = gluon_backward.dkdv_stages(spec.head_dim, spec.window is not None)
+    return _gluon_backward_plan(spec, gluon_backward.flash_bwd_dkdv_persistent_kernel, grid, outputs,
+                                ("BLOCK_M", gluon_backward.BLOCK_M), stages, pairs)
 
 
 def gluon_dkdv_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
