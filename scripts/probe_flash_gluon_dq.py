@@ -5,11 +5,14 @@ plans launched directly from torch.
     python scripts/probe_flash_gluon_dq.py [--passes fwd dq dkdv] [--seqs 1024 4096 16384] [--out PATH]
 
 bf16, batch x seq = 16k tokens, heads = 2048 / head_dim (the benchmark's shapes; ``--group g``
-shares each kv head among g query heads). Each Gluon variant (streamed block, stages; the forward's
-"gluon" rows in the committed JSON are the kernel with a program per query tile, since replaced) is checked
+shares each kv head among g query heads). Each Gluon variant (streamed block, stages) is checked
 against the Triton kernel's outputs on the same inputs (relative error, the worst output) before
 it is timed. Effective TFLOP/s count the pass's matmuls: the forward two (QK^T, PV), dq three
 (QK^T, dO V^T, dS K), dk/dv four (K Q^T, V dO^T, P^T dO, dS^T Q).
+
+Committed JSON from before a kernel went persistent times its version with a program per tile,
+since replaced: the forward's "gluon" rows, the dq file without "persistent" in its name, and the
+dk/dv files' "gluon m64" rows ("gluon persistent" rows time the current kernels).
 """
 from __future__ import annotations
 
@@ -74,11 +77,6 @@ def _probe(kind: str, head_dim: int, seq: int, causal: bool, group: int) -> list
         candidates = [("triton", triton_plan)] + [
             (f"gluon {block_name[-1].lower()}{n} s{s}", _variant(gluon_plan(spec, facts), block_name, n, s))
             for n, s in variants]
-        if kind == "dkdv":
-            from triton_kernels.flash_attention.plan import gluon_dkdv_persistent_plan
-
-            candidates += [(f"gluon persistent s{s}", _variant(gluon_dkdv_persistent_plan(spec, facts), "BLOCK_M", 64, s))
-                           for s in (2, 3)]
     want = launch(triton_plan, *grads_in)[:2]  # dq, or dk and dv, or out and lse
     rows = []
     for name, plan in candidates:

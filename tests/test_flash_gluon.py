@@ -12,8 +12,9 @@ from tests.test_gpu_flash_attention import GRAD_TOLERANCE, _inputs, _run
 from triton_kernels import HOPPER
 from triton_kernels import flash_attention as fa
 from triton_kernels.flash_attention import gluon_backward, gluon_forward
-from triton_kernels.flash_attention.plan import (GLUON_BWD_MIN_SEQ_K_D64, gluon_dkdv_plan, gluon_dq_plan,
+from triton_kernels.flash_attention.plan import (GLUON_DQ_MIN_SEQ_K_D64, gluon_dkdv_plan, gluon_dq_plan,
                                                 triton_forward_plan, uses_gluon, uses_gluon_dkdv, uses_gluon_dq)
+from triton_kernels.flash_attention.schedule import persistent_schedule
 from triton_kernels.params import BwdParams, FwdParams
 
 HOPPER_GLUON = dataclasses.replace(HOPPER, gluon=True)
@@ -49,15 +50,51 @@ def test_other_calls_keep_the_triton_forward(options):
 
 
 @needs_gluon
-@pytest.mark.parametrize("seq_q, causal, units", [(300, False, 2 * 4 * 3), (300, True, 2 * 4 * 2),
-                                                  (128, True, 2 * 4), (1, True, 2 * 4), (16384, False, 2 * 4 * 128)])
-def test_gluon_forward_and_dq_run_one_program_an_sm_at_most(seq_q, causal, units):
-    """A program per schedule unit (a 128-row query tile, or with a causal mask a pair of them)
-    up to the SM count; pairs only where a head has two tiles."""
+@pytest.mark.parametrize("seq_q, causal, grid, pairs", [
+    (300, False, 2 * 4 * 3, False), (16384, False, 132, False),
+    (128, True, 2 * 4, False), (1, True, 2 * 4, False),
+    (300, True, 2 * 4 * 3, False),  # 16 pairs would leave most SMs idle: a program a tile
+    (16384, True, 132, True), (1100, True, 2 * 4 * 9, False)])
+def test_gluon_forward_and_dq_schedules(seq_q, causal, grid, pairs):
+    """The query-tile kernels' (grid, PAIRS) for 2 batch rows of 4 query heads, 16384 keys."""
     spec = _spec(seq_q=seq_q, seq_k=16384, causal=causal)
     for plan in (fa.forward_plan(spec, HOPPER_GLUON), fa.backward_plans(spec, HOPPER_GLUON)[2]):
-        assert plan.is_gluon and plan.grid == (min(units, HOPPER_GLUON.num_sms),)
-        assert plan.constexpr_dict["PAIRS"] == (causal and seq_q > 128)
+        assert plan.is_gluon and plan.grid == (grid,) and plan.constexpr_dict["PAIRS"] == pairs
+
+
+@needs_gluon
+@pytest.mark.parametrize("shape, causal, grid, pairs", [
+    ((2, 300, 8192, 4, 2), False, 132, False),  # 256 key tiles
+    ((16, 1024, 1024, 16, 16), True, 132, True),  # the benchmark's: 4 units an SM
+    ((14, 1100, 1100, 16, 4), True, 14 * 4 * 9, False),  # 280 heavy GQA pairs (2.1 an SM): a program a tile
+    ((3, 2048, 2048, 32, 4), True, 96, True),  # 96 pairs, one a program
+])
+def test_gluon_dkdv_schedules(shape, causal, grid, pairs):
+    """The dk/dv kernel holds key tiles of each kv head; a tile's work is its queries in all the
+    group's heads."""
+    b, sq, sk, hq, hkv = shape
+    spec = fa.dense_spec((b, sq, hq, 128), (b, sk, hkv, 128), (b, sk, hkv, 128), ("bfloat16",) * 3, causal=causal)
+    plan = fa.backward_plans(spec, HOPPER_GLUON)[1]
+    assert plan.is_gluon and plan.grid == (grid,) and plan.constexpr_dict["PAIRS"] == pairs
+
+
+def test_persistent_schedule_without_a_mask_is_a_program_an_sm_at_most():
+    assert persistent_schedule([8.0] * 8, 500, False, 132, 128) == ((132,), False)
+    assert persistent_schedule([8.0] * 3, 8, False, 132, 128) == ((24,), False)
+
+
+def test_persistent_schedule_pairs_causal_tiles_where_the_round_robin_balances():
+    causal_tiles = [m + 1.0 for m in range(8)]  # a square causal forward: tile m sees m + 1 blocks
+    assert persistent_schedule(causal_tiles, 132, True, 132, 128) == ((132,), True)  # 4 equal units an SM
+    assert persistent_schedule(causal_tiles, 2000, True, 132, 64) == ((132,), True)  # many units an SM
+    assert persistent_schedule([5.0], 1000, True, 132, 128) == ((132,), False)  # one tile a row: nothing to pair
+
+
+def test_persistent_schedule_runs_a_program_a_tile_where_the_last_round_would_idle():
+    heavy = [72.0 - 8 * n for n in range(9)]  # GQA key tiles: 4 heads' queries
+    assert persistent_schedule(heavy, 56, True, 132, 128) == ((504,), False)  # 280 pairs, 2.1 an SM
+    # Light tiles: a program's start outweighs the idle tail.
+    assert persistent_schedule([1.0 + n for n in range(9)], 56, True, 132, 128) == ((132,), True)
 
 
 def test_gluon_forward_needs_a_launcher_for_it_and_no_params():
@@ -86,19 +123,13 @@ def test_head_dim_128_backward_takes_the_gluon_dkdv_and_dq(options):
 
 
 @needs_gluon
-@pytest.mark.parametrize("seq_k", [GLUON_BWD_MIN_SEQ_K_D64, 16384])
-def test_head_dim_64_backward_takes_the_gluon_kernels_from_its_own_length(seq_k):
-    spec = _spec(head_dim=64, seq_k=seq_k)
+@pytest.mark.parametrize("seq_k", [1, 1000, GLUON_DQ_MIN_SEQ_K_D64, 16384])
+def test_head_dim_64_backward_takes_the_gluon_dkdv_and_from_its_own_length_dq(seq_k):
+    spec = _spec(head_dim=64, seq_q=min(300, seq_k), seq_k=seq_k)
     _, dkdv, dq = fa.backward_plans(spec, HOPPER_GLUON)
     assert dkdv.is_gluon and uses_gluon_dkdv(spec, HOPPER_GLUON)
-    assert dq.is_gluon and uses_gluon_dq(spec, HOPPER_GLUON)
+    assert dq.is_gluon == uses_gluon_dq(spec, HOPPER_GLUON) == (seq_k >= GLUON_DQ_MIN_SEQ_K_D64)
     assert fa.forward_plan(spec, HOPPER_GLUON).is_gluon
-
-
-def test_short_head_dim_64_backward_keeps_the_triton_kernels():
-    spec = _spec(head_dim=64, seq_k=GLUON_BWD_MIN_SEQ_K_D64 - 1)
-    assert not uses_gluon_dkdv(spec, HOPPER_GLUON)
-    assert not any(plan.is_gluon for plan in fa.backward_plans(spec, HOPPER_GLUON))
 
 
 @pytest.mark.parametrize("options", [dict(dropout_p=0.1), dict(dtype="float32"), dict(head_dim=96),
@@ -185,12 +216,16 @@ GLUON_CASES = [
     ((1, 300, 8200, 8, 1, 64), dict(causal=True, softmax_scale=0.3)),
     ((1, 77, 8192, 2, 2, 64), {}),
     ((1, 200, 5000, 4, 2, 64), dict(causal=True)),
-    # More schedule units than an H100 has SMs, so programs loop: causal pairs with an odd tile
-    # count (the middle tile alone; the Triton backward beside the Gluon forward), pairs with
-    # seq_q < seq_k, and single tiles.
+    # The schedules on an H100 (132 SMs). Query-tile kernels: causal pairs with an odd tile count
+    # (the middle tile alone), programs looping; dk/dv a program a tile (the Triton dq beside).
     ((3, 1100, 1100, 16, 4, 64), dict(causal=True)),
+    # Query tiles a program a tile with seq_q < seq_k; dk/dv the same.
     ((3, 700, 1500, 16, 2, 128), dict(causal=True)),
+    # Single tiles, programs looping.
     ((4, 600, 1500, 16, 8, 128), {}),
+    # dk/dv pairs (an odd count of key tiles), programs looping.
+    ((8, 1100, 1100, 16, 16, 64), dict(causal=True)),
+    ((5, 1000, 1500, 8, 8, 128), dict(causal=True)),
 ]
 
 
@@ -227,7 +262,8 @@ def test_gluon_kernels_correct_and_bitwise_across_frameworks(torch_fw, jax_fw, r
     spec = fa.dense_spec(*(a.shape for a in arrays), (dtype,) * 3, **options)
     for facts in (_torch_facts(), jax_device_facts()):
         assert uses_gluon(spec, facts)
-        assert uses_gluon_dq(spec, facts) == uses_gluon_dkdv(spec, facts) == (shape[-1] == 128 or shape[2] >= 4096)
+        assert uses_gluon_dkdv(spec, facts)
+        assert uses_gluon_dq(spec, facts) == (shape[-1] == 128 or shape[2] >= GLUON_DQ_MIN_SEQ_K_D64)
     cot = rng.standard_normal(shape[:2] + (shape[3], shape[5]))
     torch_results, values = _run(torch_fw, arrays, None, options, dtype, cot)
     jax_results, _ = _run(jax_fw, arrays, None, options, dtype, cot)

@@ -15,7 +15,8 @@ that stays in shared memory.
   the query, dO, lse and delta blocks of every query head of its group stream past. A consumer
   works on transposed tiles (its 64 keys down, 64 queries across): S^T = K Q^T and
   dP^T = V dO^T, so P^T and dS^T are register operands of dV += P^T dO and dK += dS^T Q, with
-  no transpose. dV is in flight while dS^T is computed.
+  no transpose. dV is in flight while dS^T is computed. It is persistent too, over key tiles
+  and kv heads, with two K/V buffers.
 
 The plans use them for the calls the Gluon forward covers (``plan.uses_gluon_dq``,
 ``plan.uses_gluon_dkdv``). Like the ``@triton.jit`` kernels they replace, they are deterministic
@@ -35,37 +36,22 @@ BLOCK_M = 64  # dk/dv: queries a step (S^T and dP^T, [64, 64] fp32, live beside 
 
 
 def dkdv_stages(head_dim: int, causal: bool) -> int:
-    """Ring stages of the dk/dv kernel. On an H100 (probe_flash_gluon_dkdv) 3 stages are 3-8%
-    faster than 2 (even at head_dim 64 without a mask), except at head_dim 128 with a causal
-    mask, where 2 are 4-10% faster."""
-    return 2 if head_dim == 128 and causal else 3
+    """Ring stages of the dk/dv kernel. On an H100 (probe_flash_gluon_dkdv-persistent) 2 stages
+    are up to 4% faster than 3, or within 2%, except at head_dim 128 without a mask, where 3
+    are 1-4% faster."""
+    return 3 if head_dim == 128 and not causal else 2
+
 
 RUNTIME_INTS = ["seq_q", "seq_k"]
 
 if AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
     from .gluon_forward import _barriers, _batch_heads, _block_counts, _loader, _rings, _tma_load, _unit_tile
 
     LOG2E = gl.constexpr(1.4426950408889634)
-
-    @gluon.jit
-    def _load_halves(desc, smem, bar, m0):
-        """Both 64-row halves of the tile at ``m0`` (one per consumer), signalling ``bar``."""
-        half: gl.constexpr = desc.block_type.shape[0]
-        _tma_load(desc, [m0, 0], bar, smem.index(0))
-        _tma_load(desc, [m0 + half, 0], bar, smem.index(1))
-
-    @gluon.jit
-    def _head_rows(ptr, b, head, seq, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr,
-                   layout: gl.constexpr):
-        """TMA descriptor of one (batch row, head)'s [seq, head_dim] slice of a [batch, seq, heads,
-        head_dim] array, in boxes of BLOCK rows. TMA bounds the sequence: rows past it read as zeros."""
-        stride: gl.constexpr = HEADS * HEAD_DIM
-        return tma.make_tensor_descriptor(ptr + b * seq * stride + head * HEAD_DIM, [seq, HEAD_DIM], [stride, 1],
-                                          [BLOCK, HEAD_DIM], layout)
 
     @gluon.jit
     def _dlogits(s, dp, lse2, delta, logit_scale, row0, col0, seq_k, causal_offset, s_layout: gl.constexpr,
@@ -237,104 +223,6 @@ if AVAILABLE:
     # -- dk/dv -------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _batch_rows(ptr, b, seq, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr,
-                    layout: gl.constexpr):
-        """TMA descriptor of one batch row's [seq, heads * head_dim] slice of a [batch, seq, heads,
-        head_dim] array, in [BLOCK, head_dim] boxes: a box's column offset picks the head."""
-        stride: gl.constexpr = HEADS * HEAD_DIM
-        return tma.make_tensor_descriptor(ptr + b * seq * stride, [seq, stride], [stride, 1], [BLOCK, HEAD_DIM],
-                                          layout)
-
-    @gluon.jit
-    def _dkdv_loader(k_desc, v_desc, q_desc, do_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                     delta_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, n0, seq_q, h_first, lse_first, j_lo,
-                     n_q, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """K and V halves once, then the query and dO blocks j_lo.. of each query head of the group
-        through the ring of stages (heads outer, as ``flash_bwd_dkdv_kernel`` sums them). A stage
-        also holds its queries' base-2 lse and delta, copied by this warp: loaded per thread, they
-        would cost each consumer thread 16 pointers a vector (the columns it holds), and spill."""
-        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-        row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-        _load_halves(k_desc, k_smem, kv_bar, n0)
-        _load_halves(v_desc, v_smem, kv_bar, n0)
-        for t in range(GROUP * n_q):
-            row = (j_lo + t % n_q) * BLOCK_M
-            rows = row + gl.arange(0, BLOCK_M, layout=row_layout)
-            at = lse_first + (t // n_q) * seq_q + rows
-            # Queries past seq_q get lse = delta = 0; their q/dO rows are TMA zeros, so they add nothing.
-            lse2 = gl.load(lse_ptr + at, mask=rows < seq_q, other=0.0) * LOG2E
-            delta = gl.load(delta_ptr + at, mask=rows < seq_q, other=0.0)
-            col = (h_first + t // n_q) * HEAD_DIM
-            stage = t % STAGES
-            phase = ((t // STAGES) & 1) ^ 1  # the first pass through the ring does not wait
-            mbarrier.wait(q_empty.index(stage), phase)
-            lse_smem.index(stage).store(lse2)
-            delta_smem.index(stage).store(delta)
-            # This arrival releases the stores above to the consumers that wait on the barrier.
-            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-            _tma_load(q_desc, [row, col], q_ready.index(stage), q_smem.index(stage))
-            mbarrier.wait(do_empty.index(stage), phase)
-            mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-            _tma_load(do_desc, [row, col], do_ready.index(stage), do_smem.index(stage))
-
-    @gluon.jit
-    def _dkdv_consumer(dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, q_ready,
-                       do_ready, q_empty, do_empty, logit_scale, sm_scale, n0, seq_q, seq_k, j_lo, n_q, n_masked,
-                       kv_base, WG: gl.constexpr, HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       GROUP: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-        """dk and dv of this warpgroup's 64 keys. Works on transposed tiles (keys down, queries
-        across): S^T = K Q^T and dP^T = V dO^T, so P^T and dS^T are the register operands of
-        dV += P^T dO and dK += dS^T Q without a transpose."""
-        ROWS: gl.constexpr = k_smem.shape[1]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_M, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HEAD_DIM, 16])
-        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        dtype: gl.constexpr = q_smem.dtype
-
-        k = k_smem.index(WG)
-        v = v_smem.index(WG)
-        keys = n0 + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-        causal_offset = seq_k - seq_q
-        s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
-        dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
-        dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
-        mbarrier.wait(kv_bar, 0)
-        for t in range(GROUP * n_q):
-            i = t % n_q
-            stage = t % STAGES
-            phase = (t // STAGES) & 1
-            mbarrier.wait(q_ready.index(stage), phase)
-            s = warpgroup_mma(k, q_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(do_ready.index(stage), phase)
-            dp = warpgroup_mma(v, do_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            lse2 = lse_smem.index(stage).load(gl.SliceLayout(0, s_layout))
-            s = warpgroup_mma_wait(1, deps=(s,))
-            p = gl.exp2(s * logit_scale - lse2[None, :])
-            if CAUSAL:
-                if i < n_masked:  # bottom-right aligned: query r sees keys up to r + seq_k - seq_q
-                    cols = (j_lo + i) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-                    p = gl.where(keys[:, None] <= cols[None, :] + causal_offset, p, 0.0)
-            p_op = gl.convert_layout(p.to(dtype), op_layout)
-            dv = warpgroup_mma(p_op, do_smem.index(stage), dv, is_async=True)
-            delta = delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))
-            dp = warpgroup_mma_wait(1, deps=(dp,))  # dV may stay in flight while dS is computed
-            ds_op = gl.convert_layout((p * (dp - delta[None, :])).to(dtype), op_layout)
-            dk = warpgroup_mma(ds_op, q_smem.index(stage), dk, is_async=True)
-            # The operands' registers feed the products in flight: keep them until both are done.
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
-            mbarrier.arrive(q_empty.index(stage), count=1)
-            mbarrier.arrive(do_empty.index(stage), count=1)
-
-        rows = n0 + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-        offsets = kv_base + rows.to(gl.int64)[:, None] * (HEADS_KV * HEAD_DIM) + dims[None, :]
-        gl.store(dk_ptr + offsets, (dk * sm_scale).to(dtype), mask=(rows < seq_k)[:, None])
-        gl.store(dv_ptr + offsets, dv.to(dtype), mask=(rows < seq_k)[:, None])
-
-    @gluon.jit
     def _query_blocks(n0, seq_q, seq_k, TILE_N: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
         """(first query block that sees the key tile at n0, how many blocks from it to the end,
         how many of those need the causal mask)."""
@@ -346,59 +234,6 @@ if AVAILABLE:
             j_full = gl.minimum(gl.cdiv(gl.maximum(n0 + TILE_N - 1 - offset, 0), BLOCK_M), n_all)
             return j_lo, n_all - j_lo, j_full - j_lo
         return 0, n_all, 0
-
-    @gluon.jit(do_not_specialize_on_alignment=RUNTIME_INTS)
-    def flash_bwd_dkdv_gluon_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_ptr, cu_k_ptr,
-                                    seed_ptr, do_ptr, lse_ptr, delta_ptr,
-                                    seq_q, seq_k, logit_scale, sm_scale,
-                                    dk_ptr, dv_ptr, ds_ptr,
-                                    HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
-                                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """dk and dv of one 128-key tile of one (kv head, batch row), summed over the query heads
-        of its group. Takes the inputs and outputs of ``flash_bwd_dkdv_kernel`` (``ds_ptr`` is the
-        one-element stand-in: these calls have no bias) and reads q, k, v, dO, lse and delta."""
-        ROWS: gl.constexpr = 64
-        TILE_N: gl.constexpr = 2 * ROWS
-        GROUP: gl.constexpr = HEADS_Q // HEADS_KV
-        dtype: gl.constexpr = q_ptr.dtype.element_ty
-        # Causal: the first key tiles see the most queries, so the launch order already runs them first.
-        n0 = gl.program_id(0) * TILE_N
-        h_kv = gl.program_id(1)
-        b = gl.program_id(2).to(gl.int64)
-        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-        k_desc = _head_rows(k_ptr, b, h_kv, seq_k, HEADS_KV, HEAD_DIM, ROWS, kv_layout)
-        v_desc = _head_rows(v_ptr, b, h_kv, seq_k, HEADS_KV, HEAD_DIM, ROWS, kv_layout)
-        q_desc = _batch_rows(q_ptr, b, seq_q, HEADS_Q, HEAD_DIM, BLOCK_M, q_layout)
-        do_desc = _batch_rows(do_ptr, b, seq_q, HEADS_Q, HEAD_DIM, BLOCK_M, q_layout)
-
-        k_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], kv_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], kv_layout)
-        kv_bar = _barriers(1, 1)
-        q_smem, do_smem, q_ready, do_ready, q_empty, do_empty = _rings(dtype, STAGES, BLOCK_M, HEAD_DIM, q_layout)
-        row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)  # filled with q's stage
-        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
-
-        j_lo, n_q, n_masked = _query_blocks(n0, seq_q, seq_k, TILE_N, BLOCK_M, CAUSAL)
-        h_first = h_kv * GROUP
-        lse_first = (b * HEADS_Q + h_first) * seq_q
-        kv_base = b * seq_k * (HEADS_KV * HEAD_DIM) + h_kv * HEAD_DIM
-        gl.warp_specialize([
-            (_dkdv_consumer, (dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                              kv_bar.index(0), q_ready, do_ready, q_empty, do_empty, logit_scale, sm_scale, n0, seq_q,
-                              seq_k, j_lo, n_q, n_masked, kv_base, 0, HEADS_KV, HEAD_DIM, GROUP, BLOCK_M, STAGES,
-                              CAUSAL)),
-            (_dkdv_consumer, (dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                              kv_bar.index(0), q_ready, do_ready, q_empty, do_empty, logit_scale, sm_scale, n0, seq_q,
-                              seq_k, j_lo, n_q, n_masked, kv_base, 1, HEADS_KV, HEAD_DIM, GROUP, BLOCK_M, STAGES,
-                              CAUSAL)),
-            (_dkdv_loader, (k_desc, v_desc, q_desc, do_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem,
-                            lse_smem, delta_smem, kv_bar.index(0), q_ready, do_ready, q_empty, do_empty, n0, seq_q,
-                            h_first, lse_first, j_lo, n_q, GROUP, BLOCK_M, STAGES)),
-        ], [4, 1], [232, 24])
-
-    # -- persistent dk/dv (probe) ----------------------------------------------------------------------
 
     @gluon.jit
     def _query_stream(q_desc, do_desc, lse_ptr, delta_ptr, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
@@ -432,11 +267,10 @@ if AVAILABLE:
             _tma_load(do_desc, [b, row, col], do_ready.index(stage), do_smem.index(stage))
 
     @gluon.jit
-    def _dkdv_persistent_loader(k_desc, v_desc, q_desc, do_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem,
-                                lse_smem, delta_smem, kv_ready, kv_empty, q_ready, do_ready, q_empty, do_empty,
-                                seq_q, seq_k, n_n, per_head, n_units, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr,
-                                BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                                PAIRS: gl.constexpr):
+    def _dkdv_loader(k_desc, v_desc, q_desc, do_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                     delta_smem, kv_ready, kv_empty, q_ready, do_ready, q_empty, do_empty, seq_q, seq_k, n_n,
+                     per_head, n_units, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, BLOCK_M: gl.constexpr,
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
         """This program's key tiles in turn: a tile's K and V halves into the free one of two
         buffers, then its query blocks through the ring (``ring`` counts the blocks so far)."""
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[2]
@@ -519,11 +353,10 @@ if AVAILABLE:
         return dk, dv
 
     @gluon.jit
-    def _dkdv_persistent_consumer(dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready,
-                                  kv_empty, q_ready, do_ready, q_empty, do_empty, logit_scale, sm_scale, seq_q, seq_k,
-                                  n_n, per_head, n_units, WG: gl.constexpr, HEADS_Q: gl.constexpr,
-                                  HEADS_KV: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                                  CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
+    def _dkdv_consumer(dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_empty,
+                       q_ready, do_ready, q_empty, do_empty, logit_scale, sm_scale, seq_q, seq_k, n_n, per_head,
+                       n_units, WG: gl.constexpr, HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr,
+                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
         """Warpgroup ``WG``'s 64 keys of dk and dv for each of this program's key tiles, in the
         loader's order."""
         ROWS: gl.constexpr = k_smem.shape[1]
@@ -558,13 +391,13 @@ if AVAILABLE:
                     tiles += 1
 
     @gluon.jit(do_not_specialize_on_alignment=RUNTIME_INTS + ["batch"])
-    def flash_bwd_dkdv_persistent_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_ptr, cu_k_ptr,
-                                         seed_ptr, do_ptr, lse_ptr, delta_ptr,
-                                         batch, seq_q, seq_k, logit_scale, sm_scale,
-                                         dk_ptr, dv_ptr, ds_ptr,
-                                         HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
-                                         CAUSAL: gl.constexpr, PAIRS: gl.constexpr, BLOCK_M: gl.constexpr,
-                                         STAGES: gl.constexpr):
+    def flash_bwd_dkdv_gluon_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_ptr, cu_k_ptr,
+                                    seed_ptr, do_ptr, lse_ptr, delta_ptr,
+                                    batch, seq_q, seq_k, logit_scale, sm_scale,
+                                    dk_ptr, dv_ptr, ds_ptr,
+                                    HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
+                                    CAUSAL: gl.constexpr, PAIRS: gl.constexpr, BLOCK_M: gl.constexpr,
+                                    STAGES: gl.constexpr):
         """dk and dv of 128-key tiles, each summed over the query heads of its group, a persistent
         program per SM walking schedule units of key tiles (``gluon_forward._unit_tile`` over key
         tiles and kv heads; with a causal mask a unit pairs the light tile n_n-1-p with the heavy p).
@@ -595,16 +428,13 @@ if AVAILABLE:
         per_head = (n_n + 1) // 2 if PAIRS else n_n
         n_units = batch * HEADS_KV * per_head
         gl.warp_specialize([
-            (_dkdv_persistent_consumer, (dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                                         kv_ready, kv_empty, q_ready, do_ready, q_empty, do_empty, logit_scale,
-                                         sm_scale, seq_q, seq_k, n_n, per_head, n_units, 0, HEADS_Q, HEADS_KV,
-                                         BLOCK_M, STAGES, CAUSAL, PAIRS)),
-            (_dkdv_persistent_consumer, (dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                                         kv_ready, kv_empty, q_ready, do_ready, q_empty, do_empty, logit_scale,
-                                         sm_scale, seq_q, seq_k, n_n, per_head, n_units, 1, HEADS_Q, HEADS_KV,
-                                         BLOCK_M, STAGES, CAUSAL, PAIRS)),
-            (_dkdv_persistent_loader, (k_desc, v_desc, q_desc, do_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem,
-                                       do_smem, lse_smem, delta_smem, kv_ready, kv_empty, q_ready, do_ready, q_empty,
-                                       do_empty, seq_q, seq_k, n_n, per_head, n_units, HEADS_Q, HEADS_KV, BLOCK_M,
-                                       STAGES, CAUSAL, PAIRS)),
+            (_dkdv_consumer, (dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready,
+                              kv_empty, q_ready, do_ready, q_empty, do_empty, logit_scale, sm_scale, seq_q, seq_k, n_n,
+                              per_head, n_units, 0, HEADS_Q, HEADS_KV, BLOCK_M, STAGES, CAUSAL, PAIRS)),
+            (_dkdv_consumer, (dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready,
+                              kv_empty, q_ready, do_ready, q_empty, do_empty, logit_scale, sm_scale, seq_q, seq_k, n_n,
+                              per_head, n_units, 1, HEADS_Q, HEADS_KV, BLOCK_M, STAGES, CAUSAL, PAIRS)),
+            (_dkdv_loader, (k_desc, v_desc, q_desc, do_desc, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem,
+                            lse_smem, delta_smem, kv_ready, kv_empty, q_ready, do_ready, q_empty, do_empty, seq_q,
+                            seq_k, n_n, per_head, n_units, HEADS_Q, HEADS_KV, BLOCK_M, STAGES, CAUSAL, PAIRS)),
         ], [4, 1], [232, 24])

@@ -205,25 +205,26 @@ if AVAILABLE:
         return n_blocks, first_masked
 
     @gluon.jit
-    def _unit_tile(unit, half: gl.constexpr, n_m, per_head, HEADS_Q: gl.constexpr, TILE_M: gl.constexpr,
+    def _unit_tile(unit, half: gl.constexpr, n_tiles, per_head, HEADS: gl.constexpr, TILE: gl.constexpr,
                    PAIRS: gl.constexpr):
-        """(first query row, head, batch row, whether it exists) of tile ``half`` of a schedule unit.
-        A unit is one query tile, or with ``PAIRS`` (a causal mask) a pair of tiles of one head: the
-        heavy tile ``n_m - 1 - p`` then the light tile ``p``, whose key counts sum to the same for
-        every p. So a static round robin over units gives every program the same work."""
+        """(first row, head, batch row, whether it exists) of tile ``half`` of a schedule unit. A
+        unit is one tile of ``TILE`` rows, or with ``PAIRS`` (a causal mask) a pair of tiles of one
+        head: tile ``n_tiles - 1 - p`` then tile ``p``, whose work sums to the same for every p
+        (query tiles see more keys the later they are, key tiles fewer queries). So a static round
+        robin over units gives every program the same work."""
         bh = unit // per_head
         p = unit % per_head
         if PAIRS:
             if half == 0:
-                m = n_m - 1 - p
+                t = n_tiles - 1 - p
                 exists = True
             else:
-                m = p
-                exists = 2 * p + 1 < n_m  # the middle tile of an odd n_m is alone in its unit
+                t = p
+                exists = 2 * p + 1 < n_tiles  # the middle tile of an odd count is alone in its unit
         else:
-            m = p
+            t = p
             exists = True
-        return m * TILE_M, bh % HEADS_Q, bh // HEADS_Q, exists
+        return t * TILE, bh % HEADS, bh // HEADS, exists
 
     @gluon.jit
     def _kv_blocks(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, col, n_blocks, ring,

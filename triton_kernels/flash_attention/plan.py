@@ -15,6 +15,7 @@ from .backward import flash_bwd_delta_kernel, flash_bwd_dkdv_kernel, flash_bwd_d
 from . import gluon_backward, gluon_forward
 from .dropout import dropout_mask_kernel
 from .forward import flash_fwd_kernel
+from .schedule import persistent_schedule
 from .spec import FLOAT32_MAX, FlashSpec
 from .tiles import LOG2E
 
@@ -99,11 +100,10 @@ def forward_plan(spec: FlashSpec, facts: DeviceFacts, params: FwdParams | None =
     return triton_forward_plan(spec, facts, params)
 
 
-# The Gluon backward kernels at head_dim 64, against the Triton ones (H100, bf16): dk/dv takes 0.84-0.96x
-# their time at seq 4096, 0.98-1.00x at 2048, 1.14x at 1024 (probe_flash_gluon_dkdv-nvidia-h100-80gb-hbm3.json);
-# the persistent dq 0.91-0.93x from 4096, 0.96-0.97x at 2048, 1.00-1.06x at 1024
-# (probe_flash_gluon_dq-persistent-nvidia-h100-80gb-hbm3.json). At head_dim 128 both win from seq 1024.
-GLUON_BWD_MIN_SEQ_K_D64 = 4096
+# The persistent Gluon dq at head_dim 64 takes 0.91-0.93x the Triton dq kernel's time from seq 4096,
+# 0.96-0.97x at 2048, 1.00-1.06x at 1024 (H100, bf16; probe_flash_gluon_dq-persistent-nvidia-h100-80gb-hbm3.json).
+# At head_dim 128 it wins from seq 1024.
+GLUON_DQ_MIN_SEQ_K_D64 = 2048
 
 
 def _gluon_covers(spec: FlashSpec, facts: DeviceFacts) -> bool:
@@ -128,23 +128,35 @@ def uses_gluon(spec: FlashSpec, facts: DeviceFacts) -> bool:
 
 @functools.lru_cache(maxsize=512)
 def uses_gluon_dkdv(spec: FlashSpec, facts: DeviceFacts) -> bool:
-    """Whether ``backward_plans`` (without params) picks the Gluon dk/dv kernel."""
-    return _gluon_covers(spec, facts) and (spec.head_dim == 128 or spec.seq_k >= GLUON_BWD_MIN_SEQ_K_D64)
-
-
-def _persistent_schedule(spec: FlashSpec, facts: DeviceFacts, tiles: int, heads: int) -> tuple[tuple[int], bool]:
-    """(grid, PAIRS) of a persistent Gluon kernel that walks ``tiles`` tiles of each of ``heads``
-    heads and ``spec.batch`` batch rows: a program an SM, at most one a schedule unit (a tile, or
-    with a causal mask a pair of them: ``gluon_forward._unit_tile``)."""
-    # Pairs where a head has two tiles (Triton 3.6 fails to compile their code where seq_q is the constant 1).
-    pairs = spec.window is not None and tiles > 1
-    units = spec.batch * heads * (cdiv(tiles, 2) if pairs else tiles)
-    return (min(units, facts.num_sms),), pairs
+    """Whether ``backward_plans`` (without params) picks the Gluon dk/dv kernel: wherever it
+    covers the call. On an H100 (bf16, 16k tokens a batch,
+    benchmarks/results/probe_flash_gluon_dkdv-persistent-nvidia-h100-80gb-hbm3.json) the
+    persistent dk/dv takes 0.76-0.86x the Triton dk/dv kernel's time at head_dim 64 and
+    0.79-0.89x at 128, from seq 1024 to 16384, with the same bits."""
+    return _gluon_covers(spec, facts)
 
 
 def _query_tiles(spec: FlashSpec, facts: DeviceFacts) -> tuple[tuple[int], bool]:
-    """The persistent schedule of the kernels that hold query tiles (forward, dq)."""
-    return _persistent_schedule(spec, facts, cdiv(spec.seq_q, gluon_forward.TILE_M), spec.heads_q)
+    """(grid, PAIRS) of the persistent kernels that hold 128-row query tiles (forward, dq): a
+    tile's work is the keys it sees."""
+    tile = gluon_forward.TILE_M
+    offset = spec.seq_k - spec.seq_q  # causal: bottom-right aligned
+    work = [(min(spec.seq_k, min(m + tile, spec.seq_q) + offset) if spec.window is not None else spec.seq_k) / tile
+            for m in range(0, spec.seq_q, tile)]
+    return persistent_schedule(work, spec.batch * spec.heads_q, spec.window is not None, facts.num_sms,
+                               spec.head_dim)
+
+
+def _key_tiles(spec: FlashSpec, facts: DeviceFacts) -> tuple[tuple[int], bool]:
+    """(grid, PAIRS) of the persistent dk/dv kernel, which holds 128-key tiles of a kv head: a
+    tile's work is the queries of the group's heads that see it."""
+    tile = gluon_backward.TILE_N
+    group = spec.heads_q // spec.heads_kv
+    offset = spec.seq_k - spec.seq_q
+    work = [group * (spec.seq_q - (min(spec.seq_q, max(0, n - offset)) if spec.window is not None else 0)) / tile
+            for n in range(0, spec.seq_k, tile)]
+    return persistent_schedule(work, spec.batch * spec.heads_kv, spec.window is not None, facts.num_sms,
+                               spec.head_dim)
 
 
 def gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
@@ -166,32 +178,29 @@ def gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
 
 @functools.lru_cache(maxsize=512)
 def uses_gluon_dq(spec: FlashSpec, facts: DeviceFacts) -> bool:
-    """Whether ``backward_plans`` (without params) picks the Gluon dq kernel: where it picks the
-    Gluon dk/dv. On an H100 (bf16, 16k tokens a batch,
-    benchmarks/results/probe_flash_gluon_dq-persistent-nvidia-h100-80gb-hbm3.json) the persistent
-    dq takes 0.71-0.81x the Triton dq kernel's time at head_dim 128 from seq 1024, and at 64
-    0.91-0.93x from seq 4096 (0.96-1.06x below)."""
-    return uses_gluon_dkdv(spec, facts)
+    """Whether ``backward_plans`` (without params) picks the Gluon dq kernel: where it covers
+    the call, at head_dim 64 from seq_k ``GLUON_DQ_MIN_SEQ_K_D64``. On an H100 (bf16, 16k tokens
+    a batch, benchmarks/results/probe_flash_gluon_dq-persistent-nvidia-h100-80gb-hbm3.json) the
+    persistent dq takes 0.71-0.81x the Triton dq kernel's time at head_dim 128 from seq 1024,
+    and at 64 0.91-0.97x from seq 2048."""
+    return _gluon_covers(spec, facts) and (spec.head_dim == 128 or spec.seq_k >= GLUON_DQ_MIN_SEQ_K_D64)
 
 
-def _gluon_backward_plan(spec: FlashSpec, kernel, grid: tuple[int, ...], outputs: tuple[Output, ...],
-                         block: tuple[str, int], stages: int, pairs: bool | None = None) -> LaunchPlan:
+def _gluon_backward_plan(spec: FlashSpec, kernel, schedule: tuple[tuple[int], bool], outputs: tuple[Output, ...],
+                         block: tuple[str, int], stages: int) -> LaunchPlan:
     """A Gluon backward kernel's plan: the inputs of the Triton backward plans, the scalars the
-    Gluon kernels read, and ``block`` (the streamed block's constexpr) with ``stages``. A
-    persistent kernel (dq) also takes the batch and ``pairs`` (``_persistent_schedule``)."""
-    _check_grid(spec)
-    persistent = pairs is not None
+    Gluon kernels read, the persistent ``schedule`` (grid, PAIRS), and ``block`` (the streamed
+    block's constexpr) with ``stages``."""
+    grid, pairs = schedule
     return LaunchPlan(
         kernel=kernel, grid=grid,
         inputs=FEATURE_INPUTS + ("do_ptr", "lse_ptr", "delta_ptr"),
         input_dtypes=feature_dtypes(spec) + (spec.dtype, "float32", "float32"),
-        scalars=((("batch", spec.batch),) if persistent else ()) + (
-            ("seq_q", spec.seq_q), ("seq_k", spec.seq_k), ("logit_scale", fp32(spec.softmax_scale * LOG2E)),
-            ("sm_scale", fp32(spec.softmax_scale))),
+        scalars=(("batch", spec.batch), ("seq_q", spec.seq_q), ("seq_k", spec.seq_k),
+                 ("logit_scale", fp32(spec.softmax_scale * LOG2E)), ("sm_scale", fp32(spec.softmax_scale))),
         outputs=outputs,
         constexprs=(("HEADS_Q", spec.heads_q), ("HEADS_KV", spec.heads_kv), ("HEAD_DIM", spec.head_dim),
-                    ("CAUSAL", spec.window is not None))
-        + ((("PAIRS", pairs),) if persistent else ()) + (block, ("STAGES", stages)),
+                    ("CAUSAL", spec.window is not None), ("PAIRS", pairs), block, ("STAGES", stages)),
         num_warps=4, num_stages=1, maxnreg=gluon_backward.MAXNREG,
     )
 
@@ -199,33 +208,18 @@ def _gluon_backward_plan(spec: FlashSpec, kernel, grid: tuple[int, ...], outputs
 def gluon_dq_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
     """``gluon_backward.flash_bwd_dq_gluon_kernel``'s plan: the inputs and output of the dq plan
     of ``backward_plans``, for calls that ``uses_gluon`` accepts."""
-    grid, pairs = _query_tiles(spec, facts)
-    return _gluon_backward_plan(spec, gluon_backward.flash_bwd_dq_gluon_kernel, grid,
+    return _gluon_backward_plan(spec, gluon_backward.flash_bwd_dq_gluon_kernel, _query_tiles(spec, facts),
                                 (Output("dq_ptr", spec.q_shape, spec.dtype),), ("BLOCK_N", gluon_backward.BLOCK_N),
-                                gluon_backward.STAGES, pairs)
-
-
-def gluon_dkdv_persistent_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
-    grid, pairs = _persistent_schedule(spec, facts, cdiv(spec.seq_k, gluon_backward.TILE_N), spec.heads_kv)
-    outputs = (Output("dk_ptr", spec.kv_shape, spec.dtype), Output("dv_ptr", spec.kv_shape, spec.dtype),
-               Output("ds_ptr", (1,), "float32"))  # the stand-in: these calls have no bias
-    stages = gluon_backward.dkdv_stages(spec.head_dim, spec.window is not None)
-    return _gluon_backward_plan(spec, gluon_backward.flash_bwd_dkdv_persistent_kernel, grid, outputs,
-                                ("BLOCK_M", gluon_backward.BLOCK_M), stages, pairs)
+                                gluon_backward.STAGES)
 
 
 def gluon_dkdv_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
     """``gluon_backward.flash_bwd_dkdv_gluon_kernel``'s plan: the inputs and outputs of the dk/dv
-    plan of ``backward_plans`` without a bias gradient, for calls that ``uses_gluon`` accepts.
-    ``backward_plans`` picks it where ``uses_gluon_dkdv``: on an H100 (bf16, 16k tokens a batch,
-    benchmarks/results/probe_flash_gluon_dkdv-nvidia-h100-80gb-hbm3.json) it takes 0.75-0.83x the
-    Triton dk/dv kernel's time at head_dim 128 from seq 2048 (0.88-1.00x at 1024) and 0.82-0.96x
-    at head_dim 64 from seq 4096, with the same bits."""
-    grid = (cdiv(spec.seq_k, gluon_backward.TILE_N), spec.heads_kv, spec.batch)
+    plan of ``backward_plans`` without a bias gradient, for calls that ``uses_gluon`` accepts."""
     outputs = (Output("dk_ptr", spec.kv_shape, spec.dtype), Output("dv_ptr", spec.kv_shape, spec.dtype),
                Output("ds_ptr", (1,), "float32"))  # the stand-in: these calls have no bias
     stages = gluon_backward.dkdv_stages(spec.head_dim, spec.window is not None)
-    return _gluon_backward_plan(spec, gluon_backward.flash_bwd_dkdv_gluon_kernel, grid, outputs,
+    return _gluon_backward_plan(spec, gluon_backward.flash_bwd_dkdv_gluon_kernel, _key_tiles(spec, facts), outputs,
                                 ("BLOCK_M", gluon_backward.BLOCK_M), stages)
 
 

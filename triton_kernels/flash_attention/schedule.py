@@ -1,0 +1,62 @@
+"""How the persistent Gluon kernels spread their tiles over the SMs: (grid, PAIRS).
+
+A persistent kernel runs a program an SM, at most one a schedule unit, and each program walks
+units in a static round robin (``gluon_forward._unit_tile``). Under a causal mask a unit pairs
+a heavy tile with a light one, so that units weigh the same. That balances well when there are
+many units an SM, but with few, a last partial round leaves SMs idle: 1.5 units an SM take as
+long as 2. A program a tile lets the hardware balance the tiles instead (it starts the next
+program wherever one ends), at the price of a program's start and end for every tile.
+``persistent_schedule`` estimates both and takes the shorter.
+
+Work is counted in blocks: a 128-row tile against 128 rows of the other side, for one head.
+"""
+from __future__ import annotations
+
+import heapq
+
+from ..plan import cdiv
+
+# From this many units an SM the round robin's last round costs at most an eighth: it stays.
+ROUND_ROBIN_ALWAYS = 8
+# A program's start and end (barriers, descriptors, the first loads, the epilogue), in blocks at
+# head_dim 128: on an H100 a program a tile took 1.25x the persistent forward's time at seq 1024
+# (8 blocks a tile), probe_flash_gluon_fwd-nvidia-h100-80gb-hbm3.json. At head_dim 64 a block
+# takes half as long, so a start counts twice as many.
+PROGRAM_START_BLOCKS = 2.0
+
+
+def persistent_schedule(tile_work: list[float], rows: int, causal: bool, num_sms: int,
+                        head_dim: int) -> tuple[tuple[int], bool]:
+    """(grid, PAIRS) for ``rows`` (batch rows x heads) rows of tiles, tile i of a row weighing
+    ``tile_work[i]`` blocks. PAIRS where a causal row has two tiles or more, unless a program
+    a tile is estimated faster; then the grid is a program a tile and PAIRS false."""
+    n = len(tile_work)
+    # Pairs only where a row has two tiles (Triton 3.6 fails to compile their code where seq_q is the constant 1).
+    if not causal or n < 2:
+        return (min(rows * n, num_sms),), False
+    unit_work = [tile_work[n - 1 - p] + (tile_work[p] if 2 * p + 1 < n else 0.0) for p in range(cdiv(n, 2))]
+    units = rows * len(unit_work)
+    if units >= ROUND_ROBIN_ALWAYS * num_sms:
+        return (num_sms,), True
+    start = PROGRAM_START_BLOCKS * 128 / head_dim
+    if _round_robin_time(unit_work, units, num_sms) + start <= _program_a_tile_time(tile_work, rows, start, num_sms):
+        return (min(units, num_sms),), True
+    return (rows * n,), False
+
+
+def _round_robin_time(unit_work: list[float], units: int, num_sms: int) -> float:
+    """The busiest program's work when program g takes units g, g + G, ... (G programs)."""
+    programs = min(units, num_sms)
+    load = [0.0] * programs
+    for u in range(units):
+        load[u % programs] += unit_work[u % len(unit_work)]
+    return max(load)
+
+
+def _program_a_tile_time(tile_work: list[float], rows: int, start: float, num_sms: int) -> float:
+    """When the last SM finishes if each tile, in launch order, goes to the SM that frees first."""
+    free_at = [0.0] * num_sms
+    for _ in range(rows):
+        for work in tile_work:
+            heapq.heappush(free_at, heapq.heappop(free_at) + start + work)
+    return max(free_at)
