@@ -54,6 +54,16 @@ if AVAILABLE:
     LOG2E = gl.constexpr(1.4426950408889634)
 
     @gluon.jit
+    def _tile_buffers(dtype: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+        """Two arrays' resident 128-row tiles (q and dO for dq, K and V for dk/dv), twice over so
+        that the next tile loads while the consumers finish this one: [4, ROWS, head_dim] each
+        (tile ``buf``'s halves at 2 buf and 2 buf + 1), with the loader's "ready" barriers and the
+        consumers' "empty" ones."""
+        a_smem = gl.allocate_shared_memory(dtype, [4, ROWS, HEAD_DIM], layout)
+        b_smem = gl.allocate_shared_memory(dtype, [4, ROWS, HEAD_DIM], layout)
+        return a_smem, b_smem, _barriers(2, 1), _barriers(2, 2)
+
+    @gluon.jit
     def _dlogits(s, dp, lse2, delta, logit_scale, row0, col0, seq_k, causal_offset, s_layout: gl.constexpr,
                  BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
         """dS = P * (dP - delta) of one block, P = exp2(S * scale * log2(e) - lse2) (0 where masked)."""
@@ -192,17 +202,12 @@ if AVAILABLE:
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        q3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, ROWS, HEAD_DIM], dtype)
-        kv3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, HEAD_DIM], dtype)
-        q_desc = _batch_heads(q_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS, q3_layout)
-        do_desc = _batch_heads(do_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS, q3_layout)
-        k_desc = _batch_heads(k_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N, kv3_layout)
-        v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N, kv3_layout)
+        q_desc = _batch_heads(q_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS)
+        do_desc = _batch_heads(do_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS)
+        k_desc = _batch_heads(k_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
+        v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
 
-        q_smem = gl.allocate_shared_memory(dtype, [4, ROWS, HEAD_DIM], q_layout)  # two tiles' two halves
-        do_smem = gl.allocate_shared_memory(dtype, [4, ROWS, HEAD_DIM], q_layout)
-        q_ready = _barriers(2, 1)
-        q_empty = _barriers(2, 2)
+        q_smem, do_smem, q_ready, q_empty = _tile_buffers(dtype, ROWS, HEAD_DIM, q_layout)
         k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _rings(dtype, STAGES, BLOCK_N, HEAD_DIM, kv_layout)
 
         n_m = gl.cdiv(seq_q, TILE_M)
@@ -408,17 +413,12 @@ if AVAILABLE:
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-        kv3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, ROWS, HEAD_DIM], dtype)
-        q3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HEAD_DIM], dtype)
-        k_desc = _batch_heads(k_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, ROWS, kv3_layout)
-        v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, ROWS, kv3_layout)
-        q_desc = _batch_heads(q_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, BLOCK_M, q3_layout)
-        do_desc = _batch_heads(do_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, BLOCK_M, q3_layout)
+        k_desc = _batch_heads(k_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, ROWS)
+        v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, ROWS)
+        q_desc = _batch_heads(q_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, BLOCK_M)
+        do_desc = _batch_heads(do_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, BLOCK_M)
 
-        k_smem = gl.allocate_shared_memory(dtype, [4, ROWS, HEAD_DIM], kv_layout)  # two tiles' two halves
-        v_smem = gl.allocate_shared_memory(dtype, [4, ROWS, HEAD_DIM], kv_layout)
-        kv_ready = _barriers(2, 1)
-        kv_empty = _barriers(2, 2)
+        k_smem, v_smem, kv_ready, kv_empty = _tile_buffers(dtype, ROWS, HEAD_DIM, kv_layout)
         q_smem, do_smem, q_ready, do_ready, q_empty, do_empty = _rings(dtype, STAGES, BLOCK_M, HEAD_DIM, q_layout)
         row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)  # filled with q's stage

@@ -305,12 +305,12 @@ if AVAILABLE:
                     tiles += 1
 
     @gluon.jit
-    def _batch_heads(ptr, batch, seq, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr,
-                     layout: gl.constexpr):
+    def _batch_heads(ptr, batch, seq, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr):
         """TMA descriptor of a [batch, seq, heads, head_dim] array seen as [batch, seq, heads * head_dim],
         in boxes of one batch row, BLOCK rows and one head (the column offset picks it). TMA bounds
         each batch row's sequence: rows past it read as zeros."""
         row: gl.constexpr = HEADS * HEAD_DIM
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK, HEAD_DIM], ptr.dtype.element_ty)
         # to_tensor: seq may be the constant 1 (Triton specializes it).
         return tma.make_tensor_descriptor(ptr, [batch, seq, row], [gl.to_tensor(seq).to(gl.int64) * row, row, 1],
                                           [1, BLOCK, HEAD_DIM], layout)
@@ -331,11 +331,9 @@ if AVAILABLE:
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        q_desc = _batch_heads(q_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS,
-                              gl.NVMMASharedLayout.get_default_for([1, ROWS, HEAD_DIM], dtype))
-        kv3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, HEAD_DIM], dtype)
-        k_desc = _batch_heads(k_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N, kv3_layout)
-        v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N, kv3_layout)
+        q_desc = _batch_heads(q_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS)
+        k_desc = _batch_heads(k_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
+        v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
 
         q_smem = gl.allocate_shared_memory(dtype, [4, ROWS, HEAD_DIM], q_layout)  # two tiles' two halves
         q_ready = _barriers(2, 1)
