@@ -69,15 +69,14 @@ def _probe(kind: str, head_dim: int, seq: int, causal: bool, group: int) -> list
         triton_plan = triton_forward_plan(spec, facts)
         candidates = [("triton", triton_plan)] + [
             (f"gluon persistent s{s}", _variant(gluon_forward_plan(spec, facts), "BLOCK_N", 128, s)) for s in (2, 3)]
-        per_matmul = flops(b, h, seq, d, causal, "fwd") / 2
     else:
         triton_plan, gluon_plan = (dq_plan, gluon_dq_plan) if kind == "dq" else (dkdv_plan, gluon_dkdv_plan)
-        per_matmul = flops(b, h, seq, d, causal, "fwd") / 2
         block_name, variants = VARIANTS[kind]
         candidates = [("triton", triton_plan)] + [
             (f"gluon {block_name[-1].lower()}{n} s{s}", _variant(gluon_plan(spec, facts), block_name, n, s))
             for n, s in variants]
     want = launch(triton_plan, *grads_in)[:2]  # dq, or dk and dv, or out and lse
+    per_matmul = flops(b, h, seq, d, causal, "fwd") / 2  # one of the pass's matmuls (MATMULS)
     rows = []
     for name, plan in candidates:
         row = {"pass": kind, "head_dim": d, "seq": seq, "group": group, "causal": causal, "kernel": name}
