@@ -91,3 +91,50 @@ def test_large_moe_layer_bf16(torch_fw, rng):
         expected[s:e] = lhs[s:e].double() @ rhs[i].double()
     err = ((out.double() - expected).norm() / expected.norm()).item()
     assert err < TOLERANCE["bfloat16"], err
+
+
+def _gluon_cases(rng):
+    # (m, k, n, sizes, held, offset): every one routes to the Gluon kernel (16-bit, k and n
+    # multiples of 8, >= 256 rows an expert). k and n off the 64/128/256 tiles, rows past the sum,
+    # empty groups, groups shorter than a tile, one shard of the experts, a single expert.
+    return [
+        (5000, 264, 520, ragged_sizes(rng, 5000, 3, spare=77), 3, 0),
+        (4097, 512, 1408, _skewed(rng, 4097, 16), 16, 0),
+        (6000, 136, 1032, ragged_sizes(rng, 6000, 12), 4, 5),
+        (2053, 1024, 256, np.array([2053], np.int32), 1, 0),
+        (3000, 64, 8, np.array([7, 0, 1500, 13, 900, 1], np.int32), 6, 0),
+    ]
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gluon_gmm_matches_float64_and_the_triton_kernel(torch_fw, rng, dtype, transpose_rhs):
+    """The Gluon gmm (forward and d_lhs kernel) against a float64 loop and against gmm_kernel
+    (forced by fwd_params), outputs poisoned before the launch."""
+    import torch
+
+    from ejkernel_torch.launch import device_facts, launch
+    from triton_kernels import grouped_matmul as gm
+
+    facts = device_facts(torch.device("cuda"))
+    tdtype = getattr(torch, dtype)
+    for m, k, n, sizes, held, offset in _gluon_cases(rng):
+        plan = gm.gmm_plan(m, k, n, len(sizes), held, transpose_rhs, dtype, dtype, facts)
+        assert plan.is_gluon, (m, k, n, held)
+        lhs = torch.randn(m, k, device="cuda", dtype=tdtype)
+        rhs = torch.randn((held, n, k) if transpose_rhs else (held, k, n), device="cuda", dtype=tdtype) / 8
+        gs = torch.from_numpy(sizes).cuda()
+        off = torch.tensor([offset], dtype=torch.int32, device="cuda")
+        out = launch(plan, lhs, rhs, gs, off)[0]
+        triton_plan = gm.gmm_plan(m, k, n, len(sizes), held, transpose_rhs, dtype, dtype, facts,
+                                  gm.FwdParams(blocksize_m=128))
+        assert not triton_plan.is_gluon
+        other = launch(triton_plan, lhs, rhs, gs, off)[0]
+        want = ref.forward(ref.grouped_matmul, lhs.double().cpu().numpy(), rhs.double().cpu().numpy(), sizes,
+                           transpose_rhs=transpose_rhs, group_offset=offset)
+        got = out.double().cpu().numpy()
+        assert not np.isnan(got).any()
+        assert rel_error(got, want) < TOLERANCE[dtype], (m, k, n, rel_error(got, want))
+        assert rel_error(got, other.double().cpu().numpy()) < TOLERANCE[dtype]
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        assert not got[:bounds[offset]].any() and not got[bounds[offset + held]:].any()
