@@ -40,7 +40,6 @@ def _bench_shape(label: str, g: int, m: int, k: int, n: int, gmm_alts: list, tgm
     from benchmarks.grouped_matmul import group_sizes
     from ejkernel_torch.launch import device_facts, launch
     from triton_kernels import grouped_matmul as gm
-    from triton_kernels import gluon_grouped_matmul as gl_gmm
     from triton_kernels.params import FwdParams
 
     facts = device_facts(torch.device("cuda"))
@@ -67,9 +66,7 @@ def _bench_shape(label: str, g: int, m: int, k: int, n: int, gmm_alts: list, tgm
                 out = launch(plan, *args)[0]
                 c = plan.constexpr_dict
                 ms = bench_torch(lambda: launch(plan, *args))
-                stages = c.get("STAGES", plan.num_stages)  # a Gluon plan's ring, a Triton plan's pipeline
-                row.update(kernel_name=plan.name,
-                           tile=[c.get("BLOCK_M", gl_gmm.BLOCK_M), c["BLOCK_N"], c["BLOCK_K"], plan.num_warps, stages],
+                row.update(tile=[c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], plan.num_warps, plan.num_stages],
                            ms=ms, tflops=2 * m * k * n / ms / 1e9, digest=_digest(out) if params is None else None)
             rows.append(row)
             print(json.dumps(row), flush=True)

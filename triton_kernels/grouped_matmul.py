@@ -38,7 +38,7 @@ import operator
 import triton
 import triton.language as tl
 
-from . import checks, gluon_grouped_matmul
+from . import checks
 from .padded_attention import _dot, _dot_precision
 from .params import FwdParams, check_params, check_tile_numel, itemsize, select_num_stages
 from .plan import DeviceFacts, LaunchPlan, Output, cdiv, check_float_dtype
@@ -423,8 +423,6 @@ def gmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, transpo
     ``transpose_rhs``). Inputs: lhs, rhs, group_sizes (int32 [num_groups]), group_offset (int32 [1])."""
     check_float_dtype("lhs", dtype)
     check_out_dtype(out_dtype)
-    if params is None and uses_gluon(m, k, n, num_selected, dtype, facts):
-        return _gluon_gmm_plan(m, k, n, num_groups, num_selected, transpose_rhs, dtype, out_dtype, facts)
     cfg = _gmm_config(m, k, n, num_selected, dtype, facts, params)
     bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
     # Upper bound on the tiles: each group adds at most one partial row tile, and so does each
@@ -440,32 +438,6 @@ def gmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, transpo
                     ("TRANSPOSE_RHS", bool(transpose_rhs)), ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk),
                     ("GROUP_M", 8), ("DOT_PRECISION", _dot_precision(dtype, facts))),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=True,
-    )
-
-
-def uses_gluon(m: int, k: int, n: int, num_selected: int, dtype: str, facts: DeviceFacts) -> bool:
-    """Whether ``gmm_plan`` (without params) picks the Gluon kernel: a Hopper whose launcher runs
-    Gluon, 16-bit inputs whose rows are 16-byte multiples (TMA's strides), and experts of 256
-    rows or more on average, where the Triton kernel's tile is 128 rows as the Gluon one's."""
-    return (facts.gluon and facts.capability == (9, 0) and gluon_grouped_matmul.AVAILABLE
-            and dtype in ("float16", "bfloat16") and k % 8 == 0 and n % 8 == 0 and m > 1
-            and m >= 256 * max(num_selected, 1))
-
-
-def _gluon_gmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, transpose_rhs: bool,
-                    dtype: str, out_dtype: str, facts: DeviceFacts) -> LaunchPlan:
-    bn, bk = (256 if n >= 1024 else 128), 64
-    tiles = cdiv(n, bn) * (cdiv(m, gluon_grouped_matmul.BLOCK_M) + num_selected + 2)
-    return LaunchPlan(
-        kernel=gluon_grouped_matmul.gmm_gluon_kernel,
-        grid=(min(tiles, facts.num_sms),),
-        **_group_inputs(dtype),
-        scalars=(("m", m),),
-        outputs=(Output("out_ptr", (m, n), out_dtype),),
-        constexprs=(("K", k), ("N", n), ("NUM_GROUPS", num_groups), ("NUM_SELECTED", num_selected),
-                    ("TRANSPOSE_RHS", bool(transpose_rhs)), ("BLOCK_N", bn), ("BLOCK_K", bk),
-                    ("STAGES", gluon_grouped_matmul.stages(bn, bk, itemsize(dtype), facts.shared_memory))),
-        num_warps=4, num_stages=1, maxnreg=gluon_grouped_matmul.MAXNREG,
     )
 
 
