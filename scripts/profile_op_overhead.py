@@ -46,6 +46,7 @@ Prints a table, then one line ``PROFILE_JSON {...}``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import importlib
 import io
@@ -149,11 +150,21 @@ def layers(q, k, v, device: torch.device) -> list[tuple[int, str, object]]:
         runtime = plan.runtime_args(features, (out, lse))
         consts = plan.constexpr_dict
 
+        # A Gluon plan builds its TMA descriptors in global scratch: its launches need the
+        # allocator that launch() scopes to them (and the plan's maxnreg, in compile_options).
+        scratch = launch_mod._scratch_allocator if plan.is_gluon else contextlib.nullcontext
+
         def bare():
-            return plan.kernel[plan.grid](*runtime, **consts, num_warps=plan.num_warps, num_stages=plan.num_stages)
+            with scratch():
+                return plan.kernel[plan.grid](*runtime, **consts, **plan.compile_options)
+
+        def floor():
+            with scratch():
+                runner(*args)
         add(0, "bare kernel[grid] (Triton's launch)", lambda: bare)
         runner, args = bare()[launch_mod._grid3(plan.grid)], plan.all_args(runtime)
-        add(0, "compiled kernel's launcher (floor)", lambda: lambda: runner(*args))
+        add(0, "compiled kernel's launcher (floor)" + (" + scratch allocator" if plan.is_gluon else ""),
+            lambda: floor)
     return rows
 
 
