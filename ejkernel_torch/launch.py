@@ -86,9 +86,14 @@ def _poison_int(dtype: torch.dtype):
 
 def _launch_compiled(plan: LaunchPlan, inputs, outputs) -> None:
     if plan.is_gluon:
+        from triton.runtime import _allocation
+
         inputs = _aligned(inputs)
-        with _scratch_allocator():
+        token = _allocation._allocator.set(_torch_scratch)  # not a context manager: a few us a launch
+        try:
             _launch_compiled_kernel(plan, inputs, outputs)
+        finally:
+            _allocation._allocator.reset(token)
     else:
         _launch_compiled_kernel(plan, inputs, outputs)
 
@@ -109,12 +114,27 @@ def _launch_compiled_kernel(plan: LaunchPlan, inputs, outputs) -> None:
 # needs 16-byte aligned base addresses, which a contiguous view at an odd offset may not have.
 
 def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """The launch's scratch: one buffer per stream, grown as needed and reused (an allocation per
+    launch cost about as much host time as the launch). Kernels on one stream run one after the
+    other, so no two use a buffer at once, and a replaced buffer goes back to the caching
+    allocator on the stream it was used on. While a CUDA graph is captured, each launch gets its
+    own allocation from the graph's pool instead: the graph keeps the address it saw."""
     # The caching allocator's blocks are 512-byte aligned, beyond any scratch alignment Triton asks.
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+    key = (torch.cuda.current_device(), stream)
+    buffer = _scratch_buffers.get(key)
+    if buffer is None or buffer.numel() < size:
+        buffer = _scratch_buffers[key] = torch.empty(size, dtype=torch.int8, device="cuda")
+    return buffer
+
+
+_scratch_buffers: dict[tuple[int, int], torch.Tensor] = {}
 
 
 @contextlib.contextmanager
 def _scratch_allocator():
+    """The launch's allocator, for code that launches a Gluon kernel itself (scripts)."""
     from triton.runtime import _allocation
 
     token = _allocation._allocator.set(_torch_scratch)

@@ -58,3 +58,61 @@ def test_flash_attention_relaunch_is_bitwise_the_first(rng):
     for later in results[1:]:
         for a, b in zip(results[0], later):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _gluon_forward_inputs(rng, seq: int):
+    return [torch.tensor(rng.standard_normal((2, seq, 4, 64)), dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+
+
+def _needs_gluon_forward(q):
+    from triton_kernels import flash_attention as fa
+    from triton_kernels.flash_attention.plan import uses_gluon
+
+    spec = fa.dense_spec(q.shape, q.shape, q.shape, ("bfloat16",) * 3, causal=True)
+    if not uses_gluon(spec, launch_mod.device_facts(q.device)):
+        pytest.skip("the plans do not route this call to the Gluon forward here")
+
+
+def test_gluon_scratch_is_reused_per_stream_and_grows(rng):
+    """Gluon kernels build TMA descriptors in a per-stream scratch buffer that later launches
+    reuse: a launch on another stream gets its own, a larger grid grows it, and results match
+    the same calls made one at a time on the default stream."""
+    small, large = _gluon_forward_inputs(rng, 130), _gluon_forward_inputs(rng, 3000)
+    _needs_gluon_forward(small[0])
+    want = [ejkernel_torch.flash_attention(*x, causal=True) for x in (small, large, small)]
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        got_side = ejkernel_torch.flash_attention(*large, causal=True)
+    got = [ejkernel_torch.flash_attention(*x, causal=True) for x in (small, large, small)]
+    torch.cuda.synchronize()
+    device = torch.cuda.current_device()
+    assert (device, side.cuda_stream) in launch_mod._scratch_buffers
+    assert (device, torch.cuda.current_stream().cuda_stream) in launch_mod._scratch_buffers
+    for a, b in zip(want + [want[1]], got + [got_side]):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_gluon_forward_under_cuda_graph_replay(rng):
+    """A captured Gluon launch keeps scratch of its own: replays with new inputs give what eager
+    calls give, with eager launches (which reuse the stream's scratch) in between."""
+    q, k, v = _gluon_forward_inputs(rng, 257)
+    _needs_gluon_forward(q)
+    ejkernel_torch.flash_attention(q, k, v, causal=True)  # compile outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ejkernel_torch.flash_attention(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ejkernel_torch.flash_attention(q, k, v, causal=True)
+    for _ in range(2):
+        fresh = _gluon_forward_inputs(rng, 257)
+        for dst, src in zip((q, k, v), fresh):
+            dst.copy_(src)
+        want = ejkernel_torch.flash_attention(*fresh, causal=True)
+        ejkernel_torch.flash_attention(*_gluon_forward_inputs(rng, 1000), causal=True)  # eager, same stream
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(want.view(torch.int16), captured.view(torch.int16))
