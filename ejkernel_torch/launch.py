@@ -114,22 +114,11 @@ def _launch_compiled_kernel(plan: LaunchPlan, inputs, outputs) -> None:
 # needs 16-byte aligned base addresses, which a contiguous view at an odd offset may not have.
 
 def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """The launch's scratch: one buffer per stream, grown as needed and reused (an allocation per
-    launch cost about as much host time as the launch). Kernels on one stream run one after the
-    other, so no two use a buffer at once, and a replaced buffer goes back to the caching
-    allocator on the stream it was used on. While a CUDA graph is captured, each launch gets its
-    own allocation from the graph's pool instead: the graph keeps the address it saw."""
+    # A fresh allocation each launch (a few us). A buffer kept for later launches would be cheaper,
+    # but one first allocated while torch.compile's CUDA graphs warm up lives in their memory pool,
+    # which must hold nothing but tracked outputs (tests/test_gpu_cuda_graphs.py fails then).
     # The caching allocator's blocks are 512-byte aligned, beyond any scratch alignment Triton asks.
-    if torch.cuda.is_current_stream_capturing():
-        return torch.empty(size, dtype=torch.int8, device="cuda")
-    key = (torch.cuda.current_device(), stream)
-    buffer = _scratch_buffers.get(key)
-    if buffer is None or buffer.numel() < size:
-        buffer = _scratch_buffers[key] = torch.empty(size, dtype=torch.int8, device="cuda")
-    return buffer
-
-
-_scratch_buffers: dict[tuple[int, int], torch.Tensor] = {}
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 @contextlib.contextmanager
