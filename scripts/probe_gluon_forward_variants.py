@@ -1,0 +1,98 @@
+"""Variants of the Gluon flash-attention forward against the plans' kernel, on a Hopper GPU.
+
+    python scripts/probe_gluon_forward_variants.py VARIANT.py [VARIANT.py ...] [--no-time] [--out PATH]
+
+Each VARIANT.py is a copy of ``triton_kernels/flash_attention/gluon_forward.py`` with one change
+(its ``flash_fwd_gluon_kernel`` must take the same arguments); the file's stem names it. The
+plan's kernel ("plan") and each variant are first checked against the Triton forward on small odd
+shapes (relative error of the output and lse, the worse of the two; NaN reported), then timed on
+the benchmark's shapes: bf16, batch x seq = 16k tokens, heads = 2048 / head_dim, head_dim 128
+and 64, seq 1024-4096, causal and not. A variant that fails to compile or run is reported, not fatal.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+CHECKS = [(1, 128, 1, 128, False), (1, 128, 1, 128, True), (1, 256, 1, 128, True), (2, 1000, 3, 128, True),
+          (2, 777, 4, 64, False), (3, 1024, 5, 128, False), (2, 1000, 3, 64, False), (1, 4096, 2, 128, True)]
+TIMED = [(16384 // s, s, 2048 // d, d, c) for d in (128, 64) for s in (1024, 2048, 4096) for c in (True, False)]
+
+
+def _load_kernel(path: str):
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(f"gluon_forward_variant_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # Gluon reads the kernel's source through its module
+    spec.loader.exec_module(module)
+    return name, module.flash_fwd_gluon_kernel
+
+
+def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
+    import torch
+
+    from benchmarks.common import bench_torch
+    from benchmarks.flash_attention import flops
+    from ejkernel_torch.launch import device_facts, launch
+    from ejkernel_torch.ops.flash_attention import _features
+    from triton_kernels import flash_attention as fa
+    from triton_kernels.flash_attention.plan import gluon_forward_plan, triton_forward_plan
+
+    b, s, h, d = shape
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    spec = fa.dense_spec(q.shape, k.shape, v.shape, ("bfloat16",) * 3, causal=causal)
+    facts = device_facts(q.device)
+    arrays = _features(q, k, v, None, None, None, None, None, None)
+    want = launch(triton_forward_plan(spec, facts), *arrays)
+    row = {"shape": list(shape), "causal": causal}
+    for name, kernel in variants.items():
+        plan = gluon_forward_plan(spec, facts)
+        if kernel is not None:
+            plan = dataclasses.replace(plan, kernel=kernel)
+        try:
+            got = launch(plan, *arrays)
+            torch.cuda.synchronize()
+            result = {"rel_err_vs_triton": max(float((g.float() - w.float()).norm() / w.float().norm())
+                                               for g, w in zip(got, want)),
+                      "nan": bool(got[0].isnan().any() or got[1].isnan().any())}
+            if timed:
+                result["ms"] = bench_torch(lambda: launch(plan, *arrays))
+                result["tflops"] = flops(b, h, s, d, causal, "fwd") / result["ms"] / 1e9
+        except Exception as e:  # a broken variant is a result too
+            result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+        row[name] = result
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("variants", nargs="*", help="kernel files (copies of gluon_forward.py with a change)")
+    parser.add_argument("--no-time", action="store_true", help="only the correctness checks")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    variants = {"plan": None} | dict(_load_kernel(p) for p in args.variants)
+    rows = [_row(shape[:4], shape[4], variants, timed=False) for shape in CHECKS]
+    if not args.no_time:
+        rows += [_row(shape[:4], shape[4], variants, timed=True) for shape in TIMED]
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "command": "python scripts/probe_gluon_forward_variants.py " + " ".join(sys.argv[1:]), "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
