@@ -86,14 +86,9 @@ def _poison_int(dtype: torch.dtype):
 
 def _launch_compiled(plan: LaunchPlan, inputs, outputs) -> None:
     if plan.is_gluon:
-        from triton.runtime import _allocation
-
         inputs = _aligned(inputs)
-        token = _allocation._allocator.set(_torch_scratch)  # not a context manager: a few us a launch
-        try:
+        with _scratch_allocator():
             _launch_compiled_kernel(plan, inputs, outputs)
-        finally:
-            _allocation._allocator.reset(token)
     else:
         _launch_compiled_kernel(plan, inputs, outputs)
 
@@ -123,7 +118,6 @@ def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _scratch_allocator():
-    """The launch's allocator, for code that launches a Gluon kernel itself (scripts)."""
     from triton.runtime import _allocation
 
     token = _allocation._allocator.set(_torch_scratch)
