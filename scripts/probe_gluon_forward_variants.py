@@ -1,6 +1,7 @@
 """Variants of the Gluon flash-attention forward against the plans' kernel, on a Hopper GPU.
 
     python scripts/probe_gluon_forward_variants.py VARIANT.py [VARIANT.py ...] [--no-time] [--out PATH]
+        [--head-dims 128] [--seqs 1024 2048]     # time a subset of the shapes
 
 Each VARIANT.py is a copy of ``triton_kernels/flash_attention/gluon_forward.py`` with one change
 (its ``flash_fwd_gluon_kernel`` must take the same arguments); the file's stem names it. The
@@ -22,7 +23,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 CHECKS = [(1, 128, 1, 128, False), (1, 128, 1, 128, True), (1, 256, 1, 128, True), (2, 1000, 3, 128, True),
           (2, 777, 4, 64, False), (3, 1024, 5, 128, False), (2, 1000, 3, 64, False), (1, 4096, 2, 128, True)]
-TIMED = [(16384 // s, s, 2048 // d, d, c) for d in (128, 64) for s in (1024, 2048, 4096) for c in (True, False)]
+HEAD_DIMS, SEQS = (128, 64), (1024, 2048, 4096)
+
+
+def timed_shapes(head_dims=HEAD_DIMS, seqs=SEQS) -> list[tuple]:
+    """(batch, seq, heads, head_dim, causal) of the benchmark's shapes: 16k tokens, 2048 / head_dim heads."""
+    return [(16384 // s, s, 2048 // d, d, c) for d in head_dims for s in seqs for c in (True, False)]
 
 
 def _load_kernel(path: str):
@@ -75,6 +81,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("variants", nargs="*", help="kernel files (copies of gluon_forward.py with a change)")
     parser.add_argument("--no-time", action="store_true", help="only the correctness checks")
+    parser.add_argument("--head-dims", nargs="*", type=int, default=list(HEAD_DIMS))
+    parser.add_argument("--seqs", nargs="*", type=int, default=list(SEQS))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -86,7 +94,7 @@ def main() -> None:
     variants = {"plan": None} | dict(_load_kernel(p) for p in args.variants)
     rows = [_row(shape[:4], shape[4], variants, timed=False) for shape in CHECKS]
     if not args.no_time:
-        rows += [_row(shape[:4], shape[4], variants, timed=True) for shape in TIMED]
+        rows += [_row(shape[:4], shape[4], variants, timed=True) for shape in timed_shapes(args.head_dims, args.seqs)]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "command": "python scripts/probe_gluon_forward_variants.py " + " ".join(sys.argv[1:]), "rows": rows}
     if args.out:

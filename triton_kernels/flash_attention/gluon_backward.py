@@ -49,7 +49,7 @@ if AVAILABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-    from .gluon_forward import _barriers, _batch_heads, _block_counts, _loader, _rings, _tma_load, _unit_tile
+    from .gluon_forward import _barriers, _batch_heads, _block_counts, _loader, _rings, _slot_tile, _slots, _tma_load
 
     LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -153,37 +153,35 @@ if AVAILABLE:
         """Warpgroup ``WG``'s 64 rows of dq for each of this program's tiles, in the loader's order."""
         ROWS: gl.constexpr = q_smem.shape[1]
         TILE_M: gl.constexpr = 2 * ROWS
-        UNIT: gl.constexpr = 2 if PAIRS else 1
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
         ring = 0
         tiles = 0
-        for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
-            for half in gl.static_range(UNIT):
-                m0, h, b, exists = _unit_tile(unit, half, n_m, per_head, HEADS_Q, TILE_M, PAIRS)
-                if exists:
-                    n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
-                    b64 = b.to(gl.int64)
-                    row0 = m0 + WG * ROWS
-                    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-                    # Rows past seq_q read lse = delta = 0 (their q and dO rows are TMA zeros, so dS is 0).
-                    lse_base = (b64 * HEADS_Q + h) * seq_q
-                    lse2 = gl.load(lse_ptr + lse_base + rows, mask=rows < seq_q, other=0.0) * LOG2E
-                    delta = gl.load(delta_ptr + lse_base + rows, mask=rows < seq_q, other=0.0)
-                    buf = tiles % 2
-                    mbarrier.wait(q_ready.index(buf), (tiles // 2) & 1)
-                    dq = _dq_tile(q_smem.index(2 * buf + WG), do_smem.index(2 * buf + WG), k_smem, v_smem, k_ready,
-                                  v_ready, k_empty, v_empty, q_empty.index(buf), lse2, delta, logit_scale, row0, seq_q,
-                                  seq_k, n_blocks, first_masked, ring, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)
-                    out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq_layout))
-                    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
-                    ptrs = (dq_ptr + b64 * seq_q * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM
-                            + out_rows.to(gl.int64)[:, None] * (HEADS_Q * HEAD_DIM) + cols[None, :])
-                    gl.store(ptrs, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=(out_rows < seq_q)[:, None])
-                    ring += n_blocks
-                    tiles += 1
+        for slot in range(_slots(n_units, PAIRS)):
+            m0, h, b, exists = _slot_tile(slot, n_m, per_head, HEADS_Q, TILE_M, PAIRS)
+            if exists:
+                n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
+                b64 = b.to(gl.int64)
+                row0 = m0 + WG * ROWS
+                rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+                # Rows past seq_q read lse = delta = 0 (their q and dO rows are TMA zeros, so dS is 0).
+                lse_base = (b64 * HEADS_Q + h) * seq_q
+                lse2 = gl.load(lse_ptr + lse_base + rows, mask=rows < seq_q, other=0.0) * LOG2E
+                delta = gl.load(delta_ptr + lse_base + rows, mask=rows < seq_q, other=0.0)
+                buf = tiles % 2
+                mbarrier.wait(q_ready.index(buf), (tiles // 2) & 1)
+                dq = _dq_tile(q_smem.index(2 * buf + WG), do_smem.index(2 * buf + WG), k_smem, v_smem, k_ready,
+                              v_ready, k_empty, v_empty, q_empty.index(buf), lse2, delta, logit_scale, row0, seq_q,
+                              seq_k, n_blocks, first_masked, ring, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)
+                out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq_layout))
+                cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+                ptrs = (dq_ptr + b64 * seq_q * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM
+                        + out_rows.to(gl.int64)[:, None] * (HEADS_Q * HEAD_DIM) + cols[None, :])
+                gl.store(ptrs, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=(out_rows < seq_q)[:, None])
+                ring += n_blocks
+                tiles += 1
 
     @gluon.jit(do_not_specialize_on_alignment=RUNTIME_INTS + ["batch"])
     def flash_bwd_dq_gluon_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_ptr, cu_k_ptr, seed_ptr,
@@ -194,7 +192,7 @@ if AVAILABLE:
                                   CAUSAL: gl.constexpr, PAIRS: gl.constexpr, BLOCK_N: gl.constexpr,
                                   STAGES: gl.constexpr):
         """dq of 128-row query tiles, a persistent program per SM walking the forward's schedule
-        units (``gluon_forward._unit_tile``). Takes the inputs of ``flash_bwd_dq_kernel`` (the nine
+        units (``gluon_forward._slot_tile``). Takes the inputs of ``flash_bwd_dq_kernel`` (the nine
         feature arrays, dO, the natural lse and delta) and reads q, k, v, dO, lse and delta;
         ``logit_scale`` is the softmax scale times log2(e)."""
         ROWS: gl.constexpr = 64
@@ -282,28 +280,26 @@ if AVAILABLE:
         ROWS: gl.constexpr = k_smem.shape[1]
         TILE_N: gl.constexpr = 2 * ROWS
         GROUP: gl.constexpr = HEADS_Q // HEADS_KV
-        UNIT: gl.constexpr = 2 if PAIRS else 1
         ring = 0
         tiles = 0
-        for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
-            for half in gl.static_range(UNIT):
-                n0, h_kv, b, exists = _unit_tile(unit, half, n_n, per_head, HEADS_KV, TILE_N, PAIRS)
-                if exists:
-                    j_lo, n_q, n_masked = _query_blocks(n0, seq_q, seq_k, TILE_N, BLOCK_M, CAUSAL)
-                    buf = tiles % 2
-                    mbarrier.wait(kv_empty.index(buf), ((tiles // 2) & 1) ^ 1)
-                    bar = kv_ready.index(buf)
-                    mbarrier.expect(bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-                    for i in gl.static_range(2):
-                        _tma_load(k_desc, [b, n0 + i * ROWS, h_kv * HEAD_DIM], bar, k_smem.index(2 * buf + i))
-                        _tma_load(v_desc, [b, n0 + i * ROWS, h_kv * HEAD_DIM], bar, v_smem.index(2 * buf + i))
-                    h_first = h_kv * GROUP
-                    lse_first = (b.to(gl.int64) * HEADS_Q + h_first) * seq_q
-                    _query_stream(q_desc, do_desc, lse_ptr, delta_ptr, q_smem, do_smem, lse_smem, delta_smem, q_ready,
-                                  do_ready, q_empty, do_empty, b, h_first, lse_first, seq_q, j_lo, n_q, ring, GROUP,
-                                  BLOCK_M, STAGES)
-                    ring += GROUP * n_q
-                    tiles += 1
+        for slot in range(_slots(n_units, PAIRS)):
+            n0, h_kv, b, exists = _slot_tile(slot, n_n, per_head, HEADS_KV, TILE_N, PAIRS)
+            if exists:
+                j_lo, n_q, n_masked = _query_blocks(n0, seq_q, seq_k, TILE_N, BLOCK_M, CAUSAL)
+                buf = tiles % 2
+                mbarrier.wait(kv_empty.index(buf), ((tiles // 2) & 1) ^ 1)
+                bar = kv_ready.index(buf)
+                mbarrier.expect(bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+                for i in gl.static_range(2):
+                    _tma_load(k_desc, [b, n0 + i * ROWS, h_kv * HEAD_DIM], bar, k_smem.index(2 * buf + i))
+                    _tma_load(v_desc, [b, n0 + i * ROWS, h_kv * HEAD_DIM], bar, v_smem.index(2 * buf + i))
+                h_first = h_kv * GROUP
+                lse_first = (b.to(gl.int64) * HEADS_Q + h_first) * seq_q
+                _query_stream(q_desc, do_desc, lse_ptr, delta_ptr, q_smem, do_smem, lse_smem, delta_smem, q_ready,
+                              do_ready, q_empty, do_empty, b, h_first, lse_first, seq_q, j_lo, n_q, ring, GROUP,
+                              BLOCK_M, STAGES)
+                ring += GROUP * n_q
+                tiles += 1
 
     @gluon.jit
     def _dkdv_tile(k, v, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, q_empty, do_empty, kv_empty,
@@ -368,32 +364,30 @@ if AVAILABLE:
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
         TILE_N: gl.constexpr = 2 * ROWS
         GROUP: gl.constexpr = HEADS_Q // HEADS_KV
-        UNIT: gl.constexpr = 2 if PAIRS else 1
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_DIM, 16])
         dtype: gl.constexpr = q_smem.dtype
         ring = 0
         tiles = 0
-        for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
-            for half in gl.static_range(UNIT):
-                n0, h_kv, b, exists = _unit_tile(unit, half, n_n, per_head, HEADS_KV, TILE_N, PAIRS)
-                if exists:
-                    j_lo, n_q, n_masked = _query_blocks(n0, seq_q, seq_k, TILE_N, BLOCK_M, CAUSAL)
-                    buf = tiles % 2
-                    mbarrier.wait(kv_ready.index(buf), (tiles // 2) & 1)
-                    key0 = n0 + WG * ROWS
-                    dk, dv = _dkdv_tile(k_smem.index(2 * buf + WG), v_smem.index(2 * buf + WG), q_smem, do_smem,
-                                        lse_smem, delta_smem, q_ready, do_ready, q_empty, do_empty,
-                                        kv_empty.index(buf), logit_scale, key0, seq_q, seq_k, j_lo, n_q, n_masked,
-                                        ring, GROUP, BLOCK_M, STAGES, CAUSAL)
-                    rows = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-                    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-                    kv_base = b.to(gl.int64) * seq_k * (HEADS_KV * HEAD_DIM) + h_kv * HEAD_DIM
-                    offsets = kv_base + rows.to(gl.int64)[:, None] * (HEADS_KV * HEAD_DIM) + dims[None, :]
-                    gl.store(dk_ptr + offsets, (dk * sm_scale).to(dtype), mask=(rows < seq_k)[:, None])
-                    gl.store(dv_ptr + offsets, dv.to(dtype), mask=(rows < seq_k)[:, None])
-                    ring += GROUP * n_q
-                    tiles += 1
+        for slot in range(_slots(n_units, PAIRS)):
+            n0, h_kv, b, exists = _slot_tile(slot, n_n, per_head, HEADS_KV, TILE_N, PAIRS)
+            if exists:
+                j_lo, n_q, n_masked = _query_blocks(n0, seq_q, seq_k, TILE_N, BLOCK_M, CAUSAL)
+                buf = tiles % 2
+                mbarrier.wait(kv_ready.index(buf), (tiles // 2) & 1)
+                key0 = n0 + WG * ROWS
+                dk, dv = _dkdv_tile(k_smem.index(2 * buf + WG), v_smem.index(2 * buf + WG), q_smem, do_smem,
+                                    lse_smem, delta_smem, q_ready, do_ready, q_empty, do_empty,
+                                    kv_empty.index(buf), logit_scale, key0, seq_q, seq_k, j_lo, n_q, n_masked,
+                                    ring, GROUP, BLOCK_M, STAGES, CAUSAL)
+                rows = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+                dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+                kv_base = b.to(gl.int64) * seq_k * (HEADS_KV * HEAD_DIM) + h_kv * HEAD_DIM
+                offsets = kv_base + rows.to(gl.int64)[:, None] * (HEADS_KV * HEAD_DIM) + dims[None, :]
+                gl.store(dk_ptr + offsets, (dk * sm_scale).to(dtype), mask=(rows < seq_k)[:, None])
+                gl.store(dv_ptr + offsets, dv.to(dtype), mask=(rows < seq_k)[:, None])
+                ring += GROUP * n_q
+                tiles += 1
 
     @gluon.jit(do_not_specialize_on_alignment=RUNTIME_INTS + ["batch"])
     def flash_bwd_dkdv_gluon_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_ptr, cu_k_ptr,
@@ -404,7 +398,7 @@ if AVAILABLE:
                                     CAUSAL: gl.constexpr, PAIRS: gl.constexpr, BLOCK_M: gl.constexpr,
                                     STAGES: gl.constexpr):
         """dk and dv of 128-key tiles, each summed over the query heads of its group, a persistent
-        program per SM walking schedule units of key tiles (``gluon_forward._unit_tile`` over key
+        program per SM walking schedule units of key tiles (``gluon_forward._slot_tile`` over key
         tiles and kv heads; with a causal mask a unit pairs the light tile n_n-1-p with the heavy p).
         Takes the inputs and outputs of ``flash_bwd_dkdv_kernel`` (``ds_ptr`` is the one-element
         stand-in: these calls have no bias)."""

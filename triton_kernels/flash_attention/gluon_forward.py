@@ -12,7 +12,7 @@ softmax. This kernel splits a CTA by role, as FlashAttention-3 does:
 - registers move from the loader to the consumers (``worker_num_regs``, ``maxnreg``).
 - without a causal mask, a tile's output leaves with a TMA store from its query buffer.
 
-The grid is persistent: one program an SM walks schedule units (``_unit_tile``) in a static
+The grid is persistent: one program an SM walks schedule units (``_slot_tile``) in a static
 round robin, and the loader fetches the next tile while the consumers finish the current one.
 So a short sequence no longer pays, per tile, a program's start (barriers, descriptors, the
 first loads) and its epilogue: at seq 1024 that was 10-35% of the time.
@@ -230,17 +230,29 @@ if AVAILABLE:
         return n_blocks, first_masked
 
     @gluon.jit
-    def _unit_tile(unit, half: gl.constexpr, n_tiles, per_head, HEADS: gl.constexpr, TILE: gl.constexpr,
-                   PAIRS: gl.constexpr):
-        """(first row, head, batch row, whether it exists) of tile ``half`` of a schedule unit. A
-        unit is one tile of ``TILE`` rows, or with ``PAIRS`` (a causal mask) a pair of tiles of one
-        head: tile ``n_tiles - 1 - p`` then tile ``p``, whose work sums to the same for every p
-        (query tiles see more keys the later they are, key tiles fewer queries). So a static round
-        robin over units gives every program the same work."""
+    def _slots(n_units, PAIRS: gl.constexpr):
+        """How many tiles this program walks: schedule units pid, pid + G, ... (G programs) of
+        ``n_units``, each one tile or, with ``PAIRS``, two (``_slot_tile``)."""
+        units = gl.cdiv(n_units - gl.program_id(0), gl.num_programs(0))
+        return 2 * units if PAIRS else units
+
+    @gluon.jit
+    def _slot_tile(slot, n_tiles, per_head, HEADS: gl.constexpr, TILE: gl.constexpr, PAIRS: gl.constexpr):
+        """(first row, head, batch row, whether it exists) of this program's ``slot``-th tile. A
+        schedule unit is one tile of ``TILE`` rows, or with ``PAIRS`` (a causal mask) a pair of
+        tiles of one head: tile ``n_tiles - 1 - p`` then tile ``p``, whose work sums to the same for
+        every p (query tiles see more keys the later they are, key tiles fewer queries). So a static
+        round robin over units gives every program the same work.
+
+        One runtime loop over slots, not a loop over units with the pair's two tiles unrolled: the
+        unrolled loop doubled the partitions' code, and the causal forward ran 1.2x slower at seq
+        1024 on an H100 (probe_gluon_forward_variants, "dyn_half"; instruction fetch, we think)."""
+        UNIT: gl.constexpr = 2 if PAIRS else 1
+        unit = gl.program_id(0) + (slot // UNIT) * gl.num_programs(0)
         bh = unit // per_head
         p = unit % per_head
         if PAIRS:
-            if half == 0:
+            if slot % 2 == 0:
                 t = n_tiles - 1 - p
                 exists = True
             else:
@@ -278,27 +290,25 @@ if AVAILABLE:
         halves) into the free one of two buffers, then its key/value blocks through the ring
         (``ring`` counts the blocks streamed so far). The forward passes q's for dO's arguments."""
         TILE_M: gl.constexpr = 2 * q_smem.shape[1]
-        UNIT: gl.constexpr = 2 if PAIRS else 1
         ring = 0
         tiles = 0
-        for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
-            for half in gl.static_range(UNIT):
-                m0, h, b, exists = _unit_tile(unit, half, n_m, per_head, HEADS_Q, TILE_M, PAIRS)
-                if exists:
-                    n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
-                    buf = tiles % 2
-                    mbarrier.wait(q_empty.index(buf), ((tiles // 2) & 1) ^ 1)
-                    bar = q_ready.index(buf)
-                    mbarrier.expect(bar, (4 if WITH_DO else 2) * q_desc.block_type.nbytes)
-                    for i in gl.static_range(2):
-                        row = m0 + i * (TILE_M // 2)
-                        _tma_load(q_desc, [b, row, h * HEAD_DIM], bar, q_smem.index(2 * buf + i))
-                        if WITH_DO:
-                            _tma_load(do_desc, [b, row, h * HEAD_DIM], bar, do_smem.index(2 * buf + i))
-                    _kv_blocks(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b,
-                               (h // GROUP) * HEAD_DIM, n_blocks, ring, BLOCK_N, STAGES)
-                    ring += n_blocks
-                    tiles += 1
+        for slot in range(_slots(n_units, PAIRS)):
+            m0, h, b, exists = _slot_tile(slot, n_m, per_head, HEADS_Q, TILE_M, PAIRS)
+            if exists:
+                n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
+                buf = tiles % 2
+                mbarrier.wait(q_empty.index(buf), ((tiles // 2) & 1) ^ 1)
+                bar = q_ready.index(buf)
+                mbarrier.expect(bar, (4 if WITH_DO else 2) * q_desc.block_type.nbytes)
+                for i in gl.static_range(2):
+                    row = m0 + i * (TILE_M // 2)
+                    _tma_load(q_desc, [b, row, h * HEAD_DIM], bar, q_smem.index(2 * buf + i))
+                    if WITH_DO:
+                        _tma_load(do_desc, [b, row, h * HEAD_DIM], bar, do_smem.index(2 * buf + i))
+                _kv_blocks(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b,
+                           (h // GROUP) * HEAD_DIM, n_blocks, ring, BLOCK_N, STAGES)
+                ring += n_blocks
+                tiles += 1
 
     @gluon.jit
     def _consumer(o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
@@ -314,34 +324,32 @@ if AVAILABLE:
         1024), where the register store stays."""
         ROWS: gl.constexpr = q_smem.shape[1]
         TILE_M: gl.constexpr = 2 * ROWS
-        UNIT: gl.constexpr = 2 if PAIRS else 1
         ring = 0
         tiles = 0
-        for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
-            for half in gl.static_range(UNIT):
-                m0, h, b, exists = _unit_tile(unit, half, n_m, per_head, HEADS_Q, TILE_M, PAIRS)
-                if exists:
-                    n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
-                    buf = tiles % 2
-                    mbarrier.wait(q_ready.index(buf), (tiles // 2) & 1)
-                    if not CAUSAL:  # the previous tile's output store has read its buffer: release it
-                        tma.store_wait(0)
-                        mbarrier.arrive(q_empty.index((tiles + 1) % 2), count=1, pred=tiles > 0)
-                    row0 = m0 + WG * ROWS
-                    acc, m_i, l_i = _attend(q_smem.index(2 * buf + WG), k_smem, v_smem, k_ready, v_ready, k_empty,
-                                            v_empty, q_empty.index(buf), logit_scale, row0, seq_q, seq_k, n_blocks,
-                                            first_masked, ring, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, CAUSAL)
-                    b64 = b.to(gl.int64)
-                    lse_base = (b64 * HEADS_Q + h) * seq_q
-                    if CAUSAL:
-                        _store_rows(o_ptr, lse_ptr, acc, m_i, l_i, row0, seq_q,
-                                    b64 * seq_q * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM, lse_base, HEADS_Q, HEAD_DIM,
-                                    BLOCK_N)
-                    else:
-                        _stage_rows(o_desc, lse_ptr, q_smem.index(2 * buf + WG), acc, m_i, l_i, row0, seq_q, b,
-                                    h * HEAD_DIM, lse_base, BLOCK_N)
-                    ring += n_blocks
-                    tiles += 1
+        for slot in range(_slots(n_units, PAIRS)):
+            m0, h, b, exists = _slot_tile(slot, n_m, per_head, HEADS_Q, TILE_M, PAIRS)
+            if exists:
+                n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
+                buf = tiles % 2
+                mbarrier.wait(q_ready.index(buf), (tiles // 2) & 1)
+                if not CAUSAL:  # the previous tile's output store has read its buffer: release it
+                    tma.store_wait(0)
+                    mbarrier.arrive(q_empty.index((tiles + 1) % 2), count=1, pred=tiles > 0)
+                row0 = m0 + WG * ROWS
+                acc, m_i, l_i = _attend(q_smem.index(2 * buf + WG), k_smem, v_smem, k_ready, v_ready, k_empty,
+                                        v_empty, q_empty.index(buf), logit_scale, row0, seq_q, seq_k, n_blocks,
+                                        first_masked, ring, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, CAUSAL)
+                b64 = b.to(gl.int64)
+                lse_base = (b64 * HEADS_Q + h) * seq_q
+                if CAUSAL:
+                    _store_rows(o_ptr, lse_ptr, acc, m_i, l_i, row0, seq_q,
+                                b64 * seq_q * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM, lse_base, HEADS_Q, HEAD_DIM,
+                                BLOCK_N)
+                else:
+                    _stage_rows(o_desc, lse_ptr, q_smem.index(2 * buf + WG), acc, m_i, l_i, row0, seq_q, b,
+                                h * HEAD_DIM, lse_base, BLOCK_N)
+                ring += n_blocks
+                tiles += 1
         if not CAUSAL:
             tma.store_wait(0)
 
@@ -364,7 +372,7 @@ if AVAILABLE:
                                CAUSAL: gl.constexpr, PAIRS: gl.constexpr, BLOCK_N: gl.constexpr,
                                STAGES: gl.constexpr):
         """128-row query tiles against the keys they see, a program per SM walking the schedule
-        units of ``_unit_tile``. Takes the nine feature arrays every flash forward takes and reads
+        units of ``_slot_tile``. Takes the nine feature arrays every flash forward takes and reads
         q, k and v (the plans route calls that use the others to ``flash_fwd_kernel``);
         ``logit_scale`` is the softmax scale times log2(e)."""
         ROWS: gl.constexpr = 64

@@ -1,7 +1,7 @@
 """How the persistent Gluon kernels spread their tiles over the SMs: (grid, PAIRS).
 
 A persistent kernel runs a program an SM, at most one a schedule unit, and each program walks
-units in a static round robin (``gluon_forward._unit_tile``). Under a causal mask a unit pairs
+units in a static round robin (``gluon_forward._slot_tile``). Under a causal mask a unit pairs
 a heavy tile with a light one, so that units weigh the same. That balances well when there are
 many units an SM, but with few, a last partial round leaves SMs idle: 1.5 units an SM take as
 long as 2. A program a tile lets the hardware balance the tiles instead (it starts the next
