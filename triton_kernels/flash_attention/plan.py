@@ -171,7 +171,8 @@ def gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
         outputs=(Output("o_ptr", spec.q_shape, spec.dtype), Output("lse_ptr", spec.lse_shape, "float32")),
         constexprs=(("HEADS_Q", spec.heads_q), ("HEADS_KV", spec.heads_kv), ("HEAD_DIM", spec.head_dim),
                     ("CAUSAL", spec.window is not None), ("PAIRS", pairs), ("BLOCK_N", gluon_forward.BLOCK_N),
-                    ("STAGES", gluon_forward.forward_stages(spec.head_dim))),
+                    ("STAGES", gluon_forward.forward_stages(spec.head_dim)),
+                    ("KEY_TAIL", spec.seq_k % gluon_forward.BLOCK_N != 0)),
         num_warps=4, num_stages=1, maxnreg=gluon_forward.MAXNREG,
     )
 
