@@ -37,6 +37,14 @@ def test_plain_calls_on_hopper_take_the_gluon_forward(options):
     assert plan.is_gluon and plan.maxnreg == gluon_forward.MAXNREG
 
 
+@needs_gluon
+@pytest.mark.parametrize("seq_k, causal, tail", [(8192, False, False), (1000, False, True), (1, False, True),
+                                                 (8192, True, False), (1000, True, True)])
+def test_gluon_forward_compiles_the_key_mask_only_for_a_partial_last_block(seq_k, causal, tail):
+    plan = fa.forward_plan(_spec(seq_q=min(300, seq_k), seq_k=seq_k, causal=causal), HOPPER_GLUON)
+    assert plan.is_gluon and plan.constexpr_dict["KEY_TAIL"] is tail
+
+
 @pytest.mark.parametrize("options", [
     dict(dtype="float32"), dict(head_dim=80), dict(head_dim=256),
     dict(causal=True, seq_q=8193), dict(sliding_window=100), dict(sliding_window=(20_000, 5)),
