@@ -318,6 +318,41 @@ def test_gluon_kernels_take_unaligned_views_and_leave_the_allocator_alone():
 
 
 @pytest.mark.gpu
+def test_gluon_forward_under_cuda_graph_replay(rng):
+    """A captured Gluon launch (its TMA descriptors built in scratch from the graph's pool) replays
+    on new inputs to what eager calls give, with eager Gluon launches on the stream in between."""
+    _hopper_with_gluon()
+    import torch
+
+    import ejkernel_torch as ejk
+
+    def inputs(seq):
+        return [torch.tensor(rng.standard_normal((2, seq, 4, 64)), dtype=torch.bfloat16, device="cuda")
+                for _ in range(3)]
+
+    q, k, v = inputs(257)
+    _assert_gluon(fa.dense_spec(q.shape, k.shape, v.shape, ("bfloat16",) * 3, causal=True))
+    ejk.flash_attention(q, k, v, causal=True)  # compile outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ejk.flash_attention(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ejk.flash_attention(q, k, v, causal=True)
+    for _ in range(2):
+        fresh = inputs(257)
+        for dst, src in zip((q, k, v), fresh):
+            dst.copy_(src)
+        want = ejk.flash_attention(*fresh, causal=True)
+        ejk.flash_attention(*inputs(1000), causal=True)  # eager, same stream
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(want.view(torch.int16), captured.view(torch.int16))
+
+
+@pytest.mark.gpu
 def test_gluon_forward_under_torch_compile_fullgraph():
     _hopper_with_gluon()
     import torch
