@@ -34,7 +34,26 @@ def _spec(dtype="bfloat16", head_dim=128, seq_q=300, seq_k=8192, **options):
                                      dict(seq_k=1000), dict(seq_q=1, seq_k=1), dict(head_dim=64, seq_k=1000)])
 def test_plain_calls_on_hopper_take_the_gluon_forward(options):
     plan = fa.forward_plan(_spec(**options), HOPPER_GLUON)
-    assert plan.is_gluon and plan.maxnreg == gluon_forward.MAXNREG
+    assert plan.is_gluon and plan.maxnreg == gluon_forward.forward_maxnreg(plan.constexpr_dict["CONSUMERS"])
+
+
+@needs_gluon
+@pytest.mark.parametrize("head_dim, causal, seq_q, seq_k, consumers", [
+    (64, False, 2048, 16384, 3), (64, False, 16384, 16384, 3), (64, False, 300, 16384, 3),
+    (64, False, 150, 128, 3),
+    (64, False, 1024, 16384, 2),  # 192-row tiles would pad to 1152 rows
+    (64, False, 1000, 16384, 2), (64, False, 100, 16384, 2),
+    (64, False, 2048, 16383, 2),  # a partial key block
+    (64, True, 16384, 16384, 2), (128, False, 16384, 16384, 2)])
+def test_gluon_forward_takes_three_consumers_at_head_dim_64_without_a_mask(head_dim, causal, seq_q, seq_k,
+                                                                           consumers):
+    spec = _spec(head_dim=head_dim, seq_q=seq_q, seq_k=seq_k, causal=causal)
+    plan = fa.forward_plan(spec, HOPPER_GLUON)
+    assert plan.is_gluon and plan.constexpr_dict["CONSUMERS"] == consumers
+    # 4 warps a consumer and 4 for the loader's warpgroup share the 64K-register file
+    assert plan.maxnreg * 32 * 4 * (consumers + 1) <= 65536 and plan.maxnreg == (168 if consumers == 2 else 128)
+    want_grid = -(-seq_q // (64 * consumers)) * 2 * 4  # 2 batch rows, 4 heads: a program a tile if it fits
+    assert plan.grid == (min(want_grid, HOPPER_GLUON.num_sms),)
 
 
 @needs_gluon
@@ -192,7 +211,8 @@ def test_gluon_plans_compile_for_hopper(dtype, causal, head_dim):
     for plan in plans:
         compiled = compile_plan(plan)
         assert compiled.metadata.shared <= HOPPER.shared_memory, plan.name
-        assert compiled.metadata.num_warps == 12  # the default partition's 4, a consumer's 4, the loader's 1 (+3 idle)
+        # the default partition's 4, the other consumers' 4 each, the loader's 1 (+3 idle)
+        assert compiled.metadata.num_warps == 4 * (plan.constexpr_dict.get("CONSUMERS", 2) + 1)
         assert compiled.metadata.global_scratch_size > 0  # the per-program TMA descriptors
 
 
@@ -224,6 +244,10 @@ GLUON_CASES = [
     ((1, 300, 8200, 8, 1, 64), dict(causal=True, softmax_scale=0.3)),
     ((1, 77, 8192, 2, 2, 64), {}),
     ((1, 200, 5000, 4, 2, 64), dict(causal=True)),
+    # Three consumers (192-row tiles): a last tile of 80 rows (the third warpgroup's part empty),
+    # seq_q != seq_k; and a single tile whose third part is past seq_q.
+    ((2, 2000, 1536, 4, 2, 64), {}),
+    ((1, 150, 384, 2, 1, 64), {}),
     # The schedules on an H100 (132 SMs). Query-tile kernels: causal pairs with an odd tile count
     # (the middle tile alone), programs looping; dk/dv a program a tile (the Triton dq beside).
     ((3, 1100, 1100, 16, 4, 64), dict(causal=True)),

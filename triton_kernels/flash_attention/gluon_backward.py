@@ -206,7 +206,7 @@ if AVAILABLE:
         v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
 
         q_smem, do_smem, q_ready, q_empty = _tile_buffers(dtype, ROWS, HEAD_DIM, q_layout)
-        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _rings(dtype, STAGES, BLOCK_N, HEAD_DIM, kv_layout)
+        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _rings(dtype, STAGES, BLOCK_N, HEAD_DIM, kv_layout, 2)
 
         n_m = gl.cdiv(seq_q, TILE_M)
         per_head = (n_m + 1) // 2 if PAIRS else n_m
@@ -413,7 +413,7 @@ if AVAILABLE:
         do_desc = _batch_heads(do_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, BLOCK_M)
 
         k_smem, v_smem, kv_ready, kv_empty = _tile_buffers(dtype, ROWS, HEAD_DIM, kv_layout)
-        q_smem, do_smem, q_ready, do_ready, q_empty, do_empty = _rings(dtype, STAGES, BLOCK_M, HEAD_DIM, q_layout)
+        q_smem, do_smem, q_ready, do_ready, q_empty, do_empty = _rings(dtype, STAGES, BLOCK_M, HEAD_DIM, q_layout, 2)
         row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)  # filled with q's stage
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)

@@ -3,12 +3,13 @@
 The ``@triton.jit`` forward leaves Hopper's tensor cores idle while a warpgroup computes its
 softmax. This kernel splits a CTA by role, as FlashAttention-3 does:
 
-- a 1-warp loader partition copies each 128-row query tile (into one of two buffers) and each
+- a 1-warp loader partition copies each query tile (into one of two buffers) and each
   K/V block (into a ring of shared-memory stages) with TMA, signalling "ready" mbarriers, and
-  refills a buffer or stage when both consumers have freed it;
-- two 4-warp consumer warpgroups each own 64 rows of the query tile and read the same K/V
-  stages; inside each, QK^T of block j is issued asynchronously together with PV of block j-1,
-  so the softmax of block j runs while the tensor cores do PV;
+  refills a buffer or stage when every consumer has freed it;
+- two 4-warp consumer warpgroups (three at head_dim 64 without a causal mask:
+  ``forward_consumers``) each own 64 rows of the query tile and read the same K/V stages; inside
+  each, QK^T of block j is issued asynchronously together with PV of block j-1, so the softmax
+  of block j runs while the tensor cores do PV;
 - registers move from the loader to the consumers (``worker_num_regs``, ``maxnreg``).
 - without a causal mask, a tile's output leaves with a TMA store from its query buffer.
 
@@ -45,7 +46,6 @@ else:
 ROWS = 64  # one warpgroup's wgmma covers 64 rows; a CTA's query tile is two of them
 TILE_M = 2 * ROWS
 BLOCK_N = 128
-MAXNREG = 168  # 12 warps x 32 lanes x 168 registers fits the 64K-register file
 RUNTIME_INTS = ["seq_q", "seq_k"]
 
 
@@ -53,6 +53,30 @@ def forward_stages(head_dim: int) -> int:
     """K/V ring stages of the forward: 2 at head_dim 128 (3 do not fit beside two query
     tiles), 3 at 64, where they were 0-3% faster than 2 on an H100 (probe_flash_gluon_fwd)."""
     return 2 if head_dim == 128 else 3
+
+
+def forward_consumers(head_dim: int, causal: bool, seq_q: int, seq_k: int) -> int:
+    """Consumer warpgroups of the forward, 64 query rows each. Three at head_dim 64 without a
+    causal mask, where a block's matmuls are short beside its softmax and a third warpgroup keeps
+    the tensor cores busier (FlashAttention-3 uses 192-row tiles there too): on an H100, bf16,
+    best of two runs, 1.08x (seq 2048) to 1.17x (16384) faster than two and 1.06-1.15x cuDNN's
+    throughput (probe_gluon_forward_consumers-nvidia-h100-80gb-hbm3.json). Unless 192-row tiles
+    would pad seq_q more than 5% past what 128-row tiles do (seq 1024: 1152 rows against 1024;
+    there three were 0.5-4% slower), or seq_k leaves a partial key block: that build's masked
+    softmax spills with three (triton 3.9: 96 stores, 171 loads), and it was not timed. Two
+    elsewhere: at head_dim 128 a third does not fit in the register file, and with a causal mask
+    three took 1.05-1.7x the time up to seq 4096."""
+    if head_dim != 64 or causal or seq_k % BLOCK_N:
+        return 2
+    return 3 if -(-seq_q // 192) * 192 <= 1.05 * (-(-seq_q // 128) * 128) else 2
+
+
+def forward_maxnreg(consumers: int) -> int:
+    """Registers a thread at launch: the 64K-register file over the program's warps (4 a
+    consumer, 4 for the loader's warpgroup). ``setmaxnreg`` then moves them: the loader keeps
+    24, worker consumers take 232 (two consumers) or 160 (three), and the default partition
+    (consumer 0) what is left."""
+    return 65536 // (32 * 4 * (consumers + 1)) // 8 * 8
 
 
 def enabled() -> bool:
@@ -79,13 +103,13 @@ if AVAILABLE:
 
     @gluon.jit
     def _rings(dtype: gl.constexpr, STAGES: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-               layout: gl.constexpr):
+               layout: gl.constexpr, CONSUMERS: gl.constexpr):
         """Two rings of STAGES [BLOCK, head_dim] shared-memory stages that the loader fills in step
         (K and V, or q and dO), with their "ready" barriers (the loader's one arrival and the TMA
-        bytes) and "empty" barriers (both consumers release a stage)."""
+        bytes) and "empty" barriers (every one of the CONSUMERS releases a stage)."""
         a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], layout)
         b_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], layout)
-        return a_smem, b_smem, _barriers(STAGES, 1), _barriers(STAGES, 1), _barriers(STAGES, 2), _barriers(STAGES, 2)
+        return a_smem, b_smem, _barriers(STAGES, 1), _barriers(STAGES, 1), _barriers(STAGES, CONSUMERS), _barriers(STAGES, CONSUMERS)
 
     @gluon.jit
     def _softmax(s, m_i, l_i, logit_scale, row0, col0, seq_k, causal_offset, s_layout: gl.constexpr,
@@ -278,7 +302,7 @@ if AVAILABLE:
     def _kv_blocks(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, col, n_blocks, ring,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """Key/value blocks 0..n_blocks-1 of batch row ``b`` (the head at column ``col``) into the
-        ring from position ``ring`` on: a stage is refilled once both consumers have arrived on its
+        ring from position ``ring`` on: a stage is refilled once every consumer has arrived on its
         "empty" barrier."""
         for j in range(n_blocks):
             c = ring + j
@@ -297,10 +321,12 @@ if AVAILABLE:
                 k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q: gl.constexpr, GROUP: gl.constexpr,
                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                 PAIRS: gl.constexpr, WITH_DO: gl.constexpr):
-        """This program's tiles in turn: a tile's query halves (and with ``WITH_DO``, for dq, its dO
-        halves) into the free one of two buffers, then its key/value blocks through the ring
-        (``ring`` counts the blocks streamed so far). The forward passes q's for dO's arguments."""
-        TILE_M: gl.constexpr = 2 * q_smem.shape[1]
+        """This program's tiles in turn: a tile's query parts, one a consumer (and with ``WITH_DO``,
+        for dq, its dO parts), into the free one of two buffers, then its key/value blocks through
+        the ring (``ring`` counts the blocks streamed so far). The forward passes q's for dO's
+        arguments."""
+        PARTS: gl.constexpr = q_smem.shape[0] // 2
+        TILE_M: gl.constexpr = PARTS * q_smem.shape[1]
         ring = 0
         tiles = 0
         for slot in range(_slots(n_units, PAIRS)):
@@ -310,12 +336,12 @@ if AVAILABLE:
                 buf = tiles % 2
                 mbarrier.wait(q_empty.index(buf), ((tiles // 2) & 1) ^ 1)
                 bar = q_ready.index(buf)
-                mbarrier.expect(bar, (4 if WITH_DO else 2) * q_desc.block_type.nbytes)
-                for i in gl.static_range(2):
-                    row = m0 + i * (TILE_M // 2)
-                    _tma_load(q_desc, [b, row, h * HEAD_DIM], bar, q_smem.index(2 * buf + i))
+                mbarrier.expect(bar, (2 * PARTS if WITH_DO else PARTS) * q_desc.block_type.nbytes)
+                for i in gl.static_range(PARTS):
+                    row = m0 + i * q_smem.shape[1]
+                    _tma_load(q_desc, [b, row, h * HEAD_DIM], bar, q_smem.index(PARTS * buf + i))
                     if WITH_DO:
-                        _tma_load(do_desc, [b, row, h * HEAD_DIM], bar, do_smem.index(2 * buf + i))
+                        _tma_load(do_desc, [b, row, h * HEAD_DIM], bar, do_smem.index(PARTS * buf + i))
                 _kv_blocks(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b,
                            (h // GROUP) * HEAD_DIM, n_blocks, ring, BLOCK_N, STAGES)
                 ring += n_blocks
@@ -334,7 +360,8 @@ if AVAILABLE:
         (``probe_gluon_forward_variants.py``), but slower with a causal mask (up to 9% at seq
         1024), where the register store stays."""
         ROWS: gl.constexpr = q_smem.shape[1]
-        TILE_M: gl.constexpr = 2 * ROWS
+        PARTS: gl.constexpr = q_smem.shape[0] // 2
+        TILE_M: gl.constexpr = PARTS * ROWS
         ring = 0
         tiles = 0
         for slot in range(_slots(n_units, PAIRS)):
@@ -347,7 +374,7 @@ if AVAILABLE:
                     tma.store_wait(0)
                     mbarrier.arrive(q_empty.index((tiles + 1) % 2), count=1, pred=tiles > 0)
                 row0 = m0 + WG * ROWS
-                acc, m_i, l_i = _attend(q_smem.index(2 * buf + WG), k_smem, v_smem, k_ready, v_ready, k_empty,
+                acc, m_i, l_i = _attend(q_smem.index(PARTS * buf + WG), k_smem, v_smem, k_ready, v_ready, k_empty,
                                         v_empty, q_empty.index(buf), logit_scale, row0, seq_q, seq_k, n_blocks,
                                         first_masked, ring, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, CAUSAL)
                 b64 = b.to(gl.int64)
@@ -357,7 +384,7 @@ if AVAILABLE:
                                 b64 * seq_q * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM, lse_base, HEADS_Q, HEAD_DIM,
                                 BLOCK_N)
                 else:
-                    _stage_rows(o_desc, lse_ptr, q_smem.index(2 * buf + WG), acc, m_i, l_i, row0, seq_q, b,
+                    _stage_rows(o_desc, lse_ptr, q_smem.index(PARTS * buf + WG), acc, m_i, l_i, row0, seq_q, b,
                                 h * HEAD_DIM, lse_base, BLOCK_N)
                 ring += n_blocks
                 tiles += 1
@@ -381,14 +408,15 @@ if AVAILABLE:
                                o_ptr, lse_ptr,
                                HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
                                CAUSAL: gl.constexpr, PAIRS: gl.constexpr, BLOCK_N: gl.constexpr,
-                               STAGES: gl.constexpr, KEY_TAIL: gl.constexpr):
-        """128-row query tiles against the keys they see, a program per SM walking the schedule
-        units of ``_slot_tile``. Takes the nine feature arrays every flash forward takes and reads
-        q, k and v (the plans route calls that use the others to ``flash_fwd_kernel``);
-        ``logit_scale`` is the softmax scale times log2(e); ``KEY_TAIL``: seq_k is not a multiple of
-        ``BLOCK_N``, so the last key block needs a mask."""
+                               STAGES: gl.constexpr, KEY_TAIL: gl.constexpr, CONSUMERS: gl.constexpr):
+        """Query tiles of 64 rows a consumer warpgroup (``CONSUMERS`` of them: 2 or 3) against the
+        keys they see, a program per SM walking the schedule units of ``_slot_tile``. Takes the
+        nine feature arrays every flash forward takes and reads q, k and v (the plans route calls
+        that use the others to ``flash_fwd_kernel``); ``logit_scale`` is the softmax scale times
+        log2(e); ``KEY_TAIL``: seq_k is not a multiple of ``BLOCK_N``, so the last key block needs a
+        mask."""
         ROWS: gl.constexpr = 64
-        TILE_M: gl.constexpr = 2 * ROWS
+        TILE_M: gl.constexpr = CONSUMERS * ROWS
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -397,22 +425,41 @@ if AVAILABLE:
         v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
         o_desc = _batch_heads(o_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS)
 
-        q_smem = gl.allocate_shared_memory(dtype, [4, ROWS, HEAD_DIM], q_layout)  # two tiles' two halves
+        q_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, ROWS, HEAD_DIM], q_layout)  # two tiles' parts
         q_ready = _barriers(2, 1)
-        q_empty = _barriers(2, 2)
-        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _rings(dtype, STAGES, BLOCK_N, HEAD_DIM, kv_layout)
+        q_empty = _barriers(2, CONSUMERS)
+        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _rings(dtype, STAGES, BLOCK_N, HEAD_DIM, kv_layout,
+                                                                    CONSUMERS)
 
         n_m = gl.cdiv(seq_q, TILE_M)
         per_head = (n_m + 1) // 2 if PAIRS else n_m
         n_units = batch * HEADS_Q * per_head
-        gl.warp_specialize([
-            (_consumer, (o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                                    k_empty, v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, 0, HEADS_Q,
-                                    HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
-            (_consumer, (o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                                    k_empty, v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, 1, HEADS_Q,
-                                    HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
-            (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                       v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q, HEADS_Q // HEADS_KV,
-                       HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS, False)),
-        ], [4, 1], [232, 24])
+        # The default partition is consumer 0; it gets the registers the workers leave (forward_maxnreg).
+        # (Arguments spelled out: constexprs passed inside a tuple arrive as tensors.)
+        if CONSUMERS == 3:
+            gl.warp_specialize([
+                (_consumer, (o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, 0, HEADS_Q,
+                             HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
+                (_consumer, (o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, 1, HEADS_Q,
+                             HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
+                (_consumer, (o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, 2, HEADS_Q,
+                             HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
+                (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                           v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q,
+                           HEADS_Q // HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS, False)),
+            ], [4, 4, 1], [160, 160, 24])
+        else:
+            gl.warp_specialize([
+                (_consumer, (o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, 0, HEADS_Q,
+                             HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
+                (_consumer, (o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, 1, HEADS_Q,
+                             HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
+                (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                           v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q,
+                           HEADS_Q // HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS, False)),
+            ], [4, 1], [232, 24])

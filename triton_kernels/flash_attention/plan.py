@@ -136,10 +136,9 @@ def uses_gluon_dkdv(spec: FlashSpec, facts: DeviceFacts) -> bool:
     return _gluon_covers(spec, facts)
 
 
-def _query_tiles(spec: FlashSpec, facts: DeviceFacts) -> tuple[tuple[int], bool]:
-    """(grid, PAIRS) of the persistent kernels that hold 128-row query tiles (forward, dq): a
-    tile's work is the keys it sees."""
-    tile = gluon_forward.TILE_M
+def _query_tiles(spec: FlashSpec, facts: DeviceFacts, tile: int = gluon_forward.TILE_M) -> tuple[tuple[int], bool]:
+    """(grid, PAIRS) of the persistent kernels that hold query tiles of ``tile`` rows (forward,
+    dq): a tile's work is the keys it sees."""
     offset = spec.seq_k - spec.seq_q  # causal: bottom-right aligned
     work = [(min(spec.seq_k, min(m + tile, spec.seq_q) + offset) if spec.window is not None else spec.seq_k) / tile
             for m in range(0, spec.seq_q, tile)]
@@ -161,7 +160,9 @@ def _key_tiles(spec: FlashSpec, facts: DeviceFacts) -> tuple[tuple[int], bool]:
 
 def gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
     """``gluon_forward.flash_fwd_gluon_kernel``'s plan, for the calls ``uses_gluon`` accepts."""
-    grid, pairs = _query_tiles(spec, facts)
+    consumers = gluon_forward.forward_consumers(spec.head_dim, spec.window is not None, spec.seq_q,
+                                                 spec.seq_k)
+    grid, pairs = _query_tiles(spec, facts, consumers * gluon_forward.ROWS)
     return LaunchPlan(
         kernel=gluon_forward.flash_fwd_gluon_kernel,
         grid=grid,
@@ -172,8 +173,8 @@ def gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
         constexprs=(("HEADS_Q", spec.heads_q), ("HEADS_KV", spec.heads_kv), ("HEAD_DIM", spec.head_dim),
                     ("CAUSAL", spec.window is not None), ("PAIRS", pairs), ("BLOCK_N", gluon_forward.BLOCK_N),
                     ("STAGES", gluon_forward.forward_stages(spec.head_dim)),
-                    ("KEY_TAIL", spec.seq_k % gluon_forward.BLOCK_N != 0)),
-        num_warps=4, num_stages=1, maxnreg=gluon_forward.MAXNREG,
+                    ("KEY_TAIL", spec.seq_k % gluon_forward.BLOCK_N != 0), ("CONSUMERS", consumers)),
+        num_warps=4, num_stages=1, maxnreg=gluon_forward.forward_maxnreg(consumers),
     )
 
 
