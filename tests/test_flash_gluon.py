@@ -13,7 +13,8 @@ from triton_kernels import HOPPER
 from triton_kernels import flash_attention as fa
 from triton_kernels.flash_attention import gluon_backward, gluon_forward
 from triton_kernels.flash_attention.plan import (GLUON_DQ_MIN_SEQ_K_D64, gluon_dkdv_plan, gluon_dq_plan,
-                                                triton_forward_plan, uses_gluon, uses_gluon_dkdv, uses_gluon_dq)
+                                                gluon_forward_plan, triton_forward_plan, uses_gluon,
+                                                uses_gluon_dkdv, uses_gluon_dq)
 from triton_kernels.flash_attention.schedule import persistent_schedule
 from triton_kernels.params import BwdParams, FwdParams
 
@@ -54,6 +55,16 @@ def test_gluon_forward_takes_three_consumers_at_head_dim_64_without_a_mask(head_
     assert plan.maxnreg * 32 * 4 * (consumers + 1) <= 65536 and plan.maxnreg == (168 if consumers == 2 else 128)
     want_grid = -(-seq_q // (64 * consumers)) * 2 * 4  # 2 batch rows, 4 heads: a program a tile if it fits
     assert plan.grid == (min(want_grid, HOPPER_GLUON.num_sms),)
+
+
+@needs_gluon
+def test_gluon_forward_plan_takes_a_consumer_count_for_probes():
+    spec = _spec(head_dim=64, causal=True)
+    assert fa.forward_plan(spec, HOPPER_GLUON).constexpr_dict["CONSUMERS"] == 2
+    three = gluon_forward_plan(spec, HOPPER_GLUON, consumers=3)
+    assert three.constexpr_dict["CONSUMERS"] == 3 and three.maxnreg == 128
+    with pytest.raises(ValueError, match="consumers must be 2 or 3"):
+        gluon_forward_plan(spec, HOPPER_GLUON, consumers=4)
 
 
 @needs_gluon

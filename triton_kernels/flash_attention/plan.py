@@ -158,10 +158,14 @@ def _key_tiles(spec: FlashSpec, facts: DeviceFacts) -> tuple[tuple[int], bool]:
                                spec.head_dim)
 
 
-def gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
-    """``gluon_forward.flash_fwd_gluon_kernel``'s plan, for the calls ``uses_gluon`` accepts."""
-    consumers = gluon_forward.forward_consumers(spec.head_dim, spec.window is not None, spec.seq_q,
-                                                 spec.seq_k)
+def gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts, consumers: int | None = None) -> LaunchPlan:
+    """``gluon_forward.flash_fwd_gluon_kernel``'s plan, for the calls ``uses_gluon`` accepts, with
+    ``forward_consumers`` consumer warpgroups unless ``consumers`` (2 or 3) says otherwise (probes)."""
+    if consumers is None:
+        consumers = gluon_forward.forward_consumers(spec.head_dim, spec.window is not None, spec.seq_q,
+                                                     spec.seq_k)
+    elif consumers not in (2, 3):
+        raise ValueError(f"consumers must be 2 or 3, got {consumers!r}")
     grid, pairs = _query_tiles(spec, facts, consumers * gluon_forward.ROWS)
     return LaunchPlan(
         kernel=gluon_forward.flash_fwd_gluon_kernel,
