@@ -110,8 +110,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "command": "python scripts/probe_gluon_forward_consumers.py "
-                       + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
+            command = "python scripts/probe_gluon_forward_consumers.py " + " ".join(sys.argv[1:])
+            json.dump({"device": torch.cuda.get_device_name(), "command": command, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

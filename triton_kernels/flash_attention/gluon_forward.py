@@ -43,8 +43,8 @@ except ImportError:  # a Triton without Gluon: the plans never pick this kernel
 else:
     AVAILABLE = True
 
-ROWS = 64  # one warpgroup's wgmma covers 64 rows; a CTA's query tile is two of them
-TILE_M = 2 * ROWS
+ROWS = 64  # one warpgroup's wgmma covers 64 rows; a CTA's query tile is one a consumer warpgroup
+TILE_M = 2 * ROWS  # the query tile of two consumers: dq's, and the forward's where forward_consumers gives 2
 BLOCK_N = 128
 RUNTIME_INTS = ["seq_q", "seq_k"]
 
@@ -109,7 +109,8 @@ if AVAILABLE:
         bytes) and "empty" barriers (every one of the CONSUMERS releases a stage)."""
         a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], layout)
         b_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], layout)
-        return a_smem, b_smem, _barriers(STAGES, 1), _barriers(STAGES, 1), _barriers(STAGES, CONSUMERS), _barriers(STAGES, CONSUMERS)
+        ready_a, ready_b = _barriers(STAGES, 1), _barriers(STAGES, 1)
+        return a_smem, b_smem, ready_a, ready_b, _barriers(STAGES, CONSUMERS), _barriers(STAGES, CONSUMERS)
 
     @gluon.jit
     def _softmax(s, m_i, l_i, logit_scale, row0, col0, seq_k, causal_offset, s_layout: gl.constexpr,
@@ -435,7 +436,8 @@ if AVAILABLE:
         per_head = (n_m + 1) // 2 if PAIRS else n_m
         n_units = batch * HEADS_Q * per_head
         # The default partition is consumer 0; it gets the registers the workers leave (forward_maxnreg).
-        # (Arguments spelled out: constexprs passed inside a tuple arrive as tensors.)
+        # (Spelled out: argument tuples built by concatenation did not compile, their constexprs
+        # arriving as tensors.)
         if CONSUMERS == 3:
             gl.warp_specialize([
                 (_consumer, (o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
