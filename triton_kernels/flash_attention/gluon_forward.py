@@ -349,17 +349,19 @@ if AVAILABLE:
                 tiles += 1
 
     @gluon.jit
-    def _consumer(o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                  v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, WG: gl.constexpr,
-                  HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, PAIRS: gl.constexpr):
-        """Warpgroup ``WG``'s 64 rows of each of this program's tiles, in the loader's order.
+    def _consumer(state, WG: gl.constexpr, HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, PAIRS: gl.constexpr):
+        """Warpgroup ``WG``'s 64 rows of each of this program's tiles, in the loader's order;
+        ``state`` holds the runtime values all consumers share (pointers, descriptors, buffers,
+        barriers, sizes).
 
         Without a causal mask a tile's output leaves through its query buffer (``_stage_rows``),
         which is released to the loader at the next tile's start, once the TMA store has read it:
         3-8% faster than ``_store_rows`` at head_dim 128 and 0-4% at 64 on an H100
         (``probe_gluon_forward_variants.py``), but slower with a causal mask (up to 9% at seq
         1024), where the register store stays."""
+        (o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+         logit_scale, seq_q, seq_k, n_m, per_head, n_units) = state
         ROWS: gl.constexpr = q_smem.shape[1]
         PARTS: gl.constexpr = q_smem.shape[0] // 2
         TILE_M: gl.constexpr = PARTS * ROWS
@@ -436,31 +438,22 @@ if AVAILABLE:
         per_head = (n_m + 1) // 2 if PAIRS else n_m
         n_units = batch * HEADS_Q * per_head
         # The default partition is consumer 0; it gets the registers the workers leave (forward_maxnreg).
-        # (Spelled out: argument tuples built by concatenation did not compile, their constexprs
-        # arriving as tensors.)
+        # Only runtime values travel in a tuple: constexprs in one arrive as tensors.
+        state = (o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                 logit_scale, seq_q, seq_k, n_m, per_head, n_units)
         if CONSUMERS == 3:
             gl.warp_specialize([
-                (_consumer, (o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, 0, HEADS_Q,
-                             HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
-                (_consumer, (o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, 1, HEADS_Q,
-                             HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
-                (_consumer, (o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, 2, HEADS_Q,
-                             HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
+                (_consumer, (state, 0, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
+                (_consumer, (state, 1, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
+                (_consumer, (state, 2, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
                 (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                            v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q,
                            HEADS_Q // HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS, False)),
             ], [4, 4, 1], [160, 160, 24])
         else:
             gl.warp_specialize([
-                (_consumer, (o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, 0, HEADS_Q,
-                             HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
-                (_consumer, (o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units, 1, HEADS_Q,
-                             HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
+                (_consumer, (state, 0, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
+                (_consumer, (state, 1, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
                 (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                            v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q,
                            HEADS_Q // HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS, False)),
