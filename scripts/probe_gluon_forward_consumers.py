@@ -32,7 +32,8 @@ def _plans(spec, facts) -> dict:
     return {f"c{n}": gluon_forward_plan(spec, facts, consumers=n) for n in (2, 3)}
 
 
-def _arrays(b, sq, sk, h, hk, d):
+def _inputs(b, sq, sk, h, hk, d, causal):
+    """(q, k, v), the nine feature arrays the plans take, and the call's spec."""
     import torch
 
     from ejkernel_torch.ops.flash_attention import _features
@@ -40,22 +41,22 @@ def _arrays(b, sq, sk, h, hk, d):
 
     q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    return (q, k, v), _features(q, k, v, None, None, None, None, None, None), fa
+    spec = fa.dense_spec(q.shape, k.shape, v.shape, ("bfloat16",) * 3, causal=causal)
+    return (q, k, v), _features(q, k, v, None, None, None, None, None, None), spec
 
 
 def _check(shape, head_dim, facts) -> list[dict]:
     import torch
 
+    from ejkernel_torch.launch import launch
+
     b, sq, sk, h, hk, causal = shape
-    (q, k, v), arrays, fa = _arrays(b, sq, sk, h, hk, head_dim)
-    spec = fa.dense_spec(q.shape, k.shape, v.shape, ("bfloat16",) * 3, causal=causal)
+    (q, k, v), arrays, spec = _inputs(b, sq, sk, h, hk, head_dim, causal)
     mask = torch.ones(sq, sk, device="cuda", dtype=torch.bool).tril(sk - sq) if causal else None  # bottom-right
     kf, vf = (x.float().repeat_interleave(h // hk, 2).transpose(1, 2) for x in (k, v))
     want = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(1, 2), kf, vf,
                                                             attn_mask=mask).transpose(1, 2)
     rows = []
-    from ejkernel_torch.launch import launch
-
     for name, plan in _plans(spec, facts).items():
         out, lse = launch(plan, *arrays)
         rows.append({"check": list(shape), "kernel": name,
@@ -72,8 +73,7 @@ def _time(seq, head_dim, causal, facts) -> dict:
     from ejkernel_torch.launch import launch
 
     b, h = 16384 // seq, 2048 // head_dim
-    (q, k, v), arrays, fa = _arrays(b, seq, seq, h, h, head_dim)
-    spec = fa.dense_spec(q.shape, k.shape, v.shape, ("bfloat16",) * 3, causal=causal)
+    (q, k, v), arrays, spec = _inputs(b, seq, seq, h, h, head_dim, causal)
     row = {"seq": seq, "head_dim": head_dim, "causal": causal}
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):

@@ -68,7 +68,11 @@ def forward_consumers(head_dim: int, causal: bool, seq_q: int, seq_k: int) -> in
     three took 1.05-1.7x the time up to seq 4096."""
     if head_dim != 64 or causal or seq_k % BLOCK_N:
         return 2
-    return 3 if -(-seq_q // 192) * 192 <= 1.05 * (-(-seq_q // 128) * 128) else 2
+
+    def padded(tile: int) -> int:
+        return -(-seq_q // tile) * tile
+
+    return 3 if padded(3 * ROWS) <= 1.05 * padded(TILE_M) else 2
 
 
 def forward_maxnreg(consumers: int) -> int:
