@@ -1,5 +1,5 @@
 """Timing helpers shared by the benchmarks (GPU: device events for torch, pipelined wall clock
-for jax, whose work runs on its own stream)."""
+for jax, whose work runs on its own stream, and for side-by-side comparisons of the two)."""
 from __future__ import annotations
 
 import json
@@ -17,22 +17,55 @@ def bench_torch(fn, warmup_ms: int = 25, rep_ms: int = 200) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def bench_jax(fn, *args, calls: int = 50, repeats: int = 9) -> float:
-    """Median milliseconds per call over ``repeats`` batches of ``calls`` back-to-back calls
-    (``fn`` may return a pytree: every leaf is waited for)."""
-    import jax
-
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(repeats):
+def wall_batch(fn, wait, calls: int):
+    """A timer of one batch: ``calls`` back-to-back calls of ``fn``, then ``wait(last output)``;
+    returns milliseconds per call. Back to back, so a launch's host cost hides behind the work
+    queued before it, as in a training loop."""
+    def sample() -> float:
         start = time.perf_counter()
         for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) * 1e3 / calls)
-    return statistics.median(samples)
+            out = fn()
+        wait(out)
+        return (time.perf_counter() - start) * 1e3 / calls
+    return sample
+
+
+def interleaved(timers: dict, rounds: int = 9, warmup: int = 1) -> dict[str, list[float]]:
+    """``rounds`` samples of each timer (``wall_batch``), taken in turn round after round, the
+    order reversed every other round, after ``warmup`` unrecorded ones. A GPU's clocks drift over
+    seconds by more than the differences we look for, so methods compared are sampled side by
+    side, and their ratio taken within a round (``median_ratio``)."""
+    names = list(timers)
+    for name in names:
+        for _ in range(warmup):
+            timers[name]()
+    samples = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            samples[name].append(timers[name]())
+    return samples
+
+
+def median_ratio(samples: dict[str, list[float]], numerator: str, denominator: str) -> float:
+    """The median over rounds of one method's time over another's (``interleaved``)."""
+    return statistics.median(a / b for a, b in zip(samples[numerator], samples[denominator]))
+
+
+def bench_jax(fn, *args, calls: int = 50, repeats: int = 9) -> float:
+    """Median milliseconds per call over ``repeats`` batches of ``calls`` back-to-back calls
+    (``fn`` may return a pytree: every leaf is waited for; the first call compiles)."""
+    import jax
+
+    samples = interleaved({"fn": wall_batch(lambda: fn(*args), jax.block_until_ready, calls)}, rounds=repeats)
+    return statistics.median(samples["fn"])
+
+
+def bench_torch_wall(fn, calls: int = 20, repeats: int = 7) -> float:
+    """Median milliseconds per call over pipelined batches, as ``bench_jax`` times jax."""
+    import torch
+
+    samples = interleaved({"fn": wall_batch(fn, lambda _: torch.cuda.synchronize(), calls)}, rounds=repeats)
+    return statistics.median(samples["fn"])
 
 
 def pin_configs(cache_path: str | None) -> dict:

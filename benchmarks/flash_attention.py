@@ -11,9 +11,11 @@ counts 3.5x the forward (the backward is 2.5x).
     python benchmarks/flash_attention.py --overhead    # eager per-call cost vs a direct launch
     python benchmarks/flash_attention.py --smoke       # tiny shapes on CPU: checks the script runs
 
-Timing: torch by ``triton.testing.do_bench`` (CUDA events, median); jax by the median of
-pipelined batches of calls. Ours from torch is timed both ways, so the jax-vs-torch ratio
-compares like with like (``ours_torch_wall``). Writes
+Timing: torch by ``triton.testing.do_bench`` (CUDA events, median). The jax-vs-torch ratios come
+from wall clock over pipelined batches of calls, ours and cuDNN each launched from torch and from
+jax, the four sampled in interleaved rounds and each ratio taken within a round
+(``bench_side_by_side``): clock drift between two timings taken seconds apart is as large as
+the differences in question. Writes
 benchmarks/results/flash_attention-<gpu>.json and SVG charts next to it.
 """
 from __future__ import annotations
@@ -30,8 +32,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np
 
-from benchmarks.common import (bench_jax, bench_torch, device_name, pin_configs, try_time, value_and_pullback,
-                               write_bar_svg, write_json)
+from benchmarks.common import (bench_torch, device_name, interleaved, median_ratio, pin_configs, try_time,
+                               value_and_pullback, wall_batch, write_bar_svg, write_json)
 from triton_kernels.params import BwdParams, FwdParams
 
 TOKENS = 16384
@@ -49,23 +51,6 @@ SWEEP_BWD = [BwdParams(blocksize_m=bm, blocksize_n=bn, num_warps=w, num_stages=s
 def flops(batch, heads, seq, head_dim, causal, phase) -> float:
     f = 4.0 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
     return f * (3.5 if phase == "fwd+bwd" else 1.0)
-
-
-def bench_torch_wall(fn, calls: int = 20, repeats: int = 7) -> float:
-    """Median milliseconds per call over pipelined batches, as ``bench_jax`` times jax."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e3 / calls)
-    return statistics.median(samples)
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,9 +91,6 @@ def bench_torch_impls(q, k, v, dout, causal, fwd_params=None, bwd_params=None, o
     for name, (fn, args, cot) in impls.items():
         try_time(times, errors, f"fwd/{name}", lambda: bench_torch(lambda: fn(*args)))
         try_time(times, errors, f"fwd+bwd/{name}", lambda: bench_torch(_torch_step(fn, *args, cot)))
-    if not only_ours:
-        try_time(times, errors, "fwd/ours_torch_wall", lambda: bench_torch_wall(lambda: ours(q, k, v)))
-        try_time(times, errors, "fwd+bwd/ours_torch_wall", lambda: bench_torch_wall(_torch_step(ours, q, k, v, dout)))
     return times, errors
 
 
@@ -116,25 +98,67 @@ def bench_torch_impls(q, k, v, dout, causal, fwd_params=None, bwd_params=None, o
 # jax
 
 
-def bench_jax_impls(q_np, k_np, v_np, do_np, dtype, causal) -> tuple[dict, dict]:
+def _jax_impls(causal) -> dict:
     import jax
-    import jax.numpy as jnp
 
     import ejkernel_jax
 
-    q, k, v, do = (jnp.asarray(a).astype(dtype) for a in (q_np, k_np, v_np, do_np))
-    impls = {"ours_jax": lambda a, b, c: ejkernel_jax.flash_attention(a, b, c, causal=causal),
-             "jax_cudnn": lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=causal,
-                                                                        implementation="cudnn")}
-    times, errors = {}, {}
-    for name, fn in impls.items():
-        fwd = jax.jit(fn)
-        try_time(times, errors, f"fwd/{name}", lambda: bench_jax(fwd, q, k, v))
-        # The output and all three gradients leave the jitted step, as in a training step: XLA
-        # drops whatever is not returned and not needed.
-        step = jax.jit(lambda a, b, c, d, fn=fn: value_and_pullback(fn, (a, b, c), d))
-        try_time(times, errors, f"fwd+bwd/{name}", lambda: bench_jax(step, q, k, v, do))
-    return times, errors
+    return {"ours_jax": lambda a, b, c: ejkernel_jax.flash_attention(a, b, c, causal=causal),
+            "jax_cudnn": lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=causal,
+                                                                       implementation="cudnn")}
+
+
+def _wall_timers(q, k, v, dout, arrays, dtype, causal, phase, errors) -> dict:
+    """Wall-clock batch timers (``wall_batch``) of ours and cuDNN, each launched from torch and
+    from jax, for one phase; a method that fails its first call is left out (``errors``)."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import ejkernel_torch
+
+    ours = lambda a, b, c: ejkernel_torch.flash_attention(a, b, c, causal=causal)  # noqa: E731
+    heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
+    torch_fns = {"ours_torch_wall": (ours, (q, k, v), dout),
+                 "sdpa_cudnn_wall": (_sdpa("cudnn", causal), heads_first[:3], heads_first[3])}
+    qj, kj, vj, doj = (jnp.asarray(a).astype(dtype) for a in arrays)
+    timers = {}
+    for name, (fn, args, cot) in torch_fns.items():
+        call = (lambda fn=fn, args=args: fn(*args)) if phase == "fwd" else _torch_step(fn, *args, cot)
+        timers[name] = wall_batch(call, lambda _: torch.cuda.synchronize(), calls=20)
+    for name, fn in _jax_impls(causal).items():
+        if phase == "fwd":
+            jitted = jax.jit(fn)
+            call = lambda jitted=jitted: jitted(qj, kj, vj)  # noqa: E731
+        else:
+            # The output and all three gradients leave the jitted step, as in a training step: XLA
+            # drops whatever is not returned and not needed.
+            step = jax.jit(lambda a, b, c, d, fn=fn: value_and_pullback(fn, (a, b, c), d))
+            call = lambda step=step: step(qj, kj, vj, doj)  # noqa: E731
+        timers[name] = wall_batch(call, jax.block_until_ready, calls=20)
+    working = {}
+    for name, timer in timers.items():
+        try_time({}, errors, f"{phase}/{name}", timer)  # compiles; records a failure
+        if f"{phase}/{name}" not in errors:
+            working[name] = timer
+    return working
+
+
+def bench_side_by_side(q, k, v, dout, arrays, dtype, causal) -> tuple[dict, dict, dict]:
+    """Ours and cuDNN launched from torch and from jax, all four timed by wall clock in
+    interleaved rounds (``interleaved``), so the jax-over-torch ratios compare like with like at
+    the same moment. Returns (median ms per method, ratios, errors)."""
+    times, ratios, errors = {}, {}, {}
+    pairs = {"ours_jax time / ours_torch time": ("ours_jax", "ours_torch_wall"),
+             "jax_cudnn time / sdpa_cudnn time": ("jax_cudnn", "sdpa_cudnn_wall"),
+             "ours_jax vs jax_cudnn": ("jax_cudnn", "ours_jax")}
+    for phase in ("fwd", "fwd+bwd"):
+        samples = interleaved(_wall_timers(q, k, v, dout, arrays, dtype, causal, phase, errors))
+        times.update({f"{phase}/{name}": statistics.median(s) for name, s in samples.items()})
+        for label, (num, den) in pairs.items():
+            if num in samples and den in samples:
+                ratios[f"{phase}: {label}"] = median_ratio(samples, num, den)
+    return times, ratios, errors
 
 
 # --------------------------------------------------------------------------------------------
@@ -154,10 +178,11 @@ def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=Tr
     arrays = _inputs(batch, seq, heads, head_dim)
     q, k, v, dout = (torch.from_numpy(a).to("cuda", getattr(torch, dtype)) for a in arrays)
     times, errors = bench_torch_impls(q, k, v, dout, causal)
+    side_ratios = {}
     if with_jax:
-        jt, je = bench_jax_impls(*arrays, dtype, causal)
-        times.update(jt)
-        errors.update(je)
+        wall, side_ratios, wall_errors = bench_side_by_side(q, k, v, dout, arrays, dtype, causal)
+        times.update(wall)
+        errors.update(wall_errors)
     row = {"batch": batch, "seq": seq, "heads": heads, "head_dim": head_dim, "causal": causal, "dtype": dtype,
            "ms": times, "errors": errors,
            "tflops": {n: flops(batch, heads, seq, head_dim, causal, n.split("/")[0]) / (ms * 1e-3) / 1e12
@@ -169,10 +194,7 @@ def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=Tr
             best = min(sdpa, key=sdpa.get)
             row[f"{phase}: ours_torch vs best sdpa"] = sdpa[best] / times[f"{phase}/ours_torch"]
             row[f"{phase}: best sdpa"] = best
-        if f"{phase}/ours_jax" in times and f"{phase}/ours_torch_wall" in times:  # > 1: jax is slower
-            row[f"{phase}: ours_jax time / ours_torch time"] = times[f"{phase}/ours_jax"] / times[f"{phase}/ours_torch_wall"]
-        if f"{phase}/ours_jax" in times and f"{phase}/jax_cudnn" in times:
-            row[f"{phase}: ours_jax vs jax_cudnn"] = times[f"{phase}/jax_cudnn"] / times[f"{phase}/ours_jax"]
+    row.update(side_ratios)  # time ratios > 1: jax is slower; "vs" ratios > 1: ours is faster
     if sweep:
         row["sweep"] = sweep_configs(q, k, v, dout, causal)
     return row
@@ -252,7 +274,7 @@ def _svg_label(r: dict) -> str:
 
 def _summary(rows: list[dict]) -> dict:
     ratios = {}
-    for key in sorted({k for r in rows for k in r if ": ours" in k}):
+    for key in sorted({k for r in rows for k, v in r.items() if ": " in k and isinstance(v, float)}):
         values = [r[key] for r in rows if key in r]
         ratios[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
     return ratios
@@ -335,7 +357,9 @@ def _write(args, rows: list[dict], extras: dict) -> None:
 
     payload = {"device": device_name(), "torch": torch.__version__, "jax": jax.__version__,
                "method": "torch: triton.testing.do_bench median (CUDA events); jax and *_wall: median of "
-                         "pipelined batches; TFLOP/s on 4*B*H*S^2*D (x0.5 causal, x3.5 fwd+bwd)",
+                         "pipelined batches of 20 calls, the four wall-clock methods in 9 interleaved rounds, "
+                         "jax/torch ratios the median of per-round ratios; TFLOP/s on 4*B*H*S^2*D (x0.5 causal, "
+                         "x3.5 fwd+bwd)",
                "ratios": _summary(rows), "results": rows, **extras}
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"flash_attention-{device_name()}.json")
     write_json(out, payload)

@@ -466,7 +466,7 @@ def main():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from benchmarks.common import bench_jax, bench_torch
-    from benchmarks.flash_attention import bench_torch_wall
+    from benchmarks.common import bench_torch_wall
     from ejkernel_torch import flash_attention
 
     rows = []
