@@ -7,6 +7,12 @@ the whole process, so XLA's launches too) and prints, per shape and front, every
 device time per call, their sum, and the busy span from the first kernel's start to the last's
 end over the calls (idle gaps between launches show up as span > sum).
 
+While a profiler records, the torch front takes its registered-op path, not the plain-eager one
+(``ejkernel_torch.launch.plain_eager``: the profiler's traces keep showing the ops), so its
+unused inputs are fresh one-element tensors, six fill kernels a call, and its host cost is that
+path's plus the profiler's: compare the flash kernel's own time, and read torch's span as an
+upper bound.
+
     PYTHONPATH=. python scripts/profile_flash_jax_vs_torch.py [--seqs 1024 4096] [--head-dims 64 128]
         [--causal false true] [--phases fwd fwd+bwd] [--out FILE]
 
