@@ -108,9 +108,21 @@ def _jax_impls(causal) -> dict:
                                                                        implementation="cudnn")}
 
 
-def _wall_timers(q, k, v, dout, arrays, dtype, causal, phase, errors) -> dict:
-    """Wall-clock batch timers (``wall_batch``) of ours and cuDNN, each launched from torch and
-    from jax, for one phase; a method that fails its first call is left out (``errors``)."""
+# Wall-clock batches last at least this long: a batch's start and its final wait cost a fixed
+# few hundred microseconds, more from jax than from torch, which 20 calls of a 0.2 ms kernel do
+# not amortise (H100, seq 1024: jax over torch 1.05-1.11 with 20 calls, 1.03-1.04 with 100;
+# probe_jax_wall_batches-nvidia-h100-80gb-hbm3.json).
+BATCH_MS = 25.0
+
+
+def _calls_per_batch(ms_per_call: float | None) -> int:
+    return 20 if not ms_per_call else min(200, max(20, int(BATCH_MS / ms_per_call) + 1))
+
+
+def _wall_timers(q, k, v, dout, arrays, dtype, causal, phase, calls, errors) -> dict:
+    """Wall-clock batch timers (``wall_batch``, ``calls`` calls a batch) of ours and cuDNN, each
+    launched from torch and from jax, for one phase; a method that fails its first call is left
+    out (``errors``)."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -125,7 +137,7 @@ def _wall_timers(q, k, v, dout, arrays, dtype, causal, phase, errors) -> dict:
     timers = {}
     for name, (fn, args, cot) in torch_fns.items():
         call = (lambda fn=fn, args=args: fn(*args)) if phase == "fwd" else _torch_step(fn, *args, cot)
-        timers[name] = wall_batch(call, lambda _: torch.cuda.synchronize(), calls=20)
+        timers[name] = wall_batch(call, lambda _: torch.cuda.synchronize(), calls)
     for name, fn in _jax_impls(causal).items():
         if phase == "fwd":
             jitted = jax.jit(fn)
@@ -135,7 +147,7 @@ def _wall_timers(q, k, v, dout, arrays, dtype, causal, phase, errors) -> dict:
             # drops whatever is not returned and not needed.
             step = jax.jit(lambda a, b, c, d, fn=fn: value_and_pullback(fn, (a, b, c), d))
             call = lambda step=step: step(qj, kj, vj, doj)  # noqa: E731
-        timers[name] = wall_batch(call, jax.block_until_ready, calls=20)
+        timers[name] = wall_batch(call, jax.block_until_ready, calls)
     working = {}
     for name, timer in timers.items():
         try_time({}, errors, f"{phase}/{name}", timer)  # compiles; records a failure
@@ -144,16 +156,19 @@ def _wall_timers(q, k, v, dout, arrays, dtype, causal, phase, errors) -> dict:
     return working
 
 
-def bench_side_by_side(q, k, v, dout, arrays, dtype, causal) -> tuple[dict, dict, dict]:
+def bench_side_by_side(q, k, v, dout, arrays, dtype, causal, estimates: dict) -> tuple[dict, dict, dict]:
     """Ours and cuDNN launched from torch and from jax, all four timed by wall clock in
     interleaved rounds (``interleaved``), so the jax-over-torch ratios compare like with like at
-    the same moment. Returns (median ms per method, ratios, errors)."""
+    the same moment; ``estimates`` (ms per call of ours from torch, by "phase/ours_torch") sizes
+    the batches. Returns (median ms per method, ratios, errors)."""
     times, ratios, errors = {}, {}, {}
     pairs = {"ours_jax time / ours_torch time": ("ours_jax", "ours_torch_wall"),
              "jax_cudnn time / sdpa_cudnn time": ("jax_cudnn", "sdpa_cudnn_wall"),
              "ours_jax vs jax_cudnn": ("jax_cudnn", "ours_jax")}
     for phase in ("fwd", "fwd+bwd"):
-        samples = interleaved(_wall_timers(q, k, v, dout, arrays, dtype, causal, phase, errors))
+        calls = _calls_per_batch(estimates.get(f"{phase}/ours_torch"))
+        ratios[f"{phase}: wall-clock calls a batch"] = calls
+        samples = interleaved(_wall_timers(q, k, v, dout, arrays, dtype, causal, phase, calls, errors))
         times.update({f"{phase}/{name}": statistics.median(s) for name, s in samples.items()})
         for label, (num, den) in pairs.items():
             if num in samples and den in samples:
@@ -180,7 +195,7 @@ def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=Tr
     times, errors = bench_torch_impls(q, k, v, dout, causal)
     side_ratios = {}
     if with_jax:
-        wall, side_ratios, wall_errors = bench_side_by_side(q, k, v, dout, arrays, dtype, causal)
+        wall, side_ratios, wall_errors = bench_side_by_side(q, k, v, dout, arrays, dtype, causal, times)
         times.update(wall)
         errors.update(wall_errors)
     row = {"batch": batch, "seq": seq, "heads": heads, "head_dim": head_dim, "causal": causal, "dtype": dtype,
@@ -357,7 +372,7 @@ def _write(args, rows: list[dict], extras: dict) -> None:
 
     payload = {"device": device_name(), "torch": torch.__version__, "jax": jax.__version__,
                "method": "torch: triton.testing.do_bench median (CUDA events); jax and *_wall: median of "
-                         "pipelined batches of 20 calls, the four wall-clock methods in 9 interleaved rounds, "
+                         "pipelined batches of >= 25 ms (20-200 calls), the four wall-clock methods in 9 interleaved rounds, "
                          "jax/torch ratios the median of per-round ratios; TFLOP/s on 4*B*H*S^2*D (x0.5 causal, "
                          "x3.5 fwd+bwd)",
                "ratios": _summary(rows), "results": rows, **extras}

@@ -1,0 +1,79 @@
+"""Is jax's wall clock above torch's for the same flash kernel, and by a cost per call or per batch?
+
+The same compiled kernel runs from both fronts (``profile_flash_jax_vs_torch.py``), yet by wall
+clock over batches of 20 calls jax took up to 1.11x torch's time at seq 1024. This times ours from
+torch and from jax in interleaved rounds with batches of 20 and of 100 calls, beside torch's CUDA
+events over 100 calls: a cost per batch (the first dispatch, the final wait) shrinks with longer
+batches, a cost per call does not. Run it again with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``
+to take XLA's CUDA graphs out.
+
+    PYTHONPATH=. python scripts/probe_jax_wall_batches.py
+
+Prints one JSON line per shape (bf16, the benchmark's shapes).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+SHAPES = ((1024, 64, False), (1024, 128, True), (16384, 64, False))  # (seq, head_dim, causal)
+
+
+def _events_timer(fn, calls):
+    import torch
+
+    def sample() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / calls
+    return sample
+
+
+def run(seq, head_dim, causal) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    import ejkernel_jax
+    import ejkernel_torch
+    from benchmarks.common import interleaved, median_ratio, wall_batch
+
+    b, h = 16384 // seq, 2048 // head_dim
+    arrays = [np.random.default_rng(0).standard_normal((b, seq, h, head_dim), dtype=np.float32) for _ in range(3)]
+    q, k, v = (torch.from_numpy(a).to("cuda", torch.bfloat16) for a in arrays)
+    qj, kj, vj = (jnp.asarray(a).astype("bfloat16") for a in arrays)
+    ours_jax = jax.jit(lambda a, b_, c: ejkernel_jax.flash_attention(a, b_, c, causal=causal))
+    ours_torch = lambda: ejkernel_torch.flash_attention(q, k, v, causal=causal)  # noqa: E731
+    timers = {}
+    for calls in (20, 100):
+        timers[f"torch{calls}"] = wall_batch(ours_torch, lambda _: torch.cuda.synchronize(), calls)
+        timers[f"jax{calls}"] = wall_batch(lambda: ours_jax(qj, kj, vj), jax.block_until_ready, calls)
+    timers["torch_events100"] = _events_timer(ours_torch, 100)
+    samples = interleaved(timers, rounds=7)
+    return {"seq": seq, "head_dim": head_dim, "causal": causal, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            **{name: statistics.median(s) for name, s in samples.items()},
+            "jax/torch, 20 calls": median_ratio(samples, "jax20", "torch20"),
+            "jax/torch, 100 calls": median_ratio(samples, "jax100", "torch100")}
+
+
+def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    for shape in SHAPES:
+        print(json.dumps(run(*shape)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
