@@ -240,7 +240,7 @@ def measure_overhead(device: str) -> dict:
     import torch
 
     import ejkernel_torch
-    from ejkernel_torch.launch import device_facts, launch
+    from ejkernel_torch.launch import _scratch_allocator, device_facts, launch
     from triton_kernels.flash_attention import forward_plan
     from triton_kernels.flash_attention.spec import dense_spec
 
@@ -254,8 +254,8 @@ def measure_overhead(device: str) -> dict:
     consts = dict(plan.constexprs)
 
     def bare():
-        plan.kernel[plan.grid](*inputs, *scalars, out, lse, **consts, num_warps=plan.num_warps,
-                               num_stages=plan.num_stages)
+        with _scratch_allocator():  # the Gluon kernels build TMA descriptors in global scratch
+            plan.kernel[plan.grid](*inputs, *scalars, out, lse, **consts, **plan.compile_options)
 
     calls = {"op": lambda: ejkernel_torch.flash_attention(q, k, v),
              "launch(plan)": lambda: launch(plan, *inputs)}
