@@ -32,9 +32,10 @@ def wall_batch(fn, wait, calls: int):
 
 def interleaved(timers: dict, rounds: int = 9, warmup: int = 1) -> dict[str, list[float]]:
     """``rounds`` samples of each timer (``wall_batch``), taken in turn round after round, the
-    order reversed every other round, after ``warmup`` unrecorded ones. A GPU's clocks drift over
-    seconds by more than the differences we look for, so methods compared are sampled side by
-    side, and their ratio taken within a round (``median_ratio``)."""
+    order reversed every other round, after ``warmup`` unrecorded ones. Timed seconds apart, one
+    method's timings wandered on the H100s here by as much as the differences we look for, so
+    methods compared are sampled side by side, and their ratio taken within a round
+    (``median_ratio``)."""
     names = list(timers)
     for name in names:
         for _ in range(warmup):

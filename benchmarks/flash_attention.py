@@ -14,8 +14,8 @@ counts 3.5x the forward (the backward is 2.5x).
 Timing: torch by ``triton.testing.do_bench`` (CUDA events, median). The jax-vs-torch ratios come
 from wall clock over pipelined batches of calls, ours and cuDNN each launched from torch and from
 jax, the four sampled in interleaved rounds and each ratio taken within a round
-(``bench_side_by_side``): clock drift between two timings taken seconds apart is as large as
-the differences in question. Writes
+(``bench_side_by_side``): timed seconds apart, one method's timings wandered by as much as the
+differences in question. Writes
 benchmarks/results/flash_attention-<gpu>.json and SVG charts next to it.
 """
 from __future__ import annotations
@@ -160,20 +160,20 @@ def bench_side_by_side(q, k, v, dout, arrays, dtype, causal, estimates: dict) ->
     """Ours and cuDNN launched from torch and from jax, all four timed by wall clock in
     interleaved rounds (``interleaved``), so the jax-over-torch ratios compare like with like at
     the same moment; ``estimates`` (ms per call of ours from torch, by "phase/ours_torch") sizes
-    the batches. Returns (median ms per method, ratios, errors)."""
-    times, ratios, errors = {}, {}, {}
+    the batches. Returns (median ms per method, the ratios and batch sizes for the row, errors)."""
+    times, entries, errors = {}, {}, {}
     pairs = {"ours_jax time / ours_torch time": ("ours_jax", "ours_torch_wall"),
              "jax_cudnn time / sdpa_cudnn time": ("jax_cudnn", "sdpa_cudnn_wall"),
              "ours_jax vs jax_cudnn": ("jax_cudnn", "ours_jax")}
     for phase in ("fwd", "fwd+bwd"):
         calls = _calls_per_batch(estimates.get(f"{phase}/ours_torch"))
-        ratios[f"{phase}: wall-clock calls a batch"] = calls
+        entries[f"{phase}: wall-clock calls a batch"] = calls
         samples = interleaved(_wall_timers(q, k, v, dout, arrays, dtype, causal, phase, calls, errors))
         times.update({f"{phase}/{name}": statistics.median(s) for name, s in samples.items()})
         for label, (num, den) in pairs.items():
             if num in samples and den in samples:
-                ratios[f"{phase}: {label}"] = median_ratio(samples, num, den)
-    return times, ratios, errors
+                entries[f"{phase}: {label}"] = median_ratio(samples, num, den)
+    return times, entries, errors
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,3 +38,24 @@ def test_wall_batch_calls_back_to_back_then_waits_for_the_last_output():
     ms = sample()
     assert calls == [0, 1, 2, 3, 4] and waited == [5]
     assert ms >= 0.0
+
+
+def test_side_by_side_ratios_pair_the_right_methods(monkeypatch):
+    from benchmarks import flash_attention as bench
+
+    ms = {"ours_torch_wall": 1.0, "ours_jax": 1.02, "sdpa_cudnn_wall": 0.9, "jax_cudnn": 0.99}
+    seen_calls = []
+
+    def fake_timers(*args):
+        seen_calls.append(args[-2])  # calls a batch
+        return {name: (lambda v=v: v) for name, v in ms.items()}
+
+    monkeypatch.setattr(bench, "_wall_timers", fake_timers)
+    times, entries, errors = bench.bench_side_by_side(None, None, None, None, None, "bfloat16", False,
+                                                      {"fwd/ours_torch": 0.2, "fwd+bwd/ours_torch": 5.0})
+    assert errors == {} and seen_calls == [126, 20]  # 25 ms batches: 0.2 ms calls -> 126, 5 ms -> 20
+    assert times["fwd/ours_jax"] == 1.02 and times["fwd+bwd/sdpa_cudnn_wall"] == 0.9
+    assert abs(entries["fwd: ours_jax time / ours_torch time"] - 1.02) < 1e-12
+    assert abs(entries["fwd+bwd: jax_cudnn time / sdpa_cudnn time"] - 1.1) < 1e-12
+    assert abs(entries["fwd: ours_jax vs jax_cudnn"] - 0.99 / 1.02) < 1e-12
+    assert entries["fwd: wall-clock calls a batch"] == 126
