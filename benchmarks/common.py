@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 
@@ -50,6 +51,18 @@ def interleaved(timers: dict, rounds: int = 9, warmup: int = 1) -> dict[str, lis
 def median_ratio(samples: dict[str, list[float]], numerator: str, denominator: str) -> float:
     """The median over rounds of one method's time over another's (``interleaved``)."""
     return statistics.median(a / b for a, b in zip(samples[numerator], samples[denominator]))
+
+
+# Wall-clock batches last at least this long: a batch's start and its final wait cost a fixed
+# few hundred microseconds, more from jax than from torch, which 20 calls of a 0.2 ms kernel do
+# not amortise (H100, seq 1024: jax over torch 1.05-1.11 with 20 calls, 1.03-1.04 with 100;
+# probe_jax_wall_batches-nvidia-h100-80gb-hbm3.json).
+BATCH_MS = 25.0
+
+
+def calls_per_batch(ms_per_call: float | None) -> int:
+    """Calls in a ``wall_batch`` of at least ``BATCH_MS`` (20 to 200; 20 without an estimate)."""
+    return 20 if not ms_per_call else min(200, max(20, int(BATCH_MS / ms_per_call) + 1))
 
 
 def bench_jax(fn, *args, calls: int = 50, repeats: int = 9) -> float:
@@ -102,6 +115,18 @@ def copy_bandwidth_gbs(n_bytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     ms = bench_torch(lambda: dst.copy_(src))
     return 2 * n_bytes / (ms * 1e-3) / 1e9
+
+
+def write_run(path: str, rows: list, **extra) -> None:
+    """A probe script's results at ``path``: the GPU, the command that ran (this script and its
+    arguments), ``extra`` and the rows."""
+    import torch
+
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), os.path.dirname(os.path.dirname(__file__)))
+    payload = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else device_name(),
+               "torch": torch.__version__, "command": " ".join(["python", script, *sys.argv[1:]]), **extra,
+               "rows": rows}
+    write_json(path, payload)
 
 
 def write_json(path: str, payload: dict) -> None:

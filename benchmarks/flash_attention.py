@@ -32,8 +32,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np
 
-from benchmarks.common import (bench_torch, device_name, interleaved, median_ratio, pin_configs, try_time,
-                               value_and_pullback, wall_batch, write_bar_svg, write_json)
+from benchmarks.common import (bench_torch, calls_per_batch, device_name, interleaved, median_ratio, pin_configs,
+                               try_time, value_and_pullback, wall_batch, write_bar_svg, write_json)
 from triton_kernels.params import BwdParams, FwdParams
 
 TOKENS = 16384
@@ -108,32 +108,15 @@ def _jax_impls(causal) -> dict:
                                                                        implementation="cudnn")}
 
 
-# Wall-clock batches last at least this long: a batch's start and its final wait cost a fixed
-# few hundred microseconds, more from jax than from torch, which 20 calls of a 0.2 ms kernel do
-# not amortise (H100, seq 1024: jax over torch 1.05-1.11 with 20 calls, 1.03-1.04 with 100;
-# probe_jax_wall_batches-nvidia-h100-80gb-hbm3.json).
-BATCH_MS = 25.0
-
-
-def _calls_per_batch(ms_per_call: float | None) -> int:
-    return 20 if not ms_per_call else min(200, max(20, int(BATCH_MS / ms_per_call) + 1))
-
-
-def _wall_timers(q, k, v, dout, arrays, dtype, causal, phase, calls, errors) -> dict:
+def _wall_timers(torch_fns: dict, jax_arrays, causal, phase, calls, errors) -> dict:
     """Wall-clock batch timers (``wall_batch``, ``calls`` calls a batch) of ours and cuDNN, each
-    launched from torch and from jax, for one phase; a method that fails its first call is left
-    out (``errors``)."""
+    launched from torch (``torch_fns``: name -> (fn, args, cotangent)) and from jax (on
+    ``jax_arrays``: q, k, v, dout), for one phase; a method that fails its first call is left out
+    (``errors``)."""
     import jax
-    import jax.numpy as jnp
     import torch
 
-    import ejkernel_torch
-
-    ours = lambda a, b, c: ejkernel_torch.flash_attention(a, b, c, causal=causal)  # noqa: E731
-    heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
-    torch_fns = {"ours_torch_wall": (ours, (q, k, v), dout),
-                 "sdpa_cudnn_wall": (_sdpa("cudnn", causal), heads_first[:3], heads_first[3])}
-    qj, kj, vj, doj = (jnp.asarray(a).astype(dtype) for a in arrays)
+    qj, kj, vj, doj = jax_arrays
     timers = {}
     for name, (fn, args, cot) in torch_fns.items():
         call = (lambda fn=fn, args=args: fn(*args)) if phase == "fwd" else _torch_step(fn, *args, cot)
@@ -161,14 +144,23 @@ def bench_side_by_side(q, k, v, dout, arrays, dtype, causal, estimates: dict) ->
     interleaved rounds (``interleaved``), so the jax-over-torch ratios compare like with like at
     the same moment; ``estimates`` (ms per call of ours from torch, by "phase/ours_torch") sizes
     the batches. Returns (median ms per method, the ratios and batch sizes for the row, errors)."""
+    import jax.numpy as jnp
+
+    import ejkernel_torch
+
+    ours = lambda a, b, c: ejkernel_torch.flash_attention(a, b, c, causal=causal)  # noqa: E731
+    heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
+    torch_fns = {"ours_torch_wall": (ours, (q, k, v), dout),
+                 "sdpa_cudnn_wall": (_sdpa("cudnn", causal), heads_first[:3], heads_first[3])}
+    jax_arrays = [jnp.asarray(a).astype(dtype) for a in arrays]
     times, entries, errors = {}, {}, {}
     pairs = {"ours_jax time / ours_torch time": ("ours_jax", "ours_torch_wall"),
              "jax_cudnn time / sdpa_cudnn time": ("jax_cudnn", "sdpa_cudnn_wall"),
              "ours_jax vs jax_cudnn": ("jax_cudnn", "ours_jax")}
     for phase in ("fwd", "fwd+bwd"):
-        calls = _calls_per_batch(estimates.get(f"{phase}/ours_torch"))
+        calls = calls_per_batch(estimates.get(f"{phase}/ours_torch"))
         entries[f"{phase}: wall-clock calls a batch"] = calls
-        samples = interleaved(_wall_timers(q, k, v, dout, arrays, dtype, causal, phase, calls, errors))
+        samples = interleaved(_wall_timers(torch_fns, jax_arrays, causal, phase, calls, errors))
         times.update({f"{phase}/{name}": statistics.median(s) for name, s in samples.items()})
         for label, (num, den) in pairs.items():
             if num in samples and den in samples:

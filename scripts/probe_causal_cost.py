@@ -3,7 +3,7 @@
 A causal call of seq s does about the work of a call without a mask of seq_q = s, seq_k = s / 2
 (half the keys for every query): the same matmul FLOPs, but no masked blocks, every tile as long
 as every other, and no tile pairs in the schedule. This times ours and cuDNN on both, in turn
-(``benchmarks.common.interleaved``, wall clock over 25 ms batches), and the full square call
+(``benchmarks.common.interleaved``, wall clock over batches of ``calls_per_batch``), and the full square call
 beside them. If ours matches cuDNN on the half-keys call but not on the causal one, the loss is
 in what only causal calls do (masked diagonal blocks, tiles of unequal length, the paired
 schedule); if it loses on both, it is the short per-tile loop itself.
@@ -31,7 +31,7 @@ def _timers(seq, head_dim) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import ejkernel_torch
-    from benchmarks.common import wall_batch
+    from benchmarks.common import calls_per_batch, wall_batch
 
     batch, heads = 16384 // seq, 2048 // head_dim
     sync = lambda _: torch.cuda.synchronize()  # noqa: E731
@@ -48,8 +48,7 @@ def _timers(seq, head_dim) -> dict:
         def cudnn(qt=qt, kt=kt, vt=vt, causal=causal):
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        ms = statistics.median(wall_batch(ours, sync, 20)() for _ in range(3))
-        calls = min(200, max(20, int(25.0 / ms) + 1))
+        calls = calls_per_batch(statistics.median(wall_batch(ours, sync, 20)() for _ in range(3)))
         timers[f"{name}/ours"] = wall_batch(ours, sync, calls)
         timers[f"{name}/cudnn"] = wall_batch(cudnn, sync, calls)
     return timers
@@ -65,7 +64,7 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    from benchmarks.common import interleaved, median_ratio
+    from benchmarks.common import interleaved, median_ratio, write_run
 
     rows = []
     for d in args.head_dims:
@@ -77,9 +76,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "command": "python scripts/probe_causal_cost.py "
-                       + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
+        write_run(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -109,9 +109,9 @@ def main() -> None:
     for row in rows:
         print(json.dumps(row), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            command = "python scripts/probe_gluon_forward_consumers.py " + " ".join(sys.argv[1:])
-            json.dump({"device": torch.cuda.get_device_name(), "command": command, "rows": rows}, f, indent=1)
+        from benchmarks.common import write_run
+
+        write_run(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -40,15 +40,14 @@ def _events_timer(fn, calls):
 def run(seq, head_dim, causal) -> dict:
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import torch
 
     import ejkernel_jax
     import ejkernel_torch
     from benchmarks.common import interleaved, median_ratio, wall_batch
+    from benchmarks.flash_attention import HIDDEN, TOKENS, _inputs
 
-    b, h = 16384 // seq, 2048 // head_dim
-    arrays = [np.random.default_rng(0).standard_normal((b, seq, h, head_dim), dtype=np.float32) for _ in range(3)]
+    arrays = _inputs(TOKENS // seq, seq, HIDDEN // head_dim, head_dim)[:3]
     q, k, v = (torch.from_numpy(a).to("cuda", torch.bfloat16) for a in arrays)
     qj, kj, vj = (jnp.asarray(a).astype("bfloat16") for a in arrays)
     ours_jax = jax.jit(lambda a, b_, c: ejkernel_jax.flash_attention(a, b_, c, causal=causal))

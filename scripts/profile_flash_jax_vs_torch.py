@@ -35,17 +35,15 @@ def _calls(seq, head_dim, causal, dtype, phase):
     """(front, callable, wait) for ours from torch and from jax, on the benchmark's shapes."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import torch
 
     import ejkernel_jax
     import ejkernel_torch
     from benchmarks.common import value_and_pullback
-    from benchmarks.flash_attention import HIDDEN, TOKENS
+    from benchmarks.flash_attention import HIDDEN, TOKENS, _inputs
 
     batch, heads = max(1, TOKENS // seq), HIDDEN // head_dim
-    rng = np.random.default_rng(0)
-    arrays = [rng.standard_normal((batch, seq, heads, head_dim), dtype=np.float32) for _ in range(4)]
+    arrays = _inputs(batch, seq, heads, head_dim)
     q, k, v, do = (torch.from_numpy(a).to("cuda", getattr(torch, dtype)) for a in arrays)
     qj, kj, vj, doj = (jnp.asarray(a).astype(dtype) for a in arrays)
     torch_fn = lambda a, b, c: ejkernel_torch.flash_attention(a, b, c, causal=causal)  # noqa: E731
@@ -115,10 +113,9 @@ def main() -> None:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "command": "python scripts/profile_flash_jax_vs_torch.py " + " ".join(sys.argv[1:]),
-                       "calls_per_profile": CALLS, "rows": rows}, f, indent=1)
+        from benchmarks.common import write_run
+
+        write_run(args.out, rows, calls_per_profile=CALLS)
 
 
 if __name__ == "__main__":

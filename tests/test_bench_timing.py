@@ -3,7 +3,10 @@
 The jax-vs-torch ratios in benchmarks/flash_attention.py are only as good as the pairing of
 samples, so the pairing is checked here with fake timers that record when they ran.
 """
-from benchmarks.common import interleaved, median_ratio, wall_batch
+import json
+import sys
+
+from benchmarks.common import calls_per_batch, interleaved, median_ratio, wall_batch, write_run
 
 
 def _recording_timers(names, log):
@@ -41,6 +44,8 @@ def test_wall_batch_calls_back_to_back_then_waits_for_the_last_output():
 
 
 def test_side_by_side_ratios_pair_the_right_methods(monkeypatch):
+    import torch
+
     from benchmarks import flash_attention as bench
 
     ms = {"ours_torch_wall": 1.0, "ours_jax": 1.02, "sdpa_cudnn_wall": 0.9, "jax_cudnn": 0.99}
@@ -51,7 +56,9 @@ def test_side_by_side_ratios_pair_the_right_methods(monkeypatch):
         return {name: (lambda v=v: v) for name, v in ms.items()}
 
     monkeypatch.setattr(bench, "_wall_timers", fake_timers)
-    times, entries, errors = bench.bench_side_by_side(None, None, None, None, None, "bfloat16", False,
+    arrays = bench._inputs(1, 8, 2, 16)
+    q, k, v, dout = (torch.from_numpy(a) for a in arrays)
+    times, entries, errors = bench.bench_side_by_side(q, k, v, dout, arrays, "bfloat16", False,
                                                       {"fwd/ours_torch": 0.2, "fwd+bwd/ours_torch": 5.0})
     assert errors == {} and seen_calls == [126, 20]  # 25 ms batches: 0.2 ms calls -> 126, 5 ms -> 20
     assert times["fwd/ours_jax"] == 1.02 and times["fwd+bwd/sdpa_cudnn_wall"] == 0.9
@@ -59,3 +66,17 @@ def test_side_by_side_ratios_pair_the_right_methods(monkeypatch):
     assert abs(entries["fwd+bwd: jax_cudnn time / sdpa_cudnn time"] - 1.1) < 1e-12
     assert abs(entries["fwd: ours_jax vs jax_cudnn"] - 0.99 / 1.02) < 1e-12
     assert entries["fwd: wall-clock calls a batch"] == 126
+
+
+def test_batches_last_at_least_25_ms_within_20_to_200_calls():
+    assert calls_per_batch(None) == 20 and calls_per_batch(5.0) == 20
+    assert calls_per_batch(0.19) == 132 and calls_per_batch(0.35) == 72  # >= 25 ms
+    assert calls_per_batch(0.01) == 200
+
+
+def test_write_run_records_the_command_and_the_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/somewhere/../" + __file__, "--seqs", "1024"])
+    write_run(str(tmp_path / "run.json"), [{"seq": 1024}], calls=7)
+    got = json.loads((tmp_path / "run.json").read_text())
+    assert got["command"] == "python tests/test_bench_timing.py --seqs 1024"
+    assert got["rows"] == [{"seq": 1024}] and got["calls"] == 7 and got["device"] and got["torch"]
