@@ -1,13 +1,15 @@
 """Variants of the Gluon flash-attention forward against the plans' kernel, on a Hopper GPU.
 
     python scripts/probe_gluon_forward_variants.py VARIANT.py [VARIANT.py ...] [--no-time] [--out PATH]
-        [--head-dims 128] [--seqs 1024 2048]     # time a subset of the shapes
+        [--head-dims 128] [--seqs 1024 2048] [--causal true]   # time a subset of the shapes
 
 Each VARIANT.py is a copy of ``triton_kernels/flash_attention/gluon_forward.py`` with one change
-(its ``flash_fwd_gluon_kernel`` must take the same arguments); the file's stem names it. The
+(its ``flash_fwd_gluon_kernel`` must take the same arguments; its own ``forward_consumers``
+picks the consumer warpgroups); the file's stem names it. The
 plan's kernel ("plan") and each variant are first checked against the Triton forward on small odd
-shapes (relative error of the output and lse, the worse of the two; NaN reported), then timed on
-the benchmark's shapes: bf16, batch x seq = 16k tokens, heads = 2048 / head_dim, head_dim 128
+shapes (relative error of the output and lse, the worse of the two; NaN reported), then timed side
+by side (wall clock over batches, in turn; ``speedup_vs_plan`` > 1: the variant is faster) on the
+benchmark's shapes: bf16, batch x seq = 16k tokens, heads = 2048 / head_dim, head_dim 128
 and 64, seq 1024-4096, causal and not. A variant that fails to compile or run is reported, not fatal.
 """
 from __future__ import annotations
@@ -17,18 +19,20 @@ import dataclasses
 import importlib.util
 import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 CHECKS = [(1, 128, 1, 128, False), (1, 128, 1, 128, True), (1, 256, 1, 128, True), (2, 1000, 3, 128, True),
-          (2, 777, 4, 64, False), (3, 1024, 5, 128, False), (2, 1000, 3, 64, False), (1, 4096, 2, 128, True)]
+          (2, 777, 4, 64, False), (3, 1024, 5, 128, False), (2, 1000, 3, 64, False), (1, 4096, 2, 128, True),
+          (2, 1000, 3, 64, True), (1, 2048, 2, 64, True), (1, 1152, 2, 64, True)]
 HEAD_DIMS, SEQS = (128, 64), (1024, 2048, 4096)
 
 
-def timed_shapes(head_dims=HEAD_DIMS, seqs=SEQS) -> list[tuple]:
+def timed_shapes(head_dims=HEAD_DIMS, seqs=SEQS, causal=(True, False)) -> list[tuple]:
     """(batch, seq, heads, head_dim, causal) of the benchmark's shapes: 16k tokens, 2048 / head_dim heads."""
-    return [(16384 // s, s, 2048 // d, d, c) for d in head_dims for s in seqs for c in (True, False)]
+    return [(16384 // s, s, 2048 // d, d, c) for d in head_dims for s in seqs for c in causal]
 
 
 def _load_kernel(path: str):
@@ -37,13 +41,13 @@ def _load_kernel(path: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # Gluon reads the kernel's source through its module
     spec.loader.exec_module(module)
-    return name, module.flash_fwd_gluon_kernel
+    return name, module
 
 
 def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
     import torch
 
-    from benchmarks.common import bench_torch
+    from benchmarks.common import calls_per_batch, interleaved, median_ratio, wall_batch
     from benchmarks.flash_attention import flops
     from ejkernel_torch.launch import device_facts, launch
     from ejkernel_torch.ops.flash_attention import _features
@@ -57,22 +61,34 @@ def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
     arrays = _features(q, k, v, None, None, None, None, None, None)
     want = launch(triton_forward_plan(spec, facts), *arrays)
     row = {"shape": list(shape), "causal": causal}
-    for name, kernel in variants.items():
-        plan = gluon_forward_plan(spec, facts)
-        if kernel is not None:
-            plan = dataclasses.replace(plan, kernel=kernel)
+    runs = {}
+    for name, module in variants.items():
         try:
+            plan = gluon_forward_plan(spec, facts)
+            if module is not None:
+                consumers = module.forward_consumers(d, causal, s, s)
+                plan = dataclasses.replace(gluon_forward_plan(spec, facts, consumers),
+                                           kernel=module.flash_fwd_gluon_kernel)
+            for w in want:  # NaN where the outputs will be allocated next, so unwritten elements show
+                torch.full_like(w, float("nan"))
             got = launch(plan, *arrays)
             torch.cuda.synchronize()
-            result = {"rel_err_vs_triton": max(float((g.float() - w.float()).norm() / w.float().norm())
-                                               for g, w in zip(got, want)),
-                      "nan": bool(got[0].isnan().any() or got[1].isnan().any())}
-            if timed:
-                result["ms"] = bench_torch(lambda: launch(plan, *arrays))
-                result["tflops"] = flops(b, h, s, d, causal, "fwd") / result["ms"] / 1e9
+            row[name] = {"rel_err_vs_triton": max(float((g.float() - w.float()).norm() / w.float().norm())
+                                                  for g, w in zip(got, want)),
+                         "nan": bool(got[0].isnan().any() or got[1].isnan().any())}
+            runs[name] = lambda plan=plan: launch(plan, *arrays)
         except Exception as e:  # a broken variant is a result too
-            result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
-        row[name] = result
+            row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+    if timed and "plan" in runs:
+        # Side by side (benchmarks.common.interleaved): the variants' differences are a few percent,
+        # as large as one kernel's drift between timings taken seconds apart.
+        sync = lambda _: torch.cuda.synchronize()  # noqa: E731
+        calls = calls_per_batch(min(wall_batch(runs["plan"], sync, 20)() for _ in range(3)))
+        samples = interleaved({name: wall_batch(fn, sync, calls) for name, fn in runs.items()})
+        for name in runs:
+            ms = statistics.median(samples[name])
+            row[name].update(ms=ms, tflops=flops(b, h, s, d, causal, "fwd") / ms / 1e9,
+                             speedup_vs_plan=median_ratio(samples, "plan", name))
     print(json.dumps(row), flush=True)
     return row
 
@@ -83,6 +99,7 @@ def main() -> None:
     parser.add_argument("--no-time", action="store_true", help="only the correctness checks")
     parser.add_argument("--head-dims", nargs="*", type=int, default=list(HEAD_DIMS))
     parser.add_argument("--seqs", nargs="*", type=int, default=list(SEQS))
+    parser.add_argument("--causal", nargs="*", default=["true", "false"], choices=["true", "false"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -94,7 +111,8 @@ def main() -> None:
     variants = {"plan": None} | dict(_load_kernel(p) for p in args.variants)
     rows = [_row(shape[:4], shape[4], variants, timed=False) for shape in CHECKS]
     if not args.no_time:
-        rows += [_row(shape[:4], shape[4], variants, timed=True) for shape in timed_shapes(args.head_dims, args.seqs)]
+        rows += [_row(shape[:4], shape[4], variants, timed=True) for shape in
+                 timed_shapes(args.head_dims, args.seqs, tuple(c == "true" for c in args.causal))]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "command": "python scripts/probe_gluon_forward_variants.py " + " ".join(sys.argv[1:]), "rows": rows}
     if args.out:

@@ -117,17 +117,23 @@ if AVAILABLE:
         return a_smem, b_smem, ready_a, ready_b, _barriers(STAGES, CONSUMERS), _barriers(STAGES, CONSUMERS)
 
     @gluon.jit
+    def _mask(s, row0, col0, seq_k, causal_offset, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+              CAUSAL: gl.constexpr):
+        """-inf where a row may not see a key: past its diagonal (bottom-right aligned: row r sees
+        keys up to r + seq_k - seq_q, < seq_k) with ``CAUSAL``, else past seq_k."""
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if CAUSAL:
+            rows = row0 + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s_layout))
+            return gl.where(cols[None, :] <= rows[:, None] + causal_offset, s, -float("inf"))
+        return gl.where(cols[None, :] < seq_k, s, -float("inf"))
+
+    @gluon.jit
     def _softmax(s, m_i, l_i, logit_scale, row0, col0, seq_k, causal_offset, s_layout: gl.constexpr,
                  BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
         """Fold one block of raw scores into the running max and normaliser (base 2). Every row
         attends key 0 (the plans guarantee it), so the running max is finite after block 0."""
         if MASK:
-            cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            if CAUSAL:  # bottom-right aligned: row r sees keys up to r + seq_k - seq_q (< seq_k)
-                rows = row0 + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s_layout))
-                s = gl.where(cols[None, :] <= rows[:, None] + causal_offset, s, -float("inf"))
-            else:
-                s = gl.where(cols[None, :] < seq_k, s, -float("inf"))
+            s = _mask(s, row0, col0, seq_k, causal_offset, s_layout, BLOCK_N, CAUSAL)
         # Scale the row max, not the tile (equal for a positive scale), so scale-and-subtract is one FMA.
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * logit_scale)
         p = gl.exp2(s * logit_scale - m_new[:, None])
@@ -137,21 +143,32 @@ if AVAILABLE:
 
     @gluon.jit
     def _softmax_at(s, m_i, l_i, logit_scale, row0, j, first_masked, seq_k, causal_offset, s_layout: gl.constexpr,
-                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr):
+                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, ONE_COPY: gl.constexpr):
         """``_softmax`` of key block ``j``, masked from block ``first_masked`` on. Without a causal
         mask or a partial last block (``KEY_TAIL``) no block needs one, and the masked code is not
         compiled at all: 1.5-4.5% less time at head_dim 128 on an H100, 0-3% at 64
-        (probe_gluon_forward_variants-key-tail-*.json)."""
+        (probe_gluon_forward_variants-key-tail-*.json). Where one does, the branch holds either
+        the mask alone (``ONE_COPY``: one copy of the softmax's code) or a whole masked softmax
+        beside the unmasked one (two copies, but no scores carried out of a branch). On an H100 the
+        one copy took 0.95-0.97x the time at head_dim 64 (causal, or seq_k not a multiple of the
+        block: 0.94-0.95x), and 1.0-1.03x at 128, where it stays off; the code is the cost there,
+        more than the mask's arithmetic (probe_gluon_forward_variants-causal-mask-*.json)."""
+        col0 = j * BLOCK_N
         if CAUSAL or KEY_TAIL:
-            if j >= first_masked:
-                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, logit_scale, row0, j * BLOCK_N, seq_k, causal_offset,
-                                              s_layout, BLOCK_N, True, CAUSAL)
+            if ONE_COPY:
+                if j >= first_masked:
+                    s = _mask(s, row0, col0, seq_k, causal_offset, s_layout, BLOCK_N, CAUSAL)
+                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, logit_scale, row0, col0, seq_k, causal_offset, s_layout,
+                                              BLOCK_N, False, CAUSAL)
+            elif j >= first_masked:
+                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, logit_scale, row0, col0, seq_k, causal_offset, s_layout,
+                                              BLOCK_N, True, CAUSAL)
             else:
-                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, logit_scale, row0, j * BLOCK_N, seq_k, causal_offset,
-                                              s_layout, BLOCK_N, False, CAUSAL)
+                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, logit_scale, row0, col0, seq_k, causal_offset, s_layout,
+                                              BLOCK_N, False, CAUSAL)
         else:
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, logit_scale, row0, j * BLOCK_N, seq_k, causal_offset,
-                                          s_layout, BLOCK_N, False, CAUSAL)
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, logit_scale, row0, col0, seq_k, causal_offset, s_layout,
+                                          BLOCK_N, False, CAUSAL)
         return p, m_i, l_i, alpha
 
     @gluon.jit
@@ -169,6 +186,7 @@ if AVAILABLE:
                                                            instr_shape=[16, HEAD_DIM, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         dtype: gl.constexpr = q.dtype
+        ONE_COPY: gl.constexpr = HEAD_DIM == 64  # _softmax_at
 
         causal_offset = seq_k - seq_q
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -183,7 +201,7 @@ if AVAILABLE:
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(stage), count=1)
         p, m_i, l_i, alpha = _softmax_at(s, m_i, l_i, logit_scale, row0, 0, first_masked, seq_k, causal_offset,
-                                         s_layout, BLOCK_N, CAUSAL, KEY_TAIL)
+                                         s_layout, BLOCK_N, CAUSAL, KEY_TAIL, ONE_COPY)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
         for j in range(1, n_blocks):
@@ -200,7 +218,7 @@ if AVAILABLE:
             s = warpgroup_mma_wait(1, deps=(s,))
             mbarrier.arrive(k_empty.index(stage), count=1)
             p, m_i, l_i, alpha = _softmax_at(s, m_i, l_i, logit_scale, row0, j, first_masked, seq_k, causal_offset,
-                                             s_layout, BLOCK_N, CAUSAL, KEY_TAIL)
+                                             s_layout, BLOCK_N, CAUSAL, KEY_TAIL, ONE_COPY)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(prev), count=1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
