@@ -113,11 +113,10 @@ def main() -> None:
     if not args.no_time:
         rows += [_row(shape[:4], shape[4], variants, timed=True) for shape in
                  timed_shapes(args.head_dims, args.seqs, tuple(c == "true" for c in args.causal))]
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "command": "python scripts/probe_gluon_forward_variants.py " + " ".join(sys.argv[1:]), "rows": rows}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        from benchmarks.common import write_run
+
+        write_run(args.out, rows, triton=triton.__version__)
 
 
 if __name__ == "__main__":
