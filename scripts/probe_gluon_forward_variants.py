@@ -64,11 +64,10 @@ def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
     runs = {}
     for name, module in variants.items():
         try:
-            plan = gluon_forward_plan(spec, facts)
+            consumers = None if module is None else module.forward_consumers(d, causal, s, s)
+            plan = gluon_forward_plan(spec, facts, consumers)
             if module is not None:
-                consumers = module.forward_consumers(d, causal, s, s)
-                plan = dataclasses.replace(gluon_forward_plan(spec, facts, consumers),
-                                           kernel=module.flash_fwd_gluon_kernel)
+                plan = dataclasses.replace(plan, kernel=module.flash_fwd_gluon_kernel)
             for w in want:  # NaN where the outputs will be allocated next, so unwritten elements show
                 torch.full_like(w, float("nan"))
             got = launch(plan, *arrays)
