@@ -24,15 +24,19 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-CHECKS = [(1, 128, 1, 128, False), (1, 128, 1, 128, True), (1, 256, 1, 128, True), (2, 1000, 3, 128, True),
-          (2, 777, 4, 64, False), (3, 1024, 5, 128, False), (2, 1000, 3, 64, False), (1, 4096, 2, 128, True),
-          (2, 1000, 3, 64, True), (1, 2048, 2, 64, True), (1, 1152, 2, 64, True)]
+# (batch, seq_q, seq_k, heads, head_dim, causal). With seq_q < seq_k the causal diagonal is not on a
+# key block's edge, so a tile's first rows may see no key of its last block.
+CHECKS = [(1, 128, 128, 1, 128, False), (1, 128, 128, 1, 128, True), (1, 256, 256, 1, 128, True),
+          (2, 1000, 1000, 3, 128, True), (2, 777, 777, 4, 64, False), (3, 1024, 1024, 5, 128, False),
+          (2, 1000, 1000, 3, 64, False), (1, 4096, 4096, 2, 128, True), (2, 1000, 1000, 3, 64, True),
+          (1, 2048, 2048, 2, 64, True), (1, 1152, 1152, 2, 64, True), (2, 1000, 1100, 3, 128, True),
+          (2, 700, 1000, 3, 64, True), (1, 1, 777, 2, 128, True), (1, 300, 365, 2, 64, True)]
 HEAD_DIMS, SEQS = (128, 64), (1024, 2048, 4096)
 
 
 def timed_shapes(head_dims=HEAD_DIMS, seqs=SEQS, causal=(True, False)) -> list[tuple]:
-    """(batch, seq, heads, head_dim, causal) of the benchmark's shapes: 16k tokens, 2048 / head_dim heads."""
-    return [(16384 // s, s, 2048 // d, d, c) for d in head_dims for s in seqs for c in causal]
+    """(batch, seq, seq, heads, head_dim, causal) of the benchmark's shapes: 16k tokens, 2048 / head_dim heads."""
+    return [(16384 // s, s, s, 2048 // d, d, c) for d in head_dims for s in seqs for c in causal]
 
 
 def _load_kernel(path: str):
@@ -54,8 +58,9 @@ def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
     from triton_kernels import flash_attention as fa
     from triton_kernels.flash_attention.plan import gluon_forward_plan, triton_forward_plan
 
-    b, s, h, d = shape
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    b, s, sk, h, d = shape
+    q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, sk, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     spec = fa.dense_spec(q.shape, k.shape, v.shape, ("bfloat16",) * 3, causal=causal)
     facts = device_facts(q.device)
     arrays = _features(q, k, v, None, None, None, None, None, None)
@@ -64,7 +69,7 @@ def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
     runs = {}
     for name, module in variants.items():
         try:
-            consumers = None if module is None else module.forward_consumers(d, causal, s, s)
+            consumers = None if module is None else module.forward_consumers(d, causal, s, sk)
             plan = gluon_forward_plan(spec, facts, consumers)
             if module is not None:
                 plan = dataclasses.replace(plan, kernel=module.flash_fwd_gluon_kernel)
@@ -108,9 +113,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     variants = {"plan": None} | dict(_load_kernel(p) for p in args.variants)
-    rows = [_row(shape[:4], shape[4], variants, timed=False) for shape in CHECKS]
+    rows = [_row(shape[:5], shape[5], variants, timed=False) for shape in CHECKS]
     if not args.no_time:
-        rows += [_row(shape[:4], shape[4], variants, timed=True) for shape in
+        rows += [_row(shape[:5], shape[5], variants, timed=True) for shape in
                  timed_shapes(args.head_dims, args.seqs, tuple(c == "true" for c in args.causal))]
     if args.out:
         from benchmarks.common import write_run

@@ -40,6 +40,7 @@ GPU_ONLY = {
     "scripts/tune_softmax.py": [],
     "scripts/why_bits_differ.py": [],
     "scripts/probe_vmap_fold.py": ["--out", os.devnull],
+    "scripts/probe_gluon_forward_timeline.py": ["--shapes", "1,128,128,1,64,false", "--out", os.devnull],
 }
 
 
@@ -51,3 +52,51 @@ def test_gpu_script_without_a_gpu_says_so(script, tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
     assert result.stderr.strip().splitlines()[-1].startswith("needs a CUDA GPU"), result.stderr[-2000:]
+
+
+def _timeline_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "probe_gluon_forward_timeline", os.path.join(ROOT, "scripts", "probe_gluon_forward_timeline.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_timeline_probe_instruments_the_plans_forward_kernel():
+    """The timeline probe's clock stamps are text edits at fixed places of gluon_forward.py: they
+    must still apply (each place found once) and compile for sm_90, or the probe, run only on a
+    GPU, would break unseen when the kernel changes."""
+    import dataclasses
+
+    from triton_kernels.flash_attention import gluon_forward
+
+    if not gluon_forward.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    from triton_kernels import flash_attention as fa
+    from triton_kernels.aot import compile_plan
+    from triton_kernels.flash_attention.plan import gluon_forward_plan
+    from triton_kernels.plan import DeviceFacts
+
+    probe = _timeline_script()
+    with open(gluon_forward.__file__) as f:
+        source = probe.instrument(f.read())
+    assert all(f"t{i} = _clock()" in source for i in range(4))
+    module = probe._load(source)
+    h100 = dataclasses.replace(DeviceFacts.cuda((9, 0), 132), gluon=True)
+    shape = (2, 256, 2, 64)
+    spec = fa.dense_spec(shape, shape, shape, ("bfloat16",) * 3, causal=True)
+    plan = dataclasses.replace(gluon_forward_plan(spec, h100), kernel=module.flash_fwd_gluon_kernel)
+    assert compile_plan(plan).asm["cubin"]
+
+
+def test_timeline_probe_summary_takes_32_bit_clock_differences():
+    probe = _timeline_script()
+    programs = [[(0, 10, 110, 150, 2, 1, 0), (200, 205, 400, 450, 4, 3, 128)],
+                [(2**32 - 5, 5, 50, 60, 1, 0, 0)], []]  # the clock wraps inside the third tile; an idle program
+    summary = probe.summarize(programs)
+    assert summary["program_span_cycles"] == {"median": 257.5, "max": 450}
+    assert summary["to_next_cycles_median"] == 50
+    assert summary["by_blocks"]["1 blocks, 1 masked"] == {"first_wait": 10, "loop": 45, "epilogue": 10, "tiles": 1}
+    assert summary["by_blocks"]["4 blocks, 1 masked"]["loop"] == 195

@@ -11,7 +11,8 @@ softmax. This kernel splits a CTA by role, as FlashAttention-3 does:
   each, QK^T of block j is issued asynchronously together with PV of block j-1, so the softmax
   of block j runs while the tensor cores do PV;
 - registers move from the loader to the consumers (``worker_num_regs``, ``maxnreg``).
-- without a causal mask, a tile's output leaves with a TMA store from its query buffer.
+- a tile's output leaves with a TMA store from shared memory: from its query buffer without a
+  causal mask, from a buffer of its own with one.
 
 The grid is persistent: one program an SM walks schedule units (``_slot_tile``) in a static
 round robin, and the loader fetches the next tile while the consumers finish the current one.
@@ -235,28 +236,10 @@ if AVAILABLE:
         return acc, m_i, l_i
 
     @gluon.jit
-    def _store_rows(o_ptr, lse_ptr, acc, m_i, l_i, row0, seq_q, o_base, lse_base, HEADS_Q: gl.constexpr,
-                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Normalise a warpgroup's output rows and store them (q's layout) with their natural
-        log-sum-exp; rows past seq_q are left alone."""
-        ROWS: gl.constexpr = acc.shape[0]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        out = (acc / l_o[:, None]).to(o_ptr.dtype.element_ty)
-        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        ptrs = o_ptr + o_base + rows.to(gl.int64)[:, None] * (HEADS_Q * HEAD_DIM) + cols[None, :]
-        gl.store(ptrs, out, mask=(rows < seq_q)[:, None])
-        _store_lse(lse_ptr, m_i, l_i, row0, seq_q, lse_base, s_layout)
-
-    @gluon.jit
     def _stage_rows(o_desc, lse_ptr, o_smem, acc, m_i, l_i, row0, seq_q, b, col, lse_base, BLOCK_N: gl.constexpr):
-        """``_store_rows`` through shared memory: the normalised rows into ``o_smem`` and out with a
-        TMA store (which clips rows past seq_q), left in flight; ``tma.store_wait`` before reusing
-        ``o_smem``."""
+        """Normalise a warpgroup's output rows into ``o_smem`` and send them out (q's layout) with a
+        TMA store, which clips rows past seq_q, left in flight (``tma.store_wait`` before reusing
+        ``o_smem``); store their natural log-sum-exp."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, acc.type.layout))
@@ -377,12 +360,16 @@ if AVAILABLE:
         ``state`` holds the runtime values all consumers share (pointers, descriptors, buffers,
         barriers, sizes).
 
-        Without a causal mask a tile's output leaves through its query buffer (``_stage_rows``),
-        which is released to the loader at the next tile's start, once the TMA store has read it:
-        3-8% faster than ``_store_rows`` at head_dim 128 and 0-4% at 64 on an H100
-        (``probe_gluon_forward_variants.py``), but slower with a causal mask (up to 9% at seq
-        1024), where the register store stays."""
-        (o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+        A tile's output leaves through shared memory with a TMA store (``_stage_rows``). Stored
+        from registers, 64-bit addresses and 4-byte stores a thread, it took 3-8% more time
+        without a mask at head_dim 128, 0-4% at 64 (H100); with a causal mask, where clock stamps
+        put that epilogue at 4k cycles a tile against 1.5k for the staged one, 1.02-1.07x the
+        time (probe_gluon_forward_variants-causal-ostore-*.json). Without a mask the rows go through
+        the tile's query buffer, which goes back to the loader at the next tile's start, once the
+        store has read it. A causal tile gives its query buffer back after its last QK^T, so that
+        the loader can fetch the next tile's sooner, and stages its rows in ``o_smem``, a buffer
+        of its own (as fast as the query buffer without a mask: 0.99-1.02x)."""
+        (o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
          logit_scale, seq_q, seq_k, n_m, per_head, n_units) = state
         ROWS: gl.constexpr = q_smem.shape[1]
         PARTS: gl.constexpr = q_smem.shape[0] // 2
@@ -402,19 +389,16 @@ if AVAILABLE:
                 acc, m_i, l_i = _attend(q_smem.index(PARTS * buf + WG), k_smem, v_smem, k_ready, v_ready, k_empty,
                                         v_empty, q_empty.index(buf), logit_scale, row0, seq_q, seq_k, n_blocks,
                                         first_masked, ring, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, CAUSAL)
-                b64 = b.to(gl.int64)
-                lse_base = (b64 * HEADS_Q + h) * seq_q
+                lse_base = (b.to(gl.int64) * HEADS_Q + h) * seq_q
                 if CAUSAL:
-                    _store_rows(o_ptr, lse_ptr, acc, m_i, l_i, row0, seq_q,
-                                b64 * seq_q * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM, lse_base, HEADS_Q, HEAD_DIM,
-                                BLOCK_N)
+                    tma.store_wait(0)  # the previous tile's store has read o_smem
+                    o_rows = o_smem.index(WG)
                 else:
-                    _stage_rows(o_desc, lse_ptr, q_smem.index(PARTS * buf + WG), acc, m_i, l_i, row0, seq_q, b,
-                                h * HEAD_DIM, lse_base, BLOCK_N)
+                    o_rows = q_smem.index(PARTS * buf + WG)
+                _stage_rows(o_desc, lse_ptr, o_rows, acc, m_i, l_i, row0, seq_q, b, h * HEAD_DIM, lse_base, BLOCK_N)
                 ring += n_blocks
                 tiles += 1
-        if not CAUSAL:
-            tma.store_wait(0)
+        tma.store_wait(0)
 
     @gluon.jit
     def _batch_heads(ptr, batch, seq, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr):
@@ -451,6 +435,10 @@ if AVAILABLE:
         o_desc = _batch_heads(o_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS)
 
         q_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, ROWS, HEAD_DIM], q_layout)  # two tiles' parts
+        if CAUSAL:  # output staging (_consumer); 224 KB in all at head_dim 128
+            o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], q_layout)
+        else:
+            o_smem = q_smem
         q_ready = _barriers(2, 1)
         q_empty = _barriers(2, CONSUMERS)
         k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _rings(dtype, STAGES, BLOCK_N, HEAD_DIM, kv_layout,
@@ -461,7 +449,7 @@ if AVAILABLE:
         n_units = batch * HEADS_Q * per_head
         # The default partition is consumer 0; it gets the registers the workers leave (forward_maxnreg).
         # Only runtime values travel in a tuple: constexprs in one arrive as tensors.
-        state = (o_ptr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+        state = (o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                  logit_scale, seq_q, seq_k, n_m, per_head, n_units)
         if CONSUMERS == 3:
             gl.warp_specialize([

@@ -1,0 +1,175 @@
+"""Where a persistent Gluon forward tile's time goes: clock stamps per tile, on a Hopper GPU.
+
+    python scripts/probe_gluon_forward_timeline.py [--kernel FILE] [--shapes B,SQ,SK,H,D,causal ...] [--out PATH]
+
+Builds an instrumented copy of ``triton_kernels/flash_attention/gluon_forward.py`` (or of
+``--kernel``, a variant with the same consumer loop): consumer warpgroup 0 reads the SM's
+``%clock`` before it waits for a tile's query rows, after that wait, after the tile's last PV and
+after its epilogue, and stores the four stamps with the tile's key-block counts. The ninth
+feature input (``seed_ptr``, which the Gluon forward does not read) carries the buffer. The
+instrumentation is text edits at fixed places of the source; a source that moved them fails
+loudly here rather than timing something else.
+
+Prints, per shape, the medians over all tiles of each phase in cycles, by (key blocks, masked
+blocks): ``first_wait`` (the query rows' arrival), ``loop`` (QK^T of the first block to the last
+PV), ``epilogue`` (normalise, store), and ``to_next`` (from one tile's epilogue to the next
+tile's first stamp: the loop's bookkeeping, and whatever the epilogue left in flight). The
+stamps order with the instructions around them only as issued, not as completed: a cost can
+show up in the phase after the one that caused it. The instrumented kernel is not the plan's
+kernel (its code is larger), so compare shapes and variants with each other, not its times with
+the benchmark's.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+SHAPES = ["16,1024,1024,16,128,true", "16,1024,512,16,128,false", "16,1024,1024,16,128,false",
+          "16,1024,1024,32,64,true", "16,1024,512,32,64,false", "4,4096,4096,16,128,true"]
+MAX_TILES = 64  # stamped tiles a program (later ones are not recorded)
+FIELDS = 8  # t0, t1, t2, t3, key blocks, first masked block, first row, written
+
+_CLOCK = '''    @gluon.jit
+    def _clock():
+        return gl.inline_asm_elementwise("mov.u32 $0, %clock;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _mask('''
+
+_RECORD = '''                t3 = _clock()
+                if WG == 0:
+                    if tiles < {max_tiles}:
+                        rec = dbg + tiles * {fields}
+                        gl.store(rec, t0)
+                        gl.store(rec + 1, t1)
+                        gl.store(rec + 2, t2)
+                        gl.store(rec + 3, t3)
+                        gl.store(rec + 4, n_blocks)
+                        gl.store(rec + 5, first_masked)
+                        gl.store(rec + 6, m0)
+                        gl.store(rec + 7, 1)
+'''
+
+# (text in the kernel's source, what replaces it): each must occur exactly once
+EDITS = [
+    ("    @gluon.jit\n    def _mask(", _CLOCK),
+    ("         logit_scale, seq_q, seq_k, n_m, per_head, n_units) = state\n",
+     "         logit_scale, seq_q, seq_k, n_m, per_head, n_units, dbg_ptr) = state\n"
+     f"        dbg = dbg_ptr + gl.program_id(0) * {MAX_TILES * FIELDS}\n"),
+    ("                mbarrier.wait(q_ready.index(buf), (tiles // 2) & 1)\n",
+     "                t0 = _clock()\n                mbarrier.wait(q_ready.index(buf), (tiles // 2) & 1)\n"
+     "                t1 = _clock()\n"),
+    ("                lse_base = (b.to(gl.int64) * HEADS_Q + h) * seq_q\n",
+     "                t2 = _clock()\n                lse_base = (b.to(gl.int64) * HEADS_Q + h) * seq_q\n"),
+    ("                _stage_rows(o_desc, lse_ptr, o_rows, acc, m_i, l_i, row0, seq_q, b, h * HEAD_DIM, lse_base, BLOCK_N)\n",
+     "                _stage_rows(o_desc, lse_ptr, o_rows, acc, m_i, l_i, row0, seq_q, b, h * HEAD_DIM, lse_base, BLOCK_N)\n"
+     + _RECORD.format(max_tiles=MAX_TILES, fields=FIELDS)),
+    ("                 logit_scale, seq_q, seq_k, n_m, per_head, n_units)\n        if CONSUMERS == 3:",
+     "                 logit_scale, seq_q, seq_k, n_m, per_head, n_units, seed_ptr)\n        if CONSUMERS == 3:"),
+]
+
+
+def instrument(source: str) -> str:
+    """The kernel source with the clock stamps of ``EDITS``."""
+    for old, new in EDITS:
+        if source.count(old) != 1:
+            raise SystemExit(f"instrumentation point found {source.count(old)} times, not once:\n{old}")
+        source = source.replace(old, new)
+    return source
+
+
+def _load(source: str):
+    path = os.path.join(tempfile.mkdtemp(prefix="gluon_timeline_"), "gluon_forward_timed.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location("gluon_forward_timed", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # Gluon reads the kernel's source through its module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _stamps(module, b, sq, sk, h, d, causal):
+    """Per-program lists of stamped tiles (t0, t1, t2, t3, n_blocks, first_masked, m0)."""
+    import torch
+
+    from ejkernel_torch.launch import device_facts, launch
+    from ejkernel_torch.ops.flash_attention import _features
+    from triton_kernels import flash_attention as fa
+    from triton_kernels.flash_attention.plan import gluon_forward_plan
+
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, sk, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    spec = fa.dense_spec(q.shape, k.shape, v.shape, ("bfloat16",) * 3, causal=causal)
+    plan = gluon_forward_plan(spec, device_facts(q.device), module.forward_consumers(d, causal, sq, sk))
+    plan = dataclasses.replace(plan, kernel=module.flash_fwd_gluon_kernel)
+    arrays = _features(q, k, v, None, None, None, None, None, None)
+    arrays[8] = dbg = torch.zeros(plan.grid[0] * MAX_TILES * FIELDS, dtype=torch.int32, device="cuda")
+    for _ in range(5):  # compile, warm up; the last run's stamps are read
+        launch(plan, *arrays)
+    torch.cuda.synchronize()
+    records = dbg.view(plan.grid[0], MAX_TILES, FIELDS).cpu().tolist()
+    return [[r[:7] for r in program if r[7] == 1] for program in records]
+
+
+def summarize(programs) -> dict:
+    """Median cycles of each phase by (key blocks, masked blocks), and the programs' spans."""
+    phases = collections.defaultdict(lambda: collections.defaultdict(list))
+    spans, to_next = [], []
+    wrap = lambda a, b: (b - a) % 2**32  # noqa: E731 (32-bit clock differences)
+    for tiles in programs:
+        if not tiles:
+            continue
+        spans.append(wrap(tiles[0][0], tiles[-1][3]))
+        for i, (t0, t1, t2, t3, n, first_masked, _) in enumerate(tiles):
+            cell = phases[(n, n - first_masked)]
+            cell["first_wait"].append(wrap(t0, t1))
+            cell["loop"].append(wrap(t1, t2))
+            cell["epilogue"].append(wrap(t2, t3))
+            if i + 1 < len(tiles):
+                to_next.append(wrap(t3, tiles[i + 1][0]))
+    return {"program_span_cycles": {"median": statistics.median(spans), "max": max(spans)},
+            "to_next_cycles_median": statistics.median(to_next) if to_next else None,
+            "by_blocks": {f"{n} blocks, {masked} masked": {name: round(statistics.median(v)) for name, v in cell.items()}
+                          | {"tiles": len(cell["loop"])} for (n, masked), cell in sorted(phases.items())}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernel", default=os.path.join(os.path.dirname(__file__), "..", "triton_kernels",
+                                                         "flash_attention", "gluon_forward.py"))
+    parser.add_argument("--shapes", nargs="*", default=SHAPES, help="batch,seq_q,seq_k,heads,head_dim,causal")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    with open(args.kernel) as f:
+        module = _load(instrument(f.read()))
+    rows = []
+    for text in args.shapes:
+        *dims, causal = text.split(",")
+        b, sq, sk, h, d = (int(x) for x in dims)
+        row = {"shape": [b, sq, sk, h, d], "causal": causal == "true",
+               **summarize(_stamps(module, b, sq, sk, h, d, causal == "true"))}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        from benchmarks.common import write_run
+
+        write_run(args.out, rows, triton=triton.__version__, kernel=os.path.relpath(args.kernel))
+
+
+if __name__ == "__main__":
+    main()
