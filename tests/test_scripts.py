@@ -83,6 +83,7 @@ def test_timeline_probe_instruments_the_plans_forward_kernel():
     with open(gluon_forward.__file__) as f:
         source = probe.instrument(f.read())
     assert all(f"t{i} = _clock()" in source for i in range(4))
+    assert all(f"{name} = _globaltimer()" in source for name in ("entry_ns", "setup_ns", "exit_ns"))
     module = probe._load(source)
     h100 = dataclasses.replace(DeviceFacts.cuda((9, 0), 132), gluon=True)
     shape = (2, 256, 2, 64)
@@ -100,3 +101,20 @@ def test_timeline_probe_summary_takes_32_bit_clock_differences():
     assert summary["to_next_cycles_median"] == 50
     assert summary["by_blocks"]["1 blocks, 1 masked"] == {"first_wait": 10, "loop": 45, "epilogue": 10, "tiles": 1}
     assert summary["by_blocks"]["4 blocks, 1 masked"]["loop"] == 195
+
+
+def test_timeline_probe_launch_summary():
+    """Two launches of two programs, timer in ns (the first entry wraps the 32-bit timer) and a
+    clock of 2 cycles a ns."""
+    probe = _timeline_script()
+    t = 2**32 - 1000
+    first = [([(100, 0, 0, 2100, 1, 0, 0)], (t, t + 500, t + 9000, 0, 18000)),
+             ([(50, 0, 0, 1050, 1, 0, 0)], (t + 1000, t + 1400, t + 11000, 0, 20000))]
+    second = [([], (t + 12000, 0, 0, 0, 0)), ([], (t + 11500, 0, 0, 0, 0))]
+    launch = probe.summarize_launch(first, second, 10.0)
+    assert launch["launch_span_us"] == 11.0 and launch["entry_spread_us"] == 1.0
+    assert launch["setup_us_median"] == 0.45 and launch["program_us_median"] == 9.5
+    assert launch["tail_us"] == 1.0 and launch["clock_mhz_median"] == 2000
+    assert launch["before_first_tile_us_median"] == 0.04  # 100 and 50 cycles at 2 cycles a ns
+    assert launch["after_last_tile_us_median"] == 8.71  # median of 15900 and 18950 cycles
+    assert launch["gap_to_next_launch_us"] == 0.5

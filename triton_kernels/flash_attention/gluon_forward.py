@@ -25,9 +25,10 @@ with seq_q <= seq_k, so that no row is fully masked; head_dim 64 or 128; fp16/bf
 scale): ``plan.uses_gluon`` decides. Its outputs match ``flash_fwd_kernel``'s:
 the output in q's layout and the natural log-sum-exp ``[batch, heads_q, seq_q]``.
 
-The kernel takes plain pointers and builds its TMA descriptors per program, in the global
-scratch the launcher provides (torch: an allocator scoped to the launch; jax: jaxlib's Triton
-custom call), so both fronts launch one binary. Gluon does not run in Triton's interpreter:
+The kernel takes plain pointers and builds its TMA descriptors per program, each in the
+partition that uses it (``_forward_loader``), in the global scratch the launcher provides
+(torch: an allocator scoped to the launch; jax: jaxlib's Triton custom call), so both fronts
+launch one binary. Gluon does not run in Triton's interpreter:
 CPU CI compiles it for sm_90 ahead of time, and the ``gpu`` tests run it.
 """
 from __future__ import annotations
@@ -354,11 +355,33 @@ if AVAILABLE:
                 tiles += 1
 
     @gluon.jit
+    def _forward_loader(q_ptr, k_ptr, v_ptr, batch, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                        k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q: gl.constexpr,
+                        HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
+        """``_loader`` for the forward, making its TMA descriptors first.
+
+        Each partition makes the descriptors it uses (the consumers make the output's). A
+        descriptor made in the kernel is a global write with a release and an acquire fence, about
+        a microsecond; four of them before the warp-specialized region took 3.8 us of a program's
+        start at every shape, 2% of a call at seq 1024 (clock stamps, H100). Made here, the
+        output's alongside, the first tile starts 2.8 us sooner, and a call takes 0.96-1.00x the
+        time (probe_gluon_forward_variants-descriptors-in-partitions-*.json). Splitting the
+        loader in two (queries; keys and values), so that each first load waits for fewer
+        descriptors, was slower at head_dim 128 without a mask (0.98x at seq 1024)."""
+        q_desc = _batch_heads(q_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, q_smem.shape[1])
+        k_desc = _batch_heads(k_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
+        v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
+        _loader(q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q, HEADS_Q // HEADS_KV, HEAD_DIM,
+                BLOCK_N, STAGES, CAUSAL, PAIRS, False)
+
+    @gluon.jit
     def _consumer(state, WG: gl.constexpr, HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, PAIRS: gl.constexpr):
         """Warpgroup ``WG``'s 64 rows of each of this program's tiles, in the loader's order;
-        ``state`` holds the runtime values all consumers share (pointers, descriptors, buffers,
-        barriers, sizes).
+        ``state`` holds the runtime values all consumers share (pointers, buffers, barriers,
+        sizes).
 
         A tile's output leaves through shared memory with a TMA store (``_stage_rows``). Stored
         from registers, 64-bit addresses and 4-byte stores a thread, it took 3-8% more time
@@ -369,9 +392,10 @@ if AVAILABLE:
         store has read it. A causal tile gives its query buffer back after its last QK^T, so that
         the loader can fetch the next tile's sooner, and stages its rows in ``o_smem``, a buffer
         of its own (as fast as the query buffer without a mask: 0.99-1.02x)."""
-        (o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-         logit_scale, seq_q, seq_k, n_m, per_head, n_units) = state
+        (o_ptr, batch, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+         v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units) = state
         ROWS: gl.constexpr = q_smem.shape[1]
+        o_desc = _batch_heads(o_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS)  # see _forward_loader
         PARTS: gl.constexpr = q_smem.shape[0] // 2
         TILE_M: gl.constexpr = PARTS * ROWS
         ring = 0
@@ -429,10 +453,6 @@ if AVAILABLE:
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        q_desc = _batch_heads(q_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS)
-        k_desc = _batch_heads(k_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
-        v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
-        o_desc = _batch_heads(o_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS)
 
         q_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, ROWS, HEAD_DIM], q_layout)  # two tiles' parts
         if CAUSAL:  # output staging (_consumer); 224 KB in all at head_dim 128
@@ -449,22 +469,22 @@ if AVAILABLE:
         n_units = batch * HEADS_Q * per_head
         # The default partition is consumer 0; it gets the registers the workers leave (forward_maxnreg).
         # Only runtime values travel in a tuple: constexprs in one arrive as tensors.
-        state = (o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                 logit_scale, seq_q, seq_k, n_m, per_head, n_units)
+        state = (o_ptr, batch, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                 v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units)
         if CONSUMERS == 3:
             gl.warp_specialize([
                 (_consumer, (state, 0, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
                 (_consumer, (state, 1, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
                 (_consumer, (state, 2, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
-                (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                           v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q,
-                           HEADS_Q // HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS, False)),
+                (_forward_loader, (q_ptr, k_ptr, v_ptr, batch, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                   v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q, HEADS_KV,
+                                   HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
             ], [4, 4, 1], [160, 160, 24])
         else:
             gl.warp_specialize([
                 (_consumer, (state, 0, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
                 (_consumer, (state, 1, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
-                (_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                           v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q,
-                           HEADS_Q // HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS, False)),
+                (_forward_loader, (q_ptr, k_ptr, v_ptr, batch, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                   v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q, HEADS_KV,
+                                   HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
             ], [4, 1], [232, 24])
