@@ -11,7 +11,7 @@ import contextlib
 import functools
 import importlib
 import json
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 import torch.autograd.forward_ad as _forward_ad

@@ -75,7 +75,7 @@ def main() -> None:
         print(json.dumps({"shape": [g, m, k, n], **{n_: round(r, 3) for n_, r in ratios.items()},
                           "grouped_mm_ms": {p: round(times.get(f"{p}/_grouped_mm", 0), 3) for p in ("d_lhs", "d_rhs")},
                           "errors": {e: v[:150] for e, v in errors.items()}}), flush=True)
-        del lhs, rhs, dout
+        lhs = rhs = dout = rhs_t_cm = None  # free this shape's tensors (the view holds rhs) before the next
         torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
