@@ -13,7 +13,8 @@ loudly here rather than timing something else. Each program also records the glo
 entry and exit: that places the tiles inside the launch (``launch`` in each row: programs' start
 spread, setup, clock rate, the time before the first tile and after the last, the slowest
 program's lead over the median, and the gap from one launch's last program to the next launch's
-first, for two launches queued back to back).
+first, for two launches queued back to back; the last programs to end, with their SMs' ids, say
+whether the slow ones share SMs or work).
 
 Prints, per shape, the medians over all tiles of each phase in cycles, by (key blocks, masked
 blocks): ``first_wait`` (the query rows' arrival), ``loop`` (QK^T of the first block to the last
@@ -43,8 +44,9 @@ SHAPES = ["16,1024,1024,16,128,true", "16,1024,512,16,128,false", "16,1024,1024,
 MAX_TILES = 64  # stamped tiles a program (later ones are not recorded)
 FIELDS = 8  # t0, t1, t2, t3, key blocks, first masked block, first row, written
 # After a program's tiles: the global timer (ns, low 32 bits) at its entry, before the
-# warp-specialized region and after it; %clock at entry and exit; written.
-PROGRAM_FIELDS = 6
+# warp-specialized region and after it; %clock at entry and exit; its SM; written.
+PROGRAM_FIELDS = 7
+SLOWEST = 8  # programs listed by name in a launch's summary
 STRIDE = MAX_TILES * FIELDS + PROGRAM_FIELDS  # int32 entries a program
 
 _CLOCK = '''    @gluon.jit
@@ -55,6 +57,10 @@ _CLOCK = '''    @gluon.jit
     def _globaltimer():
         return gl.inline_asm_elementwise("mov.u32 $0, %globaltimer_lo;", "=r", [], dtype=gl.int32, is_pure=False,
                                          pack=1)
+
+    @gluon.jit
+    def _smid():
+        return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _mask('''
@@ -81,7 +87,8 @@ _EXIT = '''        exit_ns = _globaltimer()
         gl.store(rec + 2, exit_ns)
         gl.store(rec + 3, entry_clk)
         gl.store(rec + 4, exit_clk)
-        gl.store(rec + 5, 1)
+        gl.store(rec + 5, _smid())
+        gl.store(rec + 6, 1)
 '''
 
 # (text in the kernel's source, what replaces it): each must occur exactly once
@@ -167,13 +174,13 @@ def _stamps(module, b, sq, sk, h, d, causal):
 
 def _records(rows):
     """Per program: (stamped tiles (t0, t1, t2, t3, n_blocks, first_masked, m0), program record
-    (entry_ns, setup_ns, exit_ns, entry_clock, exit_clock))."""
+    (entry_ns, setup_ns, exit_ns, entry_clock, exit_clock, sm))."""
     out = []
     for row in rows:
         tiles = [row[i:i + FIELDS] for i in range(0, MAX_TILES * FIELDS, FIELDS)]
         program = row[MAX_TILES * FIELDS:]
-        assert program[5] == 1, "a program did not write its record"
-        out.append(([t[:7] for t in tiles if t[7] == 1], program[:5]))
+        assert program[6] == 1, "a program did not write its record"
+        out.append(([t[:7] for t in tiles if t[7] == 1], program[:6]))
     return out
 
 
@@ -203,7 +210,8 @@ def summarize(programs) -> dict:
 def summarize_launch(first, second, per_call_us: float) -> dict:
     """A launch's shape in time from its programs' records (``_records``) of two back-to-back
     launches: when programs start and end, their clock rate, the time before their first tile
-    and after their last, and the gap to the next launch's first program. Microseconds."""
+    and after their last, the gap to the next launch's first program, and the last programs to
+    end (program id, SM, tiles, key blocks, how long after the median program). Microseconds."""
     wrap = lambda a, b: (b - a) % 2**32  # noqa: E731 (32-bit timer and clock differences)
     t_ref = min(p[0] for _, p in first)  # earliest entry; timestamps below are ns after it
     entry = [wrap(t_ref, p[0]) for _, p in first]
@@ -221,7 +229,11 @@ def summarize_launch(first, second, per_call_us: float) -> dict:
             "clock_mhz_median": round(mhz),
             "before_first_tile_us_median": round(statistics.median(before) / mhz, 2) if before else None,
             "after_last_tile_us_median": round(statistics.median(after) / mhz, 2) if after else None,
-            "gap_to_next_launch_us": us(min(wrap(t_ref, p[0]) for _, p in second) - max(exit_))}
+            "gap_to_next_launch_us": us(min(wrap(t_ref, p[0]) for _, p in second) - max(exit_)),
+            "slowest": [{"program": i, "sm": first[i][1][5], "tiles": len(first[i][0]),
+                         "key_blocks": sum(t[4] for t in first[i][0]),
+                         "after_median_us": us(exit_[i] - statistics.median(exit_))}
+                        for i in sorted(range(len(first)), key=lambda i: -exit_[i])[:SLOWEST]]}
 
 
 def main() -> None:

@@ -108,13 +108,15 @@ def test_timeline_probe_launch_summary():
     clock of 2 cycles a ns."""
     probe = _timeline_script()
     t = 2**32 - 1000
-    first = [([(100, 0, 0, 2100, 1, 0, 0)], (t, t + 500, t + 9000, 0, 18000)),
-             ([(50, 0, 0, 1050, 1, 0, 0)], (t + 1000, t + 1400, t + 11000, 0, 20000))]
-    second = [([], (t + 12000, 0, 0, 0, 0)), ([], (t + 11500, 0, 0, 0, 0))]
+    first = [([(100, 0, 0, 2100, 1, 0, 0)], (t, t + 500, t + 9000, 0, 18000, 7)),
+             ([(50, 0, 0, 1050, 1, 0, 0), (1100, 0, 0, 1500, 3, 0, 128)], (t + 1000, t + 1400, t + 11000, 0, 20000, 3))]
+    second = [([], (t + 12000, 0, 0, 0, 0, 7)), ([], (t + 11500, 0, 0, 0, 0, 3))]
     launch = probe.summarize_launch(first, second, 10.0)
     assert launch["launch_span_us"] == 11.0 and launch["entry_spread_us"] == 1.0
     assert launch["setup_us_median"] == 0.45 and launch["program_us_median"] == 9.5
     assert launch["tail_us"] == 1.0 and launch["clock_mhz_median"] == 2000
     assert launch["before_first_tile_us_median"] == 0.04  # 100 and 50 cycles at 2 cycles a ns
-    assert launch["after_last_tile_us_median"] == 8.71  # median of 15900 and 18950 cycles
+    assert launch["after_last_tile_us_median"] == 8.6  # median of 15900 and 18500 cycles
     assert launch["gap_to_next_launch_us"] == 0.5
+    assert launch["slowest"] == [{"program": 1, "sm": 3, "tiles": 2, "key_blocks": 4, "after_median_us": 1.0},
+                                 {"program": 0, "sm": 7, "tiles": 1, "key_blocks": 1, "after_median_us": -1.0}]
