@@ -7,6 +7,7 @@ import glob
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -41,6 +42,7 @@ GPU_ONLY = {
     "scripts/why_bits_differ.py": [],
     "scripts/probe_vmap_fold.py": ["--out", os.devnull],
     "scripts/probe_gluon_forward_timeline.py": ["--shapes", "1,128,128,1,64,false", "--out", os.devnull],
+    "scripts/probe_gluon_backward_variants.py": ["--no-time", "--out", os.devnull],
 }
 
 
@@ -120,3 +122,36 @@ def test_timeline_probe_launch_summary():
     assert launch["gap_to_next_launch_us"] == 0.5
     assert launch["slowest"] == [{"program": 1, "sm": 3, "tiles": 2, "key_blocks": 4, "after_median_us": 1.0},
                                  {"program": 0, "sm": 7, "tiles": 1, "key_blocks": 1, "after_median_us": -1.0}]
+
+
+def test_backward_variants_probe_loads_a_copy_of_the_kernels_anywhere():
+    """A variant is a copy of gluon_backward.py kept outside the package: the probe reads its
+    relative imports as the package's, and its kernels drop into the plans and compile for sm_90."""
+    import dataclasses
+    import importlib.util
+    import shutil
+
+    from triton_kernels.flash_attention import gluon_backward
+
+    if not gluon_backward.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    from triton_kernels import flash_attention as fa
+    from triton_kernels.aot import compile_plan
+    from triton_kernels.plan import DeviceFacts
+
+    spec_ = importlib.util.spec_from_file_location(
+        "probe_gluon_backward_variants", os.path.join(ROOT, "scripts", "probe_gluon_backward_variants.py"))
+    probe = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(probe)
+    variant = os.path.join(tempfile.mkdtemp(), "same.py")
+    shutil.copy(gluon_backward.__file__, variant)
+    name, module = probe.load_kernel(variant)
+    assert name == "same" and module.flash_bwd_dq_gluon_kernel is not gluon_backward.flash_bwd_dq_gluon_kernel
+    h100 = dataclasses.replace(DeviceFacts.cuda((9, 0), 132), gluon=True)
+    shape = (2, 256, 2, 128)
+    spec = fa.dense_spec(shape, shape, shape, ("bfloat16",) * 3, causal=True)
+    plans = probe.variant_plans(spec, h100, module)
+    assert {kind: plan.kernel for kind, plan in plans.items()} == {
+        "dq": module.flash_bwd_dq_gluon_kernel, "dkdv": module.flash_bwd_dkdv_gluon_kernel}
+    for plan in plans.values():
+        assert compile_plan(plan).asm["cubin"]

@@ -1,0 +1,175 @@
+"""Variants of the Gluon flash-attention backward kernels against the plans' kernels, on a Hopper GPU.
+
+    python scripts/probe_gluon_backward_variants.py VARIANT.py [VARIANT.py ...] [--no-time] [--out PATH]
+        [--head-dims 128] [--seqs 1024 2048] [--causal true]   # time a subset of the shapes
+
+Each VARIANT.py is a copy of ``triton_kernels/flash_attention/gluon_backward.py`` with one change
+(its ``flash_bwd_dq_gluon_kernel`` and ``flash_bwd_dkdv_gluon_kernel`` must take the same
+arguments); the file's stem names it. Its relative imports are read as imports from
+``triton_kernels.flash_attention``, so the copy can live anywhere.
+
+For each shape, the plan's dq and dk/dv kernels ("plan") and each variant's run on the same
+inputs (q, k, v, dO random, bf16; lse and delta from the plan's forward and delta kernels). The
+checks on small odd shapes compare each variant's dq, dk and dv with the plan's bit for bit
+(outputs poisoned with NaN first, so unwritten elements show). The timings run the benchmark's
+shapes (batch x seq = 16k tokens, heads = 2048 / head_dim, head_dim 128 and 64, seq 1024-4096,
+causal and not) with the two kernels timed apart, side by side with the plan's (wall clock over
+batches, in turn; ``speedup_vs_plan`` > 1: the variant is faster). The plans' own choice of
+kernel does not matter here: the Gluon dq kernel is timed at every shape, also where the plan
+takes the Triton one (head_dim 64 below seq_k 2048). A variant that fails is reported, not fatal.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+# (batch, seq_q, seq_k, heads, head_dim, causal): odd lengths, partial blocks, seq_q < seq_k.
+CHECKS = [(1, 128, 128, 1, 128, False), (1, 128, 128, 1, 128, True), (2, 1000, 1000, 3, 128, True),
+          (2, 777, 777, 4, 64, False), (3, 1024, 1024, 5, 128, False), (2, 1000, 1100, 3, 128, True),
+          (2, 700, 1000, 3, 64, True), (1, 2048, 2048, 2, 64, True), (1, 300, 365, 2, 64, True)]
+HEAD_DIMS, SEQS = (128, 64), (1024, 2048, 4096)
+KERNELS = {"dq": "flash_bwd_dq_gluon_kernel", "dkdv": "flash_bwd_dkdv_gluon_kernel"}
+
+
+def timed_shapes(head_dims=HEAD_DIMS, seqs=SEQS, causal=(True, False)) -> list[tuple]:
+    """(batch, seq, seq, heads, head_dim, causal) of the benchmark's shapes: 16k tokens, 2048 / head_dim heads."""
+    return [(16384 // s, s, s, 2048 // d, d, c) for d in head_dims for s in seqs for c in causal]
+
+
+def absolute_imports(source: str) -> str:
+    """The kernel file's relative imports (``from .x import``) as imports from the package."""
+    return source.replace("from .", "from triton_kernels.flash_attention.")
+
+
+def load_kernel(path: str):
+    """(name, module) of a variant file, loaded from a copy with absolute imports."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    with open(path) as f:
+        source = absolute_imports(f.read())
+    copy = os.path.join(tempfile.mkdtemp(prefix="gluon_backward_variant_"), f"{name}.py")
+    with open(copy, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(f"gluon_backward_variant_{name}", copy)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # Gluon reads the kernel's source through its module
+    spec.loader.exec_module(module)
+    return name, module
+
+
+def variant_plans(spec, facts, module) -> dict:
+    """The plan's Gluon dq and dk/dv plans, with ``module``'s kernels where it is not None."""
+    from triton_kernels.flash_attention.plan import gluon_dkdv_plan, gluon_dq_plan
+
+    plans = {"dq": gluon_dq_plan(spec, facts), "dkdv": gluon_dkdv_plan(spec, facts)}
+    if module is None:
+        return plans
+    return {kind: dataclasses.replace(plan, kernel=getattr(module, KERNELS[kind])) for kind, plan in plans.items()}
+
+
+def _inputs(shape, causal: bool):
+    """The spec, the device facts and each backward kernel's arguments."""
+    import torch
+
+    from ejkernel_torch.launch import device_facts, launch
+    from ejkernel_torch.ops.flash_attention import _features
+    from triton_kernels import flash_attention as fa
+
+    b, s, sk, h, d = shape
+    q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, sk, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+    spec = fa.dense_spec(q.shape, k.shape, v.shape, ("bfloat16",) * 3, causal=causal)
+    facts = device_facts(q.device)
+    features = _features(q, k, v, None, None, None, None, None, None)
+    out, lse = launch(fa.forward_plan(spec, facts), *features)
+    delta_plan = fa.backward_plans(spec, facts)[0]
+    (delta,) = launch(delta_plan, out, dout, torch.zeros(1, device="cuda"), features[6], features[7])
+    return spec, facts, (*features, dout, lse, delta)
+
+
+def _poison(plan) -> None:
+    """NaN in the memory the caching allocator hands ``plan``'s outputs next, so that elements a
+    kernel leaves unwritten show."""
+    import torch
+
+    poisoned = [torch.full(o.shape, float("nan"), device="cuda", dtype=getattr(torch, o.dtype)) for o in plan.outputs]
+    del poisoned
+
+
+def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
+    import torch
+
+    from benchmarks.common import calls_per_batch, interleaved, median_ratio, wall_batch
+    from ejkernel_torch.launch import launch
+
+    spec, facts, args = _inputs(shape, causal)
+    row = {"shape": list(shape), "causal": causal}
+    runs = {"dq": {}, "dkdv": {}}
+    results = {}
+    for name, module in variants.items():
+        try:
+            plans = variant_plans(spec, facts, module)
+            got = []
+            for plan in plans.values():
+                _poison(plan)
+                got += [t for t in launch(plan, *args) if t.numel() > 1]  # dq; dk, dv (not the ds stand-in)
+            torch.cuda.synchronize()
+            results[name] = got
+            row[name] = {"nan": any(bool(t.isnan().any()) for t in got)}
+            for kind, plan in plans.items():
+                runs[kind][name] = lambda plan=plan: launch(plan, *args)
+        except Exception as e:  # a broken variant is a result too
+            row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+    for name, got in results.items():
+        if name != "plan" and "plan" in results:
+            row[name]["bitwise_equal_to_plan"] = all(torch.equal(a, b) for a, b in zip(got, results["plan"]))
+    if timed:
+        sync = lambda _: torch.cuda.synchronize()  # noqa: E731
+        for kind, fns in runs.items():
+            if "plan" not in fns:
+                continue
+            calls = calls_per_batch(min(wall_batch(fns["plan"], sync, 20)() for _ in range(3)))
+            samples = interleaved({name: wall_batch(fn, sync, calls) for name, fn in fns.items()})
+            for name in fns:
+                row[name][kind] = {"ms": statistics.median(samples[name]),
+                                   "speedup_vs_plan": median_ratio(samples, "plan", name)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("variants", nargs="*", help="kernel files (copies of gluon_backward.py with a change)")
+    parser.add_argument("--no-time", action="store_true", help="only the checks")
+    parser.add_argument("--head-dims", nargs="*", type=int, default=list(HEAD_DIMS))
+    parser.add_argument("--seqs", nargs="*", type=int, default=list(SEQS))
+    parser.add_argument("--causal", nargs="*", default=["true", "false"], choices=["true", "false"])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    variants = {"plan": None} | dict(load_kernel(p) for p in args.variants)
+    rows = [_row(shape[:5], shape[5], variants, timed=False) for shape in CHECKS]
+    if not args.no_time:
+        rows += [_row(shape[:5], shape[5], variants, timed=True) for shape in
+                 timed_shapes(args.head_dims, args.seqs, tuple(c == "true" for c in args.causal))]
+    if args.out:
+        from benchmarks.common import write_run
+
+        write_run(args.out, rows, triton=triton.__version__)
+
+
+if __name__ == "__main__":
+    main()
