@@ -362,13 +362,14 @@ if AVAILABLE:
         """``_loader`` for the forward, making its TMA descriptors first.
 
         Each partition makes the descriptors it uses (the consumers make the output's). A
-        descriptor made in the kernel is a global write with a release and an acquire fence, about
-        a microsecond; four of them before the warp-specialized region took 3.8 us of a program's
-        start at every shape, 2% of a call at seq 1024 (clock stamps, H100). Made here, the
-        output's alongside, the first tile starts 2.8 us sooner, and a call takes 0.96-1.00x the
-        time (probe_gluon_forward_variants-descriptors-in-partitions-*.json). Splitting the
-        loader in two (queries; keys and values), so that each first load waits for fewer
-        descriptors, was slower at head_dim 128 without a mask (0.98x at seq 1024)."""
+        descriptor made in the kernel is a global write with a release and an acquire fence,
+        close to a microsecond; with all four made before the warp-specialized region, a program
+        spent 3.8 us before it at every shape (0.4 us without them), 2% of a call at seq 1024
+        (clock stamps, H100). Made here, the output's alongside, the first tile starts 2.8 us
+        sooner, and a call takes 0.96-1.00x the time
+        (probe_gluon_forward_variants-descriptors-in-partitions-*.json). Splitting the loader in
+        two (queries; keys and values), so that each first load waits for fewer descriptors, was
+        slower at head_dim 128 without a mask (0.98x at seq 1024)."""
         q_desc = _batch_heads(q_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, q_smem.shape[1])
         k_desc = _batch_heads(k_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
         v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
