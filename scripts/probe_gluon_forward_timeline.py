@@ -179,7 +179,8 @@ def _records(rows):
     for row in rows:
         tiles = [row[i:i + FIELDS] for i in range(0, MAX_TILES * FIELDS, FIELDS)]
         program = row[MAX_TILES * FIELDS:]
-        assert program[6] == 1, "a program did not write its record"
+        if program[6] != 1:
+            raise RuntimeError("a program did not write its record: the instrumented kernel did not finish")
         out.append(([t[:7] for t in tiles if t[7] == 1], program[:6]))
     return out
 
