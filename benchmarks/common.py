@@ -187,3 +187,62 @@ def write_bar_svg(path: str, rows: list[dict], phase: str, title: str, label, sk
     with open(path, "w") as f:
         f.write("\n".join(out))
     print(f"wrote {path}")
+
+
+# -- kernel-variant probes (scripts/probe_gluon_*_variants.py) ------------------------------------
+
+VARIANT_HEAD_DIMS, VARIANT_SEQS = (128, 64), (1024, 2048, 4096)
+
+
+def variant_timed_shapes(head_dims=VARIANT_HEAD_DIMS, seqs=VARIANT_SEQS, causal=(True, False)) -> list[tuple]:
+    """(batch, seq, seq, heads, head_dim, causal) of the flash benchmark's shapes: 16k tokens,
+    2048 / head_dim heads."""
+    return [(16384 // s, s, s, 2048 // d, d, c) for d in head_dims for s in seqs for c in causal]
+
+
+def load_kernel_copy(path: str, prefix: str, rewrite=lambda source: source):
+    """(name, module) of a kernel file kept anywhere, loaded from a copy of its source after
+    ``rewrite``; the file's stem names it."""
+    import importlib.util
+
+    name = os.path.splitext(os.path.basename(path))[0]
+    with open(path) as f:
+        source = rewrite(f.read())
+    copy = os.path.join(tempfile.mkdtemp(prefix=f"{prefix}_"), f"{name}.py")
+    with open(copy, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(f"{prefix}_{name}", copy)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # Gluon reads a kernel's source through its module
+    spec.loader.exec_module(module)
+    return name, module
+
+
+def variant_probe_main(description: str, kernel_file: str, checks: list[tuple], load, row) -> None:
+    """A variant probe's command line and run: ``load(path)`` gives (name, module) of each
+    variant file; ``row(shape, causal, variants, timed)`` checks (and with ``timed``, times) the
+    plan's kernels ("plan") and the variants at one shape. Rows: ``checks``, then the benchmark's
+    shapes (``variant_timed_shapes``) unless ``--no-time``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("variants", nargs="*", help=f"kernel files (copies of {kernel_file} with a change)")
+    parser.add_argument("--no-time", action="store_true", help="only the correctness checks")
+    parser.add_argument("--head-dims", nargs="*", type=int, default=list(VARIANT_HEAD_DIMS))
+    parser.add_argument("--seqs", nargs="*", type=int, default=list(VARIANT_SEQS))
+    parser.add_argument("--causal", nargs="*", default=["true", "false"], choices=["true", "false"])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    variants = {"plan": None} | dict(load(p) for p in args.variants)
+    rows = [row(shape[:5], shape[5], variants, False) for shape in checks]
+    if not args.no_time:
+        rows += [row(shape[:5], shape[5], variants, True) for shape in
+                 variant_timed_shapes(args.head_dims, args.seqs, tuple(c == "true" for c in args.causal))]
+    if args.out:
+        write_run(args.out, rows, triton=triton.__version__)

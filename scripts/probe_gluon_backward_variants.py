@@ -20,14 +20,11 @@ takes the Triton one (head_dim 64 below seq_k 2048). A variant that fails is rep
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import statistics
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -35,13 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 CHECKS = [(1, 128, 128, 1, 128, False), (1, 128, 128, 1, 128, True), (2, 1000, 1000, 3, 128, True),
           (2, 777, 777, 4, 64, False), (3, 1024, 1024, 5, 128, False), (2, 1000, 1100, 3, 128, True),
           (2, 700, 1000, 3, 64, True), (1, 2048, 2048, 2, 64, True), (1, 300, 365, 2, 64, True)]
-HEAD_DIMS, SEQS = (128, 64), (1024, 2048, 4096)
 KERNELS = {"dq": "flash_bwd_dq_gluon_kernel", "dkdv": "flash_bwd_dkdv_gluon_kernel"}
-
-
-def timed_shapes(head_dims=HEAD_DIMS, seqs=SEQS, causal=(True, False)) -> list[tuple]:
-    """(batch, seq, seq, heads, head_dim, causal) of the benchmark's shapes: 16k tokens, 2048 / head_dim heads."""
-    return [(16384 // s, s, s, 2048 // d, d, c) for d in head_dims for s in seqs for c in causal]
 
 
 def absolute_imports(source: str) -> str:
@@ -51,17 +42,9 @@ def absolute_imports(source: str) -> str:
 
 def load_kernel(path: str):
     """(name, module) of a variant file, loaded from a copy with absolute imports."""
-    name = os.path.splitext(os.path.basename(path))[0]
-    with open(path) as f:
-        source = absolute_imports(f.read())
-    copy = os.path.join(tempfile.mkdtemp(prefix="gluon_backward_variant_"), f"{name}.py")
-    with open(copy, "w") as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location(f"gluon_backward_variant_{name}", copy)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # Gluon reads the kernel's source through its module
-    spec.loader.exec_module(module)
-    return name, module
+    from benchmarks.common import load_kernel_copy
+
+    return load_kernel_copy(path, "gluon_backward_variant", absolute_imports)
 
 
 def variant_plans(spec, facts, module) -> dict:
@@ -146,29 +129,9 @@ def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("variants", nargs="*", help="kernel files (copies of gluon_backward.py with a change)")
-    parser.add_argument("--no-time", action="store_true", help="only the checks")
-    parser.add_argument("--head-dims", nargs="*", type=int, default=list(HEAD_DIMS))
-    parser.add_argument("--seqs", nargs="*", type=int, default=list(SEQS))
-    parser.add_argument("--causal", nargs="*", default=["true", "false"], choices=["true", "false"])
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    from benchmarks.common import variant_probe_main
 
-    import torch
-    import triton
-
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
-    variants = {"plan": None} | dict(load_kernel(p) for p in args.variants)
-    rows = [_row(shape[:5], shape[5], variants, timed=False) for shape in CHECKS]
-    if not args.no_time:
-        rows += [_row(shape[:5], shape[5], variants, timed=True) for shape in
-                 timed_shapes(args.head_dims, args.seqs, tuple(c == "true" for c in args.causal))]
-    if args.out:
-        from benchmarks.common import write_run
-
-        write_run(args.out, rows, triton=triton.__version__)
+    variant_probe_main(__doc__, "gluon_backward.py", CHECKS, load_kernel, _row)
 
 
 if __name__ == "__main__":

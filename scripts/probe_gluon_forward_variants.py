@@ -14,9 +14,7 @@ and 64, seq 1024-4096, causal and not. A variant that fails to compile or run is
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import statistics
@@ -31,21 +29,12 @@ CHECKS = [(1, 128, 128, 1, 128, False), (1, 128, 128, 1, 128, True), (1, 256, 25
           (2, 1000, 1000, 3, 64, False), (1, 4096, 4096, 2, 128, True), (2, 1000, 1000, 3, 64, True),
           (1, 2048, 2048, 2, 64, True), (1, 1152, 1152, 2, 64, True), (2, 1000, 1100, 3, 128, True),
           (2, 700, 1000, 3, 64, True), (1, 1, 777, 2, 128, True), (1, 300, 365, 2, 64, True)]
-HEAD_DIMS, SEQS = (128, 64), (1024, 2048, 4096)
-
-
-def timed_shapes(head_dims=HEAD_DIMS, seqs=SEQS, causal=(True, False)) -> list[tuple]:
-    """(batch, seq, seq, heads, head_dim, causal) of the benchmark's shapes: 16k tokens, 2048 / head_dim heads."""
-    return [(16384 // s, s, s, 2048 // d, d, c) for d in head_dims for s in seqs for c in causal]
 
 
 def _load_kernel(path: str):
-    name = os.path.splitext(os.path.basename(path))[0]
-    spec = importlib.util.spec_from_file_location(f"gluon_forward_variant_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # Gluon reads the kernel's source through its module
-    spec.loader.exec_module(module)
-    return name, module
+    from benchmarks.common import load_kernel_copy
+
+    return load_kernel_copy(path, "gluon_forward_variant")
 
 
 def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
@@ -98,29 +87,9 @@ def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("variants", nargs="*", help="kernel files (copies of gluon_forward.py with a change)")
-    parser.add_argument("--no-time", action="store_true", help="only the correctness checks")
-    parser.add_argument("--head-dims", nargs="*", type=int, default=list(HEAD_DIMS))
-    parser.add_argument("--seqs", nargs="*", type=int, default=list(SEQS))
-    parser.add_argument("--causal", nargs="*", default=["true", "false"], choices=["true", "false"])
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    from benchmarks.common import variant_probe_main
 
-    import torch
-    import triton
-
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
-    variants = {"plan": None} | dict(_load_kernel(p) for p in args.variants)
-    rows = [_row(shape[:5], shape[5], variants, timed=False) for shape in CHECKS]
-    if not args.no_time:
-        rows += [_row(shape[:5], shape[5], variants, timed=True) for shape in
-                 timed_shapes(args.head_dims, args.seqs, tuple(c == "true" for c in args.causal))]
-    if args.out:
-        from benchmarks.common import write_run
-
-        write_run(args.out, rows, triton=triton.__version__)
+    variant_probe_main(__doc__, "gluon_forward.py", CHECKS, _load_kernel, _row)
 
 
 if __name__ == "__main__":
