@@ -321,7 +321,6 @@ def main() -> None:
     if args.smoke:
         return smoke()
 
-    import jax
     import torch
 
     if not torch.cuda.is_available():
