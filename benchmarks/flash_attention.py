@@ -32,8 +32,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np
 
-from benchmarks.common import (bench_torch, calls_per_batch, device_name, interleaved, median_ratio, pin_configs,
-                               try_time, value_and_pullback, wall_batch, write_bar_svg, write_json)
+from benchmarks.common import (bench_torch, calls_per_batch, device_name, host_ms, interleaved, median_ratio,
+                               pin_configs, try_time, value_and_pullback, wall_batch, write_bar_svg, write_json)
 from triton_kernels.params import BwdParams, FwdParams
 
 TOKENS = 16384
@@ -92,6 +92,29 @@ def bench_torch_impls(q, k, v, dout, causal, fwd_params=None, bwd_params=None, o
         try_time(times, errors, f"fwd/{name}", lambda: bench_torch(lambda: fn(*args)))
         try_time(times, errors, f"fwd+bwd/{name}", lambda: bench_torch(_torch_step(fn, *args, cot)))
     return times, errors
+
+
+def host_costs(q, k, v, dout, causal, times: dict) -> dict:
+    """Host milliseconds to issue one call (``benchmarks.common.host_ms``) of ours and of cuDNN
+    from torch, and each over its CUDA-event time: near 1, the event time measured the host (the
+    eager op's Python per call), not the kernels."""
+    import torch
+
+    import ejkernel_torch
+
+    ours = lambda a, b, c: ejkernel_torch.flash_attention(a, b, c, causal=causal)  # noqa: E731
+    heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
+    fns = {"ours_torch": (ours, (q, k, v), dout),
+           "sdpa_cudnn": (_sdpa("cudnn", causal), heads_first[:3], heads_first[3])}
+    entries = {}
+    for name, (fn, args, cot) in fns.items():
+        for phase in ("fwd", "fwd+bwd"):
+            call = (lambda fn=fn, args=args: fn(*args)) if phase == "fwd" else _torch_step(fn, *args, cot)
+            if f"{phase}/{name}" in times:
+                host = host_ms(call, torch.cuda.synchronize)
+                entries[f"{phase}: {name} host ms"] = host
+                entries[f"{phase}: {name} host / event time"] = host / times[f"{phase}/{name}"]
+    return entries
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,9 +208,10 @@ def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=Tr
     arrays = _inputs(batch, seq, heads, head_dim)
     q, k, v, dout = (torch.from_numpy(a).to("cuda", getattr(torch, dtype)) for a in arrays)
     times, errors = bench_torch_impls(q, k, v, dout, causal)
-    side_ratios = {}
+    side_ratios = host_costs(q, k, v, dout, causal, times)
     if with_jax:
-        wall, side_ratios, wall_errors = bench_side_by_side(q, k, v, dout, arrays, dtype, causal, times)
+        wall, ratios, wall_errors = bench_side_by_side(q, k, v, dout, arrays, dtype, causal, times)
+        side_ratios.update(ratios)
         times.update(wall)
         errors.update(wall_errors)
     row = {"batch": batch, "seq": seq, "heads": heads, "head_dim": head_dim, "causal": causal, "dtype": dtype,
@@ -321,7 +345,6 @@ def main() -> None:
     if args.smoke:
         return smoke()
 
-    import jax
     import torch
 
     if not torch.cuda.is_available():

@@ -244,7 +244,6 @@ def main() -> None:
     args = parser.parse_args()
     configs = pin_configs(args.config_cache)
 
-    import jax
     import torch
 
     if args.smoke:

@@ -6,7 +6,7 @@ samples, so the pairing is checked here with fake timers that record when they r
 import json
 import sys
 
-from benchmarks.common import calls_per_batch, interleaved, median_ratio, wall_batch, write_run
+from benchmarks.common import calls_per_batch, host_ms, interleaved, median_ratio, wall_batch, write_run
 
 
 def _recording_timers(names, log):
@@ -41,6 +41,40 @@ def test_wall_batch_calls_back_to_back_then_waits_for_the_last_output():
     ms = sample()
     assert calls == [0, 1, 2, 3, 4] and waited == [5]
     assert ms >= 0.0
+
+
+def test_host_ms_times_issuing_calls_between_syncs():
+    import time
+
+    log = []
+
+    def call():
+        log.append("call")
+        time.sleep(0.002)
+
+    ms = host_ms(call, lambda: log.append("sync"), calls=3, repeats=2)
+    # A sync before each batch (the device idle at its start), the batch not waited for, one at the end.
+    assert log == ["sync", "call", "call", "call", "sync", "call", "call", "call", "sync"]
+    assert 2.0 <= ms < 50.0  # per call, in milliseconds
+
+
+def test_host_costs_divide_host_time_by_event_time(monkeypatch):
+    import torch
+
+    from benchmarks import flash_attention as bench
+
+    issued = []
+    monkeypatch.setattr(bench, "host_ms", lambda call, sync: issued.append(call) or 0.5)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    q, k, v, dout = (torch.from_numpy(a) for a in bench._inputs(1, 8, 2, 16))
+    times = {"fwd/ours_torch": 0.25, "fwd+bwd/ours_torch": 1.0, "fwd/sdpa_cudnn": 0.2}  # no cuDNN fwd+bwd time
+    entries = bench.host_costs(q, k, v, dout, False, times)
+    assert len(issued) == 3  # a method without an event time is not issued
+    assert entries["fwd: ours_torch host ms"] == 0.5
+    assert entries["fwd: ours_torch host / event time"] == 2.0
+    assert entries["fwd+bwd: ours_torch host / event time"] == 0.5
+    assert entries["fwd: sdpa_cudnn host / event time"] == 2.5
+    assert "fwd+bwd: sdpa_cudnn host ms" not in entries
 
 
 def test_side_by_side_ratios_pair_the_right_methods(monkeypatch):

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel_jax._vma import vary_together
 from ejkernel_jax.utils.arrays import check_narrowing
 from triton_kernels import checks
 

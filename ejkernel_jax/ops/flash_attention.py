@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
+from ejkernel_jax._vma import vary_together
 from ejkernel_jax.launch import any_traced, device_facts, launch
 from ejkernel_jax.ops import _tuning
-from ejkernel_jax.ops._common import array_arg, first_order, is_concrete, name_of, same_device, vary_together
+from ejkernel_jax.ops._common import array_arg, first_order, is_concrete, name_of, same_device
 from ejkernel_jax.ops._folding import fold, unfold
 from triton_kernels import checks, flash_attention as fa
 from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes

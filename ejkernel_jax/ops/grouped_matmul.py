@@ -20,9 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ejkernel_jax._vma import vary_together
 from ejkernel_jax.launch import backend, device_facts, launch
 from ejkernel_jax.ops import _tuning
-from ejkernel_jax.ops._common import array_arg, is_concrete, name_of, same_device, vary_together
+from ejkernel_jax.ops._common import array_arg, is_concrete, name_of, same_device
 from triton_kernels import checks
 from triton_kernels import grouped_matmul as gm
 from triton_kernels.config_cache import check_autotune

@@ -5,9 +5,10 @@ import functools
 
 import jax
 
+from ejkernel_jax._vma import vary_together
 from ejkernel_jax.launch import device_facts, launch
 from ejkernel_jax.ops import _tuning
-from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of, same_device, vary_together
+from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of, same_device
 from ejkernel_jax.ops._folding import call_folding
 from triton_kernels import checks
 from triton_kernels.tuning import PADDED_BWD, PADDED_FWD

@@ -6,8 +6,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ejkernel_jax._vma import vary_together
 from ejkernel_jax.launch import device_facts, launch
-from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of, same_device, vary_together
+from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of, same_device
 from ejkernel_jax.ops._folding import call_folding
 from triton_kernels import checks
 from triton_kernels.padded_attention import scores_v_bwd_plans, scores_v_fwd_plan
