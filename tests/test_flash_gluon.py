@@ -260,13 +260,15 @@ GLUON_CASES = [
     ((2, 2000, 1536, 4, 2, 64), {}),
     ((1, 150, 384, 2, 1, 64), {}),
     # The schedules on an H100 (132 SMs). Query-tile kernels: causal pairs with an odd tile count
-    # (the middle tile alone), programs looping; dk/dv a program a tile (the Triton dq beside).
+    # (the middle tile alone), programs looping (the forward: 240 units, all in its tail of single
+    # tiles); dk/dv a program a tile (the Triton dq beside).
     ((3, 1100, 1100, 16, 4, 64), dict(causal=True)),
     # Query tiles a program a tile with seq_q < seq_k; dk/dv the same.
     ((3, 700, 1500, 16, 2, 128), dict(causal=True)),
     # Single tiles, programs looping.
     ((4, 600, 1500, 16, 8, 128), {}),
-    # dk/dv pairs (an odd count of key tiles), programs looping.
+    # dk/dv pairs (an odd count of key tiles), programs looping; the forward's 640 units: three
+    # rounds of pairs, then a tail of single tiles.
     ((8, 1100, 1100, 16, 16, 64), dict(causal=True)),
     ((5, 1000, 1500, 8, 8, 128), dict(causal=True)),
 ]
