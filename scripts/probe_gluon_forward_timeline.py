@@ -30,12 +30,10 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import importlib.util
 import json
 import os
 import statistics
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -125,15 +123,11 @@ def instrument(source: str) -> str:
     return source
 
 
-def _load(source: str):
-    path = os.path.join(tempfile.mkdtemp(prefix="gluon_timeline_"), "gluon_forward_timed.py")
-    with open(path, "w") as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location("gluon_forward_timed", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # Gluon reads the kernel's source through its module
-    spec.loader.exec_module(module)
-    return module
+def _load(path: str):
+    """The instrumented copy of the kernel file at ``path``, as a module."""
+    from benchmarks.common import load_kernel_copy
+
+    return load_kernel_copy(path, "gluon_timeline", instrument)[1]
 
 
 def _stamps(module, b, sq, sk, h, d, causal):
@@ -249,8 +243,7 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    with open(args.kernel) as f:
-        module = _load(instrument(f.read()))
+    module = _load(args.kernel)
     rows = []
     for text in args.shapes:
         *dims, causal = text.split(",")

@@ -4,6 +4,7 @@ They are GPU tools, but a user reads ``--help`` first: a script that ignored its
 GPU sweep (or died importing a GPU-only dependency) instead of printing its usage.
 """
 import glob
+import inspect
 import os
 import subprocess
 import sys
@@ -86,7 +87,8 @@ def test_timeline_probe_instruments_the_plans_forward_kernel():
         source = probe.instrument(f.read())
     assert all(f"t{i} = _clock()" in source for i in range(4))
     assert all(f"{name} = _globaltimer()" in source for name in ("entry_ns", "setup_ns", "exit_ns"))
-    module = probe._load(source)
+    module = probe._load(gluon_forward.__file__)
+    assert "t0 = _clock()" in inspect.getsource(module)
     h100 = dataclasses.replace(DeviceFacts.cuda((9, 0), 132), gluon=True)
     shape = (2, 256, 2, 64)
     spec = fa.dense_spec(shape, shape, shape, ("bfloat16",) * 3, causal=True)
