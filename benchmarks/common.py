@@ -159,7 +159,13 @@ def try_time(times: dict, errors: dict, name: str, timer) -> None:
     try:
         times[name] = timer()
     except Exception as e:
-        errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        errors[name] = error_text(e)
+
+
+def error_text(e: Exception) -> str:
+    """A failure as a result: the exception's type and the first line of its message."""
+    text = str(e).splitlines()[0][:200] if str(e) else ""
+    return f"{type(e).__name__}: {text}"
 
 
 def value_and_pullback(fn, primals, cotangent):
@@ -233,6 +239,16 @@ def load_kernel_copy(path: str, prefix: str, rewrite=lambda source: source):
     sys.modules[spec.name] = module  # Gluon reads a kernel's source through its module
     spec.loader.exec_module(module)
     return name, module
+
+
+def time_beside_plan(runs: dict, sync) -> dict[str, tuple[float, float]]:
+    """{name: (median ms a call, the plan's time over this one)} for ``runs`` (name -> a call;
+    one named "plan"), timed by wall clock side by side (``interleaved``) in batches sized from the
+    plan's time: the variants' differences are a few percent, as large as one kernel's drift
+    between timings taken seconds apart."""
+    calls = calls_per_batch(min(wall_batch(runs["plan"], sync, 20)() for _ in range(3)))
+    samples = interleaved({name: wall_batch(fn, sync, calls) for name, fn in runs.items()})
+    return {name: (statistics.median(samples[name]), median_ratio(samples, "plan", name)) for name in runs}
 
 
 def variant_probe_main(description: str, kernel_file: str, checks: list[tuple], load, row) -> None:

@@ -89,9 +89,24 @@ def bench_torch_impls(q, k, v, dout, causal, fwd_params=None, bwd_params=None, o
         for name in ("flash", "cudnn", "efficient"):
             impls[f"sdpa_{name}"] = (_sdpa(name, causal), heads_first[:3], heads_first[3])
     for name, (fn, args, cot) in impls.items():
-        try_time(times, errors, f"fwd/{name}", lambda: bench_torch(lambda: fn(*args)))
-        try_time(times, errors, f"fwd+bwd/{name}", lambda: bench_torch(_torch_step(fn, *args, cot)))
+        for phase in ("fwd", "fwd+bwd"):
+            try_time(times, errors, f"{phase}/{name}", lambda: bench_torch(_torch_call(fn, args, cot, phase)))
     return times, errors
+
+
+def _ours_and_cudnn(q, k, v, dout, causal) -> dict:
+    """name -> (fn, args, cotangent) of ours and of SDPA's cuDNN backend, launched from torch."""
+    import ejkernel_torch
+
+    ours = lambda a, b, c: ejkernel_torch.flash_attention(a, b, c, causal=causal)  # noqa: E731
+    heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
+    return {"ours_torch": (ours, (q, k, v), dout),
+            "sdpa_cudnn": (_sdpa("cudnn", causal), heads_first[:3], heads_first[3])}
+
+
+def _torch_call(fn, args, cot, phase: str):
+    """One call of ``phase`` ("fwd" or "fwd+bwd") of a torch method."""
+    return (lambda: fn(*args)) if phase == "fwd" else _torch_step(fn, *args, cot)
 
 
 def host_costs(q, k, v, dout, causal, times: dict) -> dict:
@@ -100,18 +115,11 @@ def host_costs(q, k, v, dout, causal, times: dict) -> dict:
     eager op's Python per call), not the kernels."""
     import torch
 
-    import ejkernel_torch
-
-    ours = lambda a, b, c: ejkernel_torch.flash_attention(a, b, c, causal=causal)  # noqa: E731
-    heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
-    fns = {"ours_torch": (ours, (q, k, v), dout),
-           "sdpa_cudnn": (_sdpa("cudnn", causal), heads_first[:3], heads_first[3])}
     entries = {}
-    for name, (fn, args, cot) in fns.items():
+    for name, (fn, args, cot) in _ours_and_cudnn(q, k, v, dout, causal).items():
         for phase in ("fwd", "fwd+bwd"):
-            call = (lambda fn=fn, args=args: fn(*args)) if phase == "fwd" else _torch_step(fn, *args, cot)
             if f"{phase}/{name}" in times:
-                host = host_ms(call, torch.cuda.synchronize)
+                host = host_ms(_torch_call(fn, args, cot, phase), torch.cuda.synchronize)
                 entries[f"{phase}: {name} host ms"] = host
                 entries[f"{phase}: {name} host / event time"] = host / times[f"{phase}/{name}"]
     return entries
@@ -142,8 +150,7 @@ def _wall_timers(torch_fns: dict, jax_arrays, causal, phase, calls, errors) -> d
     qj, kj, vj, doj = jax_arrays
     timers = {}
     for name, (fn, args, cot) in torch_fns.items():
-        call = (lambda fn=fn, args=args: fn(*args)) if phase == "fwd" else _torch_step(fn, *args, cot)
-        timers[name] = wall_batch(call, lambda _: torch.cuda.synchronize(), calls)
+        timers[name] = wall_batch(_torch_call(fn, args, cot, phase), lambda _: torch.cuda.synchronize(), calls)
     for name, fn in _jax_impls(causal).items():
         if phase == "fwd":
             jitted = jax.jit(fn)
@@ -169,12 +176,7 @@ def bench_side_by_side(q, k, v, dout, arrays, dtype, causal, estimates: dict) ->
     the batches. Returns (median ms per method, the ratios and batch sizes for the row, errors)."""
     import jax.numpy as jnp
 
-    import ejkernel_torch
-
-    ours = lambda a, b, c: ejkernel_torch.flash_attention(a, b, c, causal=causal)  # noqa: E731
-    heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
-    torch_fns = {"ours_torch_wall": (ours, (q, k, v), dout),
-                 "sdpa_cudnn_wall": (_sdpa("cudnn", causal), heads_first[:3], heads_first[3])}
+    torch_fns = {f"{name}_wall": method for name, method in _ours_and_cudnn(q, k, v, dout, causal).items()}
     jax_arrays = [jnp.asarray(a).astype(dtype) for a in arrays]
     times, entries, errors = {}, {}, {}
     pairs = {"ours_jax time / ours_torch time": ("ours_jax", "ours_torch_wall"),

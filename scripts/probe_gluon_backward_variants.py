@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -90,7 +89,7 @@ def _poison(plan) -> None:
 def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
     import torch
 
-    from benchmarks.common import calls_per_batch, interleaved, median_ratio, wall_batch
+    from benchmarks.common import time_beside_plan, error_text
     from ejkernel_torch.launch import launch
 
     spec, facts, args = _inputs(shape, causal)
@@ -110,7 +109,7 @@ def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
             for kind, plan in plans.items():
                 runs[kind][name] = lambda plan=plan: launch(plan, *args)
         except Exception as e:  # a broken variant is a result too
-            row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+            row[name] = {"error": error_text(e)}
     for name, got in results.items():
         if name != "plan" and "plan" in results:
             row[name]["bitwise_equal_to_plan"] = all(torch.equal(a, b) for a, b in zip(got, results["plan"]))
@@ -119,11 +118,8 @@ def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
         for kind, fns in runs.items():
             if "plan" not in fns:
                 continue
-            calls = calls_per_batch(min(wall_batch(fns["plan"], sync, 20)() for _ in range(3)))
-            samples = interleaved({name: wall_batch(fn, sync, calls) for name, fn in fns.items()})
-            for name in fns:
-                row[name][kind] = {"ms": statistics.median(samples[name]),
-                                   "speedup_vs_plan": median_ratio(samples, "plan", name)}
+            for name, (ms, speedup) in time_beside_plan(fns, sync).items():
+                row[name][kind] = {"ms": ms, "speedup_vs_plan": speedup}
     print(json.dumps(row), flush=True)
     return row
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -40,7 +39,7 @@ def _load_kernel(path: str):
 def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
     import torch
 
-    from benchmarks.common import calls_per_batch, interleaved, median_ratio, wall_batch
+    from benchmarks.common import time_beside_plan, error_text
     from benchmarks.flash_attention import flops
     from ejkernel_torch.launch import device_facts, launch
     from ejkernel_torch.ops.flash_attention import _features
@@ -71,17 +70,10 @@ def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
                          "nan": bool(got[0].isnan().any() or got[1].isnan().any())}
             runs[name] = lambda plan=plan: launch(plan, *arrays)
         except Exception as e:  # a broken variant is a result too
-            row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+            row[name] = {"error": error_text(e)}
     if timed and "plan" in runs:
-        # Side by side (benchmarks.common.interleaved): the variants' differences are a few percent,
-        # as large as one kernel's drift between timings taken seconds apart.
-        sync = lambda _: torch.cuda.synchronize()  # noqa: E731
-        calls = calls_per_batch(min(wall_batch(runs["plan"], sync, 20)() for _ in range(3)))
-        samples = interleaved({name: wall_batch(fn, sync, calls) for name, fn in runs.items()})
-        for name in runs:
-            ms = statistics.median(samples[name])
-            row[name].update(ms=ms, tflops=flops(b, h, s, d, causal, "fwd") / ms / 1e9,
-                             speedup_vs_plan=median_ratio(samples, "plan", name))
+        for name, (ms, speedup) in time_beside_plan(runs, lambda _: torch.cuda.synchronize()).items():
+            row[name].update(ms=ms, tflops=flops(b, h, s, d, causal, "fwd") / ms / 1e9, speedup_vs_plan=speedup)
     print(json.dumps(row), flush=True)
     return row
 

@@ -6,7 +6,8 @@ samples, so the pairing is checked here with fake timers that record when they r
 import json
 import sys
 
-from benchmarks.common import calls_per_batch, host_ms, interleaved, median_ratio, wall_batch, write_run
+from benchmarks.common import (calls_per_batch, error_text, host_ms, interleaved, median_ratio, time_beside_plan,
+                               wall_batch, write_run)
 
 
 def _recording_timers(names, log):
@@ -75,6 +76,32 @@ def test_host_costs_divide_host_time_by_event_time(monkeypatch):
     assert entries["fwd+bwd: ours_torch host / event time"] == 0.5
     assert entries["fwd: sdpa_cudnn host / event time"] == 2.5
     assert "fwd+bwd: sdpa_cudnn host ms" not in entries
+
+
+def test_time_beside_plan_sizes_batches_from_the_plan_and_pairs_rounds(monkeypatch):
+    import benchmarks.common as common
+
+    sized = []
+
+    def fake_wall_batch(fn, wait, calls):
+        sized.append((fn, calls))
+        return lambda: fn()  # a "sample" is the fake call's value: ms a call
+
+    monkeypatch.setattr(common, "wall_batch", fake_wall_batch)
+    # Three sizing samples, a warm-up round (not recorded), then nine rounds.
+    plan_ms = iter([0.5, 0.35, 0.4, 9.0, 1.2, 1.3, 0.9, 1.4, 1.5, 0.8, 1.6, 1.7, 0.7])
+    runs = {"plan": lambda: next(plan_ms), "variant": lambda: 0.5}
+    got = time_beside_plan(runs, lambda _: None)
+    # Sized from the plan's fastest of three 20-call batches (0.35 ms -> 72 calls a batch).
+    assert [calls for _, calls in sized] == [20, 20, 20, 72, 72]
+    assert got["plan"] == (1.3, 1.0)
+    assert got["variant"] == (0.5, 2.6)  # the plan's time over the variant's, median of the rounds
+
+
+def test_error_text_is_the_type_and_first_line():
+    assert error_text(ValueError("bad shape\nmore")) == "ValueError: bad shape"
+    assert error_text(RuntimeError()) == "RuntimeError: "
+    assert error_text(KeyError("x" * 300)).startswith("KeyError: 'xxx") and len(error_text(KeyError("x" * 300))) == 210
 
 
 def test_side_by_side_ratios_pair_the_right_methods(monkeypatch):

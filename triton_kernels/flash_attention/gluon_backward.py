@@ -49,7 +49,8 @@ if AVAILABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-    from .gluon_forward import _barriers, _batch_heads, _block_counts, _loader, _rings, _slot_tile, _slots, _tma_load
+    from .gluon_forward import (_barriers, _batch_heads, _block_counts, _loader_making_descriptors, _rings, _slot_tile,
+                                _slots, _tma_load)
 
     LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -183,26 +184,6 @@ if AVAILABLE:
                 ring += n_blocks
                 tiles += 1
 
-    @gluon.jit
-    def _dq_loader(q_ptr, do_ptr, k_ptr, v_ptr, batch, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                   v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q: gl.constexpr,
-                   HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
-        """``_loader`` with dO, making its TMA descriptors in its own partition, as
-        ``gluon_forward._forward_loader`` does (made before the warp-specialized region, they
-        delayed every program's first tile by microseconds). Measured against that, with dk/dv's
-        loader changed alike: dq 1.00-1.02x, dk/dv 1.06x and 1.10x causal at head_dim 128 (seq
-        1024, 2048), 0.99-1.02x elsewhere; outputs bit for bit the same
-        (probe_gluon_backward_variants-descriptors-*.json, H100)."""
-        ROWS: gl.constexpr = q_smem.shape[1]
-        q_desc = _batch_heads(q_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS)
-        do_desc = _batch_heads(do_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS)
-        k_desc = _batch_heads(k_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
-        v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
-        _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q, HEADS_Q // HEADS_KV, HEAD_DIM,
-                BLOCK_N, STAGES, CAUSAL, PAIRS, True, False)
-
     @gluon.jit(do_not_specialize_on_alignment=RUNTIME_INTS + ["batch"])
     def flash_bwd_dq_gluon_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_ptr, cu_k_ptr, seed_ptr,
                                   do_ptr, lse_ptr, delta_ptr,
@@ -234,9 +215,10 @@ if AVAILABLE:
             (_dq_consumer, (dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                             v_ready, k_empty, v_empty, logit_scale, sm_scale, seq_q, seq_k, n_m, per_head, n_units,
                             1, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
-            (_dq_loader, (q_ptr, do_ptr, k_ptr, v_ptr, batch, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
-                          k_ready, v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q, HEADS_KV,
-                          HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
+            (_loader_making_descriptors, (q_ptr, do_ptr, k_ptr, v_ptr, batch, q_smem, do_smem, k_smem, v_smem,
+                                          q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, seq_q, seq_k, n_m,
+                                          per_head, n_units, HEADS_Q, HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
+                                          PAIRS, True)),
         ], [4, 1], [232, 40])  # holding four descriptors, a 24-register loader spilled with Triton 3.9 (not 3.6)
 
     # -- dk/dv -------------------------------------------------------------------------------------
@@ -291,7 +273,8 @@ if AVAILABLE:
                                         do_empty, seq_q, seq_k, n_n, per_head, n_units, HEADS_Q: gl.constexpr,
                                         HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
-        """``_dkdv_loader``, making its TMA descriptors in its own partition (see ``_dq_loader``)."""
+        """``_dkdv_loader``, making its TMA descriptors in its own partition (see
+        ``gluon_forward._loader_making_descriptors``)."""
         ROWS: gl.constexpr = k_smem.shape[1]
         k_desc = _batch_heads(k_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, ROWS)
         v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, ROWS)

@@ -28,7 +28,7 @@ scale): ``plan.uses_gluon`` decides. Its outputs match ``flash_fwd_kernel``'s:
 the output in q's layout and the natural log-sum-exp ``[batch, heads_q, seq_q]``.
 
 The kernel takes plain pointers and builds its TMA descriptors per program, each in the
-partition that uses it (``_forward_loader``), in the global scratch the launcher provides
+partition that uses it (``_loader_making_descriptors``), in the global scratch the launcher provides
 (torch: an allocator scoped to the launch; jax: jaxlib's Triton custom call), so both fronts
 launch one binary. Gluon does not run in Triton's interpreter:
 CPU CI compiles it for sm_90 ahead of time, and the ``gpu`` tests run it.
@@ -415,27 +415,37 @@ if AVAILABLE:
                 tiles += 1
 
     @gluon.jit
-    def _forward_loader(q_ptr, k_ptr, v_ptr, batch, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                        k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q: gl.constexpr,
-                        HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
-        """``_loader`` for the forward, making its TMA descriptors first.
+    def _loader_making_descriptors(q_ptr, do_ptr, k_ptr, v_ptr, batch, q_smem, do_smem, k_smem, v_smem, q_ready,
+                                   q_empty, k_ready, v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units,
+                                   HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
+                                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                   PAIRS: gl.constexpr, WITH_DO: gl.constexpr):
+        """``_loader``, making its TMA descriptors first: the forward's (``WITH_DO`` false; it
+        passes q's pointer and buffers for dO's) and the dq kernel's.
 
-        Each partition makes the descriptors it uses (the consumers make the output's). A
-        descriptor made in the kernel is a global write with a release and an acquire fence,
+        Each partition makes the descriptors it uses (the forward's consumers make the output's).
+        A descriptor made in the kernel is a global write with a release and an acquire fence,
         close to a microsecond; with all four made before the warp-specialized region, a program
         spent 3.8 us before it at every shape (0.4 us without them), 2% of a call at seq 1024
-        (clock stamps, H100). Made here, the output's alongside, the first tile starts 2.8 us
-        sooner, and a call takes 0.96-1.00x the time
+        (clock stamps, H100). Made here, the output's alongside, the forward's first tile starts
+        2.8 us sooner, and a call takes 0.96-1.00x the time
         (probe_gluon_forward_variants-descriptors-in-partitions-*.json). Splitting the loader in
         two (queries; keys and values), so that each first load waits for fewer descriptors, was
-        slower at head_dim 128 without a mask (0.98x at seq 1024)."""
-        q_desc = _batch_heads(q_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, q_smem.shape[1])
+        slower at head_dim 128 without a mask (0.98x at seq 1024). For the backward, with dk/dv's
+        loader changed alike: dq 1.00-1.02x, dk/dv 1.06x and 1.10x causal at head_dim 128 (seq
+        1024, 2048), 0.99-1.02x elsewhere; outputs bit for bit the same
+        (probe_gluon_backward_variants-descriptors-*.json)."""
+        ROWS: gl.constexpr = q_smem.shape[1]
+        q_desc = _batch_heads(q_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS)
+        if WITH_DO:
+            do_desc = _batch_heads(do_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS)
+        else:
+            do_desc = q_desc
         k_desc = _batch_heads(k_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
         v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
-        _loader(q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+        _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                 k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q, HEADS_Q // HEADS_KV, HEAD_DIM,
-                BLOCK_N, STAGES, CAUSAL, PAIRS, False, True)
+                BLOCK_N, STAGES, CAUSAL, PAIRS, WITH_DO, not WITH_DO)  # the forward's tail tile by tile; dq's not
 
     @gluon.jit
     def _consumer(state, WG: gl.constexpr, HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -456,7 +466,7 @@ if AVAILABLE:
         (o_ptr, batch, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
          v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units) = state
         ROWS: gl.constexpr = q_smem.shape[1]
-        o_desc = _batch_heads(o_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS)  # see _forward_loader
+        o_desc = _batch_heads(o_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS)  # see _loader_making_descriptors
         PARTS: gl.constexpr = q_smem.shape[0] // 2
         TILE_M: gl.constexpr = PARTS * ROWS
         ring = 0
@@ -537,15 +547,17 @@ if AVAILABLE:
                 (_consumer, (state, 0, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
                 (_consumer, (state, 1, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
                 (_consumer, (state, 2, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
-                (_forward_loader, (q_ptr, k_ptr, v_ptr, batch, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                                   v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q, HEADS_KV,
-                                   HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
+                (_loader_making_descriptors, (q_ptr, q_ptr, k_ptr, v_ptr, batch, q_smem, q_smem, k_smem, v_smem,
+                                              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, seq_q, seq_k, n_m,
+                                              per_head, n_units, HEADS_Q, HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
+                                              PAIRS, False)),
             ], [4, 4, 1], [160, 160, 24])
         else:
             gl.warp_specialize([
                 (_consumer, (state, 0, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
                 (_consumer, (state, 1, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
-                (_forward_loader, (q_ptr, k_ptr, v_ptr, batch, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                                   v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q, HEADS_KV,
-                                   HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
+                (_loader_making_descriptors, (q_ptr, q_ptr, k_ptr, v_ptr, batch, q_smem, q_smem, k_smem, v_smem,
+                                              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, seq_q, seq_k, n_m,
+                                              per_head, n_units, HEADS_Q, HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
+                                              PAIRS, False)),
             ], [4, 1], [232, 24])
