@@ -8,6 +8,10 @@ long as 2. A program a tile lets the hardware balance the tiles instead (it star
 program wherever one ends), at the price of a program's start and end for every tile.
 ``persistent_schedule`` estimates both and takes the shorter.
 
+The forward walks pairs only up to the last full round; the heads left over go out tile by tile
+(``forward_walk``, the Python mirror of ``gluon_forward._tail_slot_tile``), which evens out the
+last round. dq and dk/dv keep the plain round robin (``pair_walk``).
+
 Work is counted in blocks: a 128-row tile against 128 rows of the other side, for one head.
 """
 from __future__ import annotations
@@ -26,10 +30,11 @@ PROGRAM_START_BLOCKS = 2.0
 
 
 def persistent_schedule(tile_work: list[float], rows: int, causal: bool, num_sms: int,
-                        head_dim: int) -> tuple[tuple[int], bool]:
+                        head_dim: int, tail: bool = False) -> tuple[tuple[int], bool]:
     """(grid, PAIRS) for ``rows`` (batch rows x heads) rows of tiles, tile i of a row weighing
     ``tile_work[i]`` blocks. PAIRS where a causal row has two tiles or more, unless a program
-    a tile is estimated faster; then the grid is a program a tile and PAIRS false."""
+    a tile is estimated faster; then the grid is a program a tile and PAIRS false. ``tail``: the
+    kernel walks pairs with ``forward_walk``, not ``pair_walk``."""
     n = len(tile_work)
     # Pairs only where a row has two tiles (Triton 3.6 fails to compile their code where seq_q is the constant 1).
     if not causal or n < 2:
@@ -39,18 +44,49 @@ def persistent_schedule(tile_work: list[float], rows: int, causal: bool, num_sms
     if units >= ROUND_ROBIN_ALWAYS * num_sms:
         return (num_sms,), True
     start = PROGRAM_START_BLOCKS * 128 / head_dim
-    if _round_robin_time(unit_work, units, num_sms) + start <= _program_a_tile_time(tile_work, rows, start, num_sms):
-        return (min(units, num_sms),), True
+    programs = min(units, num_sms)
+    walk = forward_walk if tail else pair_walk
+    busiest = max(sum(tile_work[t] for _, t in walk(g, programs, rows, n)) for g in range(programs))
+    if busiest + start <= _program_a_tile_time(tile_work, rows, start, num_sms):
+        return (programs,), True
     return (rows * n,), False
 
 
-def _round_robin_time(unit_work: list[float], units: int, num_sms: int) -> float:
-    """The busiest program's work when program g takes units g, g + G, ... (G programs)."""
-    programs = min(units, num_sms)
-    load = [0.0] * programs
-    for u in range(units):
-        load[u % programs] += unit_work[u % len(unit_work)]
-    return max(load)
+def pair_walk(program: int, programs: int, rows: int, n_tiles: int,
+              units_to: int | None = None) -> list[tuple[int, int]]:
+    """(row, tile) in the order ``program`` of ``programs`` walks them under PAIRS
+    (``gluon_forward._slot_tile``): units ``program``, ``program + G``, ... of the rows' units, a
+    unit being tiles ``n_tiles - 1 - p`` and ``p`` of a row (the middle tile of an odd count alone).
+    ``units_to``: only the units before it (``forward_walk``'s pairs)."""
+    per_head = cdiv(n_tiles, 2)
+    end = rows * per_head if units_to is None else units_to
+    walk = []
+    for unit in range(program, end, programs):
+        row, p = divmod(unit, per_head)
+        walk.append((row, n_tiles - 1 - p))
+        if 2 * p + 1 < n_tiles:
+            walk.append((row, p))
+    return walk
+
+
+def forward_walk(program: int, programs: int, rows: int, n_tiles: int) -> list[tuple[int, int]]:
+    """(row, tile) in the order ``program`` of ``programs`` walks them in the causal forward,
+    mirroring ``gluon_forward._tail_slots`` and ``_tail_slot_tile`` step for step: pairs of whole
+    rows up to the last full round, then the other rows' tiles one by one, largest (last) first,
+    dealt in snake order: program G-1 to 0, then 0 to G-1, ..."""
+    per_head = cdiv(n_tiles, 2)
+    units = rows * per_head
+    paired = units // programs * programs // per_head * per_head
+    walk = pair_walk(program, programs, rows, n_tiles, units_to=paired)
+    first_row = paired // per_head
+    tail_rows = rows - first_row
+    tail_tiles = tail_rows * n_tiles
+    last = tail_tiles // programs  # the last, partial snake round
+    lane = programs - 1 - program if last % 2 == 0 else program
+    for s in range(last + (lane < tail_tiles % programs)):
+        i = s * programs + (programs - 1 - program if s % 2 == 0 else program)
+        walk.append((first_row + i % tail_rows, n_tiles - 1 - i // tail_rows))
+    return walk
 
 
 def _program_a_tile_time(tile_work: list[float], rows: int, start: float, num_sms: int) -> float:
