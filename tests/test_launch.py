@@ -44,6 +44,24 @@ def test_plan_scalars_are_int32_and_fp32_exact():
     assert fp32(0.1) != 0.1 and fp32(fp32(0.1)) == fp32(0.1)
 
 
+def test_launch_args_are_every_parameter_in_kernel_order():
+    import triton_kernels.flash_attention as fa
+    from triton_kernels.flash_attention.plan import gluon_forward_plan
+    from tests.test_flash_gluon import HOPPER_GLUON
+
+    spec = fa.dense_spec((2, 300, 4, 64), (2, 300, 2, 64), (2, 300, 2, 64), ("bfloat16",) * 3, causal=True)
+    plans = [kt.half_plan(37), fa.forward_plan(spec, HOPPER_GLUON), gluon_forward_plan(spec, HOPPER_GLUON),
+             *fa.backward_plans(spec, HOPPER_GLUON)]
+    for plan in plans:
+        inputs, outputs = [object() for _ in plan.inputs], [object() for _ in plan.outputs]
+        args = plan.launch_args(inputs, outputs)
+        assert args == plan.all_args(plan.runtime_args(inputs, outputs))
+        assert len(args) == len(plan.kernel.arg_names)
+        assert [args[plan.kernel.arg_names.index(n)] for n in plan.inputs] == inputs
+        with pytest.raises(ValueError, match="expected"):
+            plan.launch_args(inputs[1:], outputs)
+
+
 # -- launchers -------------------------------------------------------------------------------------
 
 

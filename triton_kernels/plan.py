@@ -212,6 +212,27 @@ class LaunchPlan:
             args[pos] = x
         return args
 
+    @functools.cached_property
+    def _launch_layout(self) -> tuple[list, list[int], list[int]]:
+        """(every parameter in kernel order, constexprs and scalars filled in; input positions;
+        output positions)."""
+        names = list(self.kernel.arg_names)
+        template = [self.constexpr_dict[n] if n in self.constexpr_dict else self.scalar_dict.get(n) for n in names]
+        return template, [names.index(n) for n in self.inputs], [names.index(o.name) for o in self.outputs]
+
+    def launch_args(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Any]:
+        """``all_args(runtime_args(inputs, outputs))`` in one pass: what a relaunch of the compiled
+        kernel takes, built on every launch."""
+        if len(inputs) != len(self.inputs):
+            raise ValueError(f"{self.name}: expected {len(self.inputs)} inputs, got {len(inputs)}")
+        template, input_pos, output_pos = self._launch_layout
+        args = list(template)
+        for pos, x in zip(input_pos, inputs):
+            args[pos] = x
+        for pos, x in zip(output_pos, outputs):
+            args[pos] = x
+        return args
+
     def signature(self) -> dict[str, str]:
         """Triton signature as jax-triton builds it (used for ahead-of-time compiles)."""
         sig = {}
