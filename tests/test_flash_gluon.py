@@ -15,7 +15,7 @@ from triton_kernels.flash_attention import gluon_backward, gluon_forward
 from triton_kernels.flash_attention.plan import (GLUON_DQ_MIN_SEQ_K_D64, gluon_dkdv_plan, gluon_dq_plan,
                                                 gluon_forward_plan, triton_forward_plan, uses_gluon,
                                                 uses_gluon_dkdv, uses_gluon_dq)
-from triton_kernels.flash_attention.schedule import forward_walk, pair_walk, persistent_schedule
+from triton_kernels.flash_attention.schedule import pair_walk, persistent_schedule, query_walk
 from triton_kernels.params import BwdParams, FwdParams
 
 HOPPER_GLUON = dataclasses.replace(HOPPER, gluon=True)
@@ -135,7 +135,7 @@ def test_persistent_schedule_runs_a_program_a_tile_where_the_last_round_would_id
     assert persistent_schedule([1.0 + n for n in range(9)], 56, True, 132, 128) == ((132,), True)
 
 
-@pytest.mark.parametrize("walk", [pair_walk, forward_walk])
+@pytest.mark.parametrize("walk", [pair_walk, query_walk])
 def test_schedule_walks_cover_every_tile_once(walk):
     for programs in (1, 7, 132):
         for n_tiles in (2, 3, 8, 9, 19):
@@ -147,17 +147,17 @@ def test_schedule_walks_cover_every_tile_once(walk):
                 assert sorted(tiles) == [(r, t) for r in range(rows) for t in range(n_tiles)], (programs, n_tiles, rows)
 
 
-def test_forward_walk_evens_out_the_last_round():
+def test_query_walk_evens_out_the_last_round():
     # The benchmark's causal seq 1024 at head_dim 128 on an H100: 1024 pair units of 9 blocks on
     # 132 programs. Pairs alone give the busiest program 8 units (72 blocks); the tail 71.
     work = [m + 1.0 for m in range(8)]
     def busiest(walk):
         return max(sum(work[t] for _, t in walk(g, 132, 256, 8)) for g in range(132))
-    assert (busiest(pair_walk), busiest(forward_walk)) == (72.0, 71.0)
+    assert (busiest(pair_walk), busiest(query_walk)) == (72.0, 71.0)
     # Pairs of rows 0-230 (7 rounds), then rows 231-255 tile by tile, the last tiles first: program
     # 131 takes the first (row 231's tile 7) and nothing more; program 0 the 132nd and 133rd.
-    assert forward_walk(131, 132, 256, 8)[-3:] == [(230, 4), (230, 3), (231, 7)]
-    assert forward_walk(0, 132, 256, 8)[-4:] == [(198, 7), (198, 0), (237, 2), (238, 2)]
+    assert query_walk(131, 132, 256, 8)[-3:] == [(230, 4), (230, 3), (231, 7)]
+    assert query_walk(0, 132, 256, 8)[-4:] == [(198, 7), (198, 0), (237, 2), (238, 2)]
 
 
 def test_gluon_forward_needs_a_launcher_for_it_and_no_params():

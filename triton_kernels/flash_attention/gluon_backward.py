@@ -50,7 +50,7 @@ if AVAILABLE:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
     from .gluon_forward import (_barriers, _batch_heads, _block_counts, _loader_making_descriptors, _rings, _slot_tile,
-                                _slots, _tma_load)
+                                _slots, _tail_slot_tile, _tail_slots, _tma_load)
 
     LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -160,8 +160,8 @@ if AVAILABLE:
                                                             instr_shape=[16, HEAD_DIM, 16])
         ring = 0
         tiles = 0
-        for slot in range(_slots(n_units, PAIRS)):
-            m0, h, b, exists = _slot_tile(slot, n_m, per_head, HEADS_Q, TILE_M, PAIRS)
+        for slot in range(_tail_slots(n_units, per_head, n_m, PAIRS)):
+            m0, h, b, exists = _tail_slot_tile(slot, n_m, per_head, n_units, HEADS_Q, TILE_M, PAIRS)
             if exists:
                 n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
                 b64 = b.to(gl.int64)
@@ -193,7 +193,7 @@ if AVAILABLE:
                                   CAUSAL: gl.constexpr, PAIRS: gl.constexpr, BLOCK_N: gl.constexpr,
                                   STAGES: gl.constexpr):
         """dq of 128-row query tiles, a persistent program per SM walking the forward's schedule
-        units (``gluon_forward._slot_tile``). Takes the inputs of ``flash_bwd_dq_kernel`` (the nine
+        (``gluon_forward._tail_slot_tile``). Takes the inputs of ``flash_bwd_dq_kernel`` (the nine
         feature arrays, dO, the natural lse and delta) and reads q, k, v, dO, lse and delta;
         ``logit_scale`` is the softmax scale times log2(e)."""
         ROWS: gl.constexpr = 64

@@ -16,8 +16,8 @@ softmax. This kernel splits a CTA by role, as FlashAttention-3 does:
 
 The grid is persistent: one program an SM walks schedule units (``_slot_tile``) in a static
 round robin, and the loader fetches the next tile while the consumers finish the current one.
-Under a causal mask the forward deals the last, partial round's heads tile by tile instead
-(``_tail_slot_tile``); dq keeps the plain round robin.
+Under a causal mask the forward and dq deal the last, partial round's heads tile by tile instead
+(``_tail_slot_tile``).
 So a short sequence no longer pays, per tile, a program's start (barriers, descriptors, the
 first loads) and its epilogue: at seq 1024 that was 10-35% of the time.
 
@@ -311,7 +311,7 @@ if AVAILABLE:
     def _paired_units(n_units, per_head):
         """With ``_tail_slots``: the units walked in pairs, whole heads up to the last full round;
         the rest of the heads (the tail) go out as single tiles. Mirrored by
-        ``schedule.forward_walk``, which tests that the walk covers every tile once."""
+        ``schedule.query_walk``, which tests that the walk covers every tile once."""
         rounds = n_units // gl.num_programs(0)
         return (rounds * gl.num_programs(0)) // per_head * per_head
 
@@ -339,8 +339,9 @@ if AVAILABLE:
         leave the busiest program a whole unit above the mean whenever the units do not divide by
         the grid (72 key blocks against 69.8 at causal seq 1024, head_dim 128; 71 with the tail).
         On an H100 the causal forward ran 1.006-1.033x faster (seq 1024-4096, head_dim 64 and
-        128; probe_gluon_forward_variants-causal-tail-k0-*.json). Splitting one round earlier
-        (more heads in the tail) measured the same."""
+        128; probe_gluon_forward_variants-causal-tail-k0-*.json), and dq 1.007-1.022x in 5 of 6
+        shapes (0.998x at head_dim 64 seq 4096; probe_gluon_backward_variants-dq-tail-*.json,
+        same bits). Splitting one round earlier (more heads in the tail) measured the same."""
         if PAIRS:
             pid = gl.program_id(0)
             G = gl.num_programs(0)
@@ -384,7 +385,7 @@ if AVAILABLE:
     def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                 k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q: gl.constexpr, GROUP: gl.constexpr,
                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                PAIRS: gl.constexpr, WITH_DO: gl.constexpr, TAIL: gl.constexpr):
+                PAIRS: gl.constexpr, WITH_DO: gl.constexpr):
         """This program's tiles in turn: a tile's query parts, one a consumer (and with ``WITH_DO``,
         for dq, its dO parts), into the free one of two buffers, then its key/value blocks through
         the ring (``ring`` counts the blocks streamed so far). The forward passes q's for dO's
@@ -393,15 +394,8 @@ if AVAILABLE:
         TILE_M: gl.constexpr = PARTS * q_smem.shape[1]
         ring = 0
         tiles = 0
-        if TAIL:
-            n_slots = _tail_slots(n_units, per_head, n_m, PAIRS)
-        else:
-            n_slots = _slots(n_units, PAIRS)
-        for slot in range(n_slots):
-            if TAIL:
-                m0, h, b, exists = _tail_slot_tile(slot, n_m, per_head, n_units, HEADS_Q, TILE_M, PAIRS)
-            else:
-                m0, h, b, exists = _slot_tile(slot, n_m, per_head, HEADS_Q, TILE_M, PAIRS)
+        for slot in range(_tail_slots(n_units, per_head, n_m, PAIRS)):
+            m0, h, b, exists = _tail_slot_tile(slot, n_m, per_head, n_units, HEADS_Q, TILE_M, PAIRS)
             if exists:
                 n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
                 buf = tiles % 2
@@ -449,7 +443,7 @@ if AVAILABLE:
         v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
         _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                 k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q, HEADS_Q // HEADS_KV, HEAD_DIM,
-                BLOCK_N, STAGES, CAUSAL, PAIRS, WITH_DO, not WITH_DO)  # the forward's tail tile by tile; dq's not
+                BLOCK_N, STAGES, CAUSAL, PAIRS, WITH_DO)
 
     @gluon.jit
     def _consumer(state, WG: gl.constexpr, HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,

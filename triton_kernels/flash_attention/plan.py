@@ -136,15 +136,14 @@ def uses_gluon_dkdv(spec: FlashSpec, facts: DeviceFacts) -> bool:
     return _gluon_covers(spec, facts)
 
 
-def _query_tiles(spec: FlashSpec, facts: DeviceFacts, tile: int = gluon_forward.TILE_M,
-                 tail: bool = False) -> tuple[tuple[int], bool]:
+def _query_tiles(spec: FlashSpec, facts: DeviceFacts, tile: int = gluon_forward.TILE_M) -> tuple[tuple[int], bool]:
     """(grid, PAIRS) of the persistent kernels that hold query tiles of ``tile`` rows (forward,
-    dq): a tile's work is the keys it sees. ``tail``: the forward's walk (``forward_walk``)."""
+    dq): a tile's work is the keys it sees; they walk ``schedule.query_walk``."""
     offset = spec.seq_k - spec.seq_q  # causal: bottom-right aligned
     work = [(min(spec.seq_k, min(m + tile, spec.seq_q) + offset) if spec.window is not None else spec.seq_k) / tile
             for m in range(0, spec.seq_q, tile)]
     return persistent_schedule(work, spec.batch * spec.heads_q, spec.window is not None, facts.num_sms,
-                               spec.head_dim, tail)
+                               spec.head_dim, tail=True)
 
 
 def _key_tiles(spec: FlashSpec, facts: DeviceFacts) -> tuple[tuple[int], bool]:
@@ -167,7 +166,7 @@ def gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts, consumers: int | Non
                                                      spec.seq_k)
     elif consumers not in (2, 3):
         raise ValueError(f"consumers must be 2 or 3, got {consumers!r}")
-    grid, pairs = _query_tiles(spec, facts, consumers * gluon_forward.ROWS, tail=True)
+    grid, pairs = _query_tiles(spec, facts, consumers * gluon_forward.ROWS)
     return LaunchPlan(
         kernel=gluon_forward.flash_fwd_gluon_kernel,
         grid=grid,

@@ -8,9 +8,9 @@ long as 2. A program a tile lets the hardware balance the tiles instead (it star
 program wherever one ends), at the price of a program's start and end for every tile.
 ``persistent_schedule`` estimates both and takes the shorter.
 
-The forward walks pairs only up to the last full round; the heads left over go out tile by tile
-(``forward_walk``, the Python mirror of ``gluon_forward._tail_slot_tile``), which evens out the
-last round. dq and dk/dv keep the plain round robin (``pair_walk``).
+The query-tile kernels (forward, dq) walk pairs only up to the last full round; the heads left
+over go out tile by tile (``query_walk``, the Python mirror of ``gluon_forward._tail_slot_tile``),
+which evens out the last round. dk/dv keeps the plain round robin (``pair_walk``).
 
 Work is counted in blocks: a 128-row tile against 128 rows of the other side, for one head.
 """
@@ -34,7 +34,7 @@ def persistent_schedule(tile_work: list[float], rows: int, causal: bool, num_sms
     """(grid, PAIRS) for ``rows`` (batch rows x heads) rows of tiles, tile i of a row weighing
     ``tile_work[i]`` blocks. PAIRS where a causal row has two tiles or more, unless a program
     a tile is estimated faster; then the grid is a program a tile and PAIRS false. ``tail``: the
-    kernel walks pairs with ``forward_walk``, not ``pair_walk``."""
+    kernel walks ``query_walk``, not ``pair_walk`` (the query-tile kernels)."""
     n = len(tile_work)
     # Pairs only where a row has two tiles (Triton 3.6 fails to compile their code where seq_q is the constant 1).
     if not causal or n < 2:
@@ -45,7 +45,7 @@ def persistent_schedule(tile_work: list[float], rows: int, causal: bool, num_sms
         return (num_sms,), True
     start = PROGRAM_START_BLOCKS * 128 / head_dim
     programs = min(units, num_sms)
-    walk = forward_walk if tail else pair_walk
+    walk = query_walk if tail else pair_walk
     busiest = max(sum(tile_work[t] for _, t in walk(g, programs, rows, n)) for g in range(programs))
     if busiest + start <= _program_a_tile_time(tile_work, rows, start, num_sms):
         return (programs,), True
@@ -57,7 +57,7 @@ def pair_walk(program: int, programs: int, rows: int, n_tiles: int,
     """(row, tile) in the order ``program`` of ``programs`` walks them under PAIRS
     (``gluon_forward._slot_tile``): units ``program``, ``program + G``, ... of the rows' units, a
     unit being tiles ``n_tiles - 1 - p`` and ``p`` of a row (the middle tile of an odd count alone).
-    ``units_to``: only the units before it (``forward_walk``'s pairs)."""
+    ``units_to``: only the units before it (``query_walk``'s pairs)."""
     per_head = cdiv(n_tiles, 2)
     end = rows * per_head if units_to is None else units_to
     walk = []
@@ -69,8 +69,8 @@ def pair_walk(program: int, programs: int, rows: int, n_tiles: int,
     return walk
 
 
-def forward_walk(program: int, programs: int, rows: int, n_tiles: int) -> list[tuple[int, int]]:
-    """(row, tile) in the order ``program`` of ``programs`` walks them in the causal forward,
+def query_walk(program: int, programs: int, rows: int, n_tiles: int) -> list[tuple[int, int]]:
+    """(row, tile) in the order ``program`` of ``programs`` walks them in the causal forward and dq,
     mirroring ``gluon_forward._tail_slots`` and ``_tail_slot_tile`` step for step: pairs of whole
     rows up to the last full round, then the other rows' tiles one by one, largest (last) first,
     dealt in snake order: program G-1 to 0, then 0 to G-1, ..."""
