@@ -341,6 +341,9 @@ def main() -> None:
     parser.add_argument("--overhead", action="store_true", help="eager per-call cost vs a direct launch")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script")
     parser.add_argument("--config-cache", default=None, help="tile config cache to use (default: none)")
+    parser.add_argument("--autograd-threads", default="on", choices=["on", "off"],
+                        help="off: run backward passes on the calling thread "
+                             "(torch.autograd.set_multithreading_enabled(False)), for every torch method")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     configs = pin_configs(args.config_cache)
@@ -351,7 +354,10 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (or --smoke)")
-    extras = {**configs, **_extras(args)}  # first: a run cut short still has them
+    # A backward of CUDA tensors runs on autograd's device thread by default; handing it there and
+    # back costs a host more than the backward's own Python on some machines (VMs).
+    torch.autograd.set_multithreading_enabled(args.autograd_threads == "on")
+    extras = {**configs, "autograd_threads": args.autograd_threads, **_extras(args)}  # first: a run cut short has them
     rows = []
     for dtype, d, seq, causal in itertools.product(args.dtypes, args.head_dims, args.seqs, args.causal):
         row = run_shape(seq, d, causal == "true", dtype, sweep=args.sweep, with_jax=not args.no_jax)
