@@ -186,9 +186,14 @@ class LaunchPlan:
 
     def runtime_args(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Any]:
         """Input arrays, scalars and outputs in kernel parameter order (constexprs excluded)."""
+        return self._filled(self._arg_layout, inputs, outputs)
+
+    def _filled(self, layout: tuple[list, list[int], list[int]], inputs: Sequence[Any],
+                outputs: Sequence[Any]) -> list[Any]:
+        """``layout``'s template with ``inputs`` and ``outputs`` put at its positions for them."""
         if len(inputs) != len(self.inputs):
             raise ValueError(f"{self.name}: expected {len(self.inputs)} inputs, got {len(inputs)}")
-        template, input_pos, output_pos = self._arg_layout
+        template, input_pos, output_pos = layout
         args = list(template)
         for pos, x in zip(input_pos, inputs):
             args[pos] = x
@@ -223,15 +228,7 @@ class LaunchPlan:
     def launch_args(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Any]:
         """``all_args(runtime_args(inputs, outputs))`` in one pass: what a relaunch of the compiled
         kernel takes, built on every launch."""
-        if len(inputs) != len(self.inputs):
-            raise ValueError(f"{self.name}: expected {len(self.inputs)} inputs, got {len(inputs)}")
-        template, input_pos, output_pos = self._launch_layout
-        args = list(template)
-        for pos, x in zip(input_pos, inputs):
-            args[pos] = x
-        for pos, x in zip(output_pos, outputs):
-            args[pos] = x
-        return args
+        return self._filled(self._launch_layout, inputs, outputs)
 
     def signature(self) -> dict[str, str]:
         """Triton signature as jax-triton builds it (used for ahead-of-time compiles)."""
