@@ -93,7 +93,7 @@ def _launch_compiled(plan: LaunchPlan, inputs, outputs) -> None:
     if not plan.is_gluon:
         _launch_keyed(plan, key, inputs, outputs)
         return
-    if not all(key[2:2 + len(inputs)]):  # TMA needs 16-byte aligned bases
+    if not all(key[2:2 + len(inputs)]):  # the inputs' flags in the key; TMA needs 16-byte aligned bases
         inputs = _aligned(inputs)
         key = _alignment_key(plan, inputs, outputs)
     token = _allocation._allocator.set(_torch_scratch)  # as _scratch_allocator, without its generator
