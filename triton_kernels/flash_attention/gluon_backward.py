@@ -432,6 +432,11 @@ if AVAILABLE:
         n_n = gl.cdiv(seq_k, TILE_N)
         per_head = (n_n + 1) // 2 if PAIRS else n_n
         n_units = batch * HEADS_KV * per_head
+        # The worker consumer's registers; the default one gets what is left of the launch's pool
+        # (248 or 240). Without a mask 240 spill less (Triton 3.6, head_dim 128: 11 spill stores,
+        # not 16) and ran 1.015-1.019x faster at head_dim 128, seq 1024-4096, with the same bits
+        # (H200; head_dim 64 0.993-1.003x); with one, 0.987-1.002x: it keeps 232
+        # (probe_gluon_backward_variants-dkdv240-*.json).
         gl.warp_specialize([
             (_dkdv_consumer, (dk_ptr, dv_ptr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready,
                               kv_empty, q_ready, do_ready, q_empty, do_empty, logit_scale, sm_scale, seq_q, seq_k, n_n,
@@ -443,4 +448,4 @@ if AVAILABLE:
                                                v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_empty,
                                                q_ready, do_ready, q_empty, do_empty, seq_q, seq_k, n_n, per_head,
                                                n_units, HEADS_Q, HEADS_KV, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, PAIRS)),
-        ], [4, 1], [232, 24])
+        ], [4, 1], [232 if CAUSAL else 240, 24])
