@@ -162,7 +162,7 @@ def layers(q, k, v, device: torch.device) -> list[tuple[int, str, object]]:
             with scratch():
                 runner(*args)
         add(0, "bare kernel[grid] (Triton's launch)", lambda: bare)
-        runner, args = bare()[launch_mod._grid3(plan.grid)], plan.all_args(runtime)
+        runner, args = bare()[launch_mod._grid3(plan.grid)], plan.launch_args(features, (out, lse))
         add(0, "compiled kernel's launcher (floor)" + (" + scratch allocator" if plan.is_gluon else ""),
             lambda: floor)
     return rows

@@ -54,10 +54,14 @@ def test_launch_args_are_every_parameter_in_kernel_order():
              *fa.backward_plans(spec, HOPPER_GLUON)]
     for plan in plans:
         inputs, outputs = [object() for _ in plan.inputs], [object() for _ in plan.outputs]
-        args = plan.launch_args(inputs, outputs)
-        assert args == plan.all_args(plan.runtime_args(inputs, outputs))
-        assert len(args) == len(plan.kernel.arg_names)
-        assert [args[plan.kernel.arg_names.index(n)] for n in plan.inputs] == inputs
+        args = dict(zip(plan.kernel.arg_names, plan.launch_args(inputs, outputs), strict=True))
+        assert [args[n] for n in plan.inputs] == inputs
+        assert [args[o.name] for o in plan.outputs] == outputs
+        assert {n: args[n] for n in plan.constexpr_dict} == plan.constexpr_dict
+        assert {n: args[n] for n in plan.scalar_dict} == plan.scalar_dict
+        assert len(plan.inputs) + len(plan.outputs) + len(plan.constexpr_dict) + len(plan.scalar_dict) == len(args)
+        # and the runtime arguments (Triton's kernel[grid] call) are the same ones without the constexprs
+        assert plan.runtime_args(inputs, outputs) == [v for n, v in args.items() if n not in plan.constexpr_dict]
         with pytest.raises(ValueError, match="expected"):
             plan.launch_args(inputs[1:], outputs)
 

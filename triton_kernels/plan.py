@@ -202,22 +202,6 @@ class LaunchPlan:
         return args
 
     @functools.cached_property
-    def _full_layout(self) -> tuple[list, list[int]]:
-        """(every parameter in kernel order with constexprs filled in, where ``runtime_args`` go)."""
-        names = list(self.kernel.arg_names)
-        template = [self.constexpr_dict.get(n) for n in names]
-        return template, [i for i, n in enumerate(names) if n not in self.constexpr_dict]
-
-    def all_args(self, runtime_args: Sequence[Any]) -> list[Any]:
-        """``runtime_args`` with the constexprs put back: every kernel parameter in order, the
-        argument list a compiled Triton kernel's launcher takes."""
-        template, positions = self._full_layout
-        args = list(template)
-        for pos, x in zip(positions, runtime_args):
-            args[pos] = x
-        return args
-
-    @functools.cached_property
     def _launch_layout(self) -> tuple[list, list[int], list[int]]:
         """(every parameter in kernel order, constexprs and scalars filled in; input positions;
         output positions)."""
@@ -226,8 +210,8 @@ class LaunchPlan:
         return template, [names.index(n) for n in self.inputs], [names.index(o.name) for o in self.outputs]
 
     def launch_args(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Any]:
-        """``all_args(runtime_args(inputs, outputs))`` in one pass: what a relaunch of the compiled
-        kernel takes, built on every launch."""
+        """Every kernel parameter in order, constexprs included: the argument list a compiled
+        Triton kernel's launcher takes (a relaunch builds it on every launch)."""
         return self._filled(self._launch_layout, inputs, outputs)
 
     def signature(self) -> dict[str, str]:

@@ -39,8 +39,7 @@ def persistent_schedule(tile_work: list[float], rows: int, causal: bool, num_sms
     # Pairs only where a row has two tiles (Triton 3.6 fails to compile their code where seq_q is the constant 1).
     if not causal or n < 2:
         return (min(rows * n, num_sms),), False
-    unit_work = [tile_work[n - 1 - p] + (tile_work[p] if 2 * p + 1 < n else 0.0) for p in range(cdiv(n, 2))]
-    units = rows * len(unit_work)
+    units = rows * cdiv(n, 2)  # a unit: tiles n - 1 - p and p of a row
     if units >= ROUND_ROBIN_ALWAYS * num_sms:
         return (num_sms,), True
     start = PROGRAM_START_BLOCKS * 128 / head_dim
