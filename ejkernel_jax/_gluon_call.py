@@ -14,6 +14,7 @@ import zlib
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
@@ -36,8 +37,8 @@ def supported() -> bool:
 
 
 def launch(plan: LaunchPlan, facts: DeviceFacts, inputs: Sequence[jax.Array]) -> list[jax.Array]:
-    if plan.aliases or any(o.zeroed for o in plan.outputs):
-        raise NotImplementedError(f"{plan.name}: the Gluon launcher has no aliased or zeroed outputs")
+    if plan.aliases:
+        raise NotImplementedError(f"{plan.name}: the Gluon launcher has no aliased outputs")
     out_types = tuple((o.shape, o.dtype) for o in plan.outputs)
     return _primitive().bind(*inputs, call=_call(plan, facts), out_types=out_types)
 
@@ -55,13 +56,15 @@ def _call(plan: LaunchPlan, facts: DeviceFacts) -> bytes:
     # XLA hands the kernel its buffers in operand order, inputs then outputs, which is the plans'
     # parameter order; scalars sit between them. Constexprs (the value-1 ints too) are compiled in.
     signature, constexprs = plan.signature(), plan.aot_constexprs()
-    arrays = set(plan.inputs) | {o.name for o in plan.outputs}
+    # The call zeroes the first bytes of an array parameter that asks (zeroed outputs), before the launch.
+    zero_bytes = {o.name: o.numel * jnp.dtype(o.dtype).itemsize if o.zeroed else 0 for o in plan.outputs}
+    zero_bytes.update((name, 0) for name in plan.inputs)
     params = []
     for name in plan.kernel.arg_names:
         if name in constexprs:
             continue
-        if name in arrays:
-            params.append(gpu_triton.create_array_parameter(0, 16))
+        if name in zero_bytes:
+            params.append(gpu_triton.create_array_parameter(zero_bytes[name], 16))
         else:
             params.append(gpu_triton.create_scalar_parameter(plan.scalar_dict[name], signature[name]))
     grid = (*plan.grid, *(1,) * (3 - len(plan.grid)))

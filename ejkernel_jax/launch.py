@@ -83,7 +83,7 @@ def launch(plan: LaunchPlan, *inputs: jax.Array) -> tuple[jax.Array, ...]:
         if jnp.dtype(x.dtype).name != dtype:
             raise ValueError(f"{plan.name}: input {name} must be {dtype}, got {x.dtype}")
     if plan.is_empty and not plan.aliases:
-        outputs = tuple(jnp.zeros(o.shape, o.dtype) for o in plan.outputs)
+        outputs = tuple(jnp.zeros(o.shape, o.dtype) for o in plan.outputs if o.returned)
     else:
         run = _batchable(plan) if any_traced(*inputs) else functools.partial(_run, plan)
         outputs = tuple(run(*inputs))
@@ -125,29 +125,30 @@ def _batchable(plan: LaunchPlan):
         xs = [x if batched else jnp.broadcast_to(x, (axis_size,) + x.shape)
               for x, batched in zip(xs, in_batched)]
         outs = jax.lax.map(lambda args: tuple(run(*args)), tuple(xs))
-        return tuple(outs), (True,) * len(plan.outputs)
+        return tuple(outs), (True,) * len(outs)
 
     return run
 
 
-def _out_shapes(plan: LaunchPlan):
-    return tuple(jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype)) for o in plan.outputs)
+def _out_shapes(plan: LaunchPlan, every: bool = False):
+    """The outputs a launch returns, or with ``every`` all the kernel writes (``Output.returned``)."""
+    return tuple(jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype)) for o in plan.outputs if every or o.returned)
 
 
 def _launch_gpu(plan: LaunchPlan, inputs: Sequence[jax.Array]):
     if plan.is_gluon:
         from . import _gluon_call
 
-        return _gluon_call.launch(plan, _gpu_facts(), inputs)
+        return plan.results(_gluon_call.launch(plan, _gpu_facts(), inputs))
     jt = _jax_triton()
     by_name = dict(zip(plan.inputs, inputs))
     # jax-triton types a Python float as fp64; plans hold float32 values.
     by_name.update((n, np.float32(v) if isinstance(v, float) else v) for n, v in plan.scalars)
     args = [by_name[n] for n in plan.kernel.arg_names if n in by_name]
-    return jt.triton_call(
+    return plan.results(jt.triton_call(
         *args,
         kernel=plan.kernel,
-        out_shape=_out_shapes(plan),
+        out_shape=_out_shapes(plan, every=True),
         grid=plan.grid,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
@@ -155,7 +156,7 @@ def _launch_gpu(plan: LaunchPlan, inputs: Sequence[jax.Array]):
         zeroed_outputs=tuple(i for i, o in enumerate(plan.outputs) if o.zeroed),
         input_output_aliases=dict(plan.aliases),
         **plan.constexpr_dict,
-    )
+    ))
 
 
 def _launch_interpreted(plan: LaunchPlan, inputs: Sequence[jax.Array]):

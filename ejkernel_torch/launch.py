@@ -212,13 +212,13 @@ def _launch_on(plan: LaunchPlan, inputs, device: torch.device) -> tuple[torch.Te
         raise ValueError(f"{plan.name}: no Triton launcher for device {device}")
     outputs = _outputs(plan, inputs, device)
     if plan.is_empty:
-        return tuple(outputs)
+        return plan.results(outputs)
     if device.type == "cpu":
         run_interpreted(plan, inputs, outputs)
     else:
         with _on_device(device):
             _launch_compiled(plan, inputs, outputs)
-    return tuple(outputs)
+    return plan.results(outputs)
 
 
 def _outputs(plan: LaunchPlan, inputs, device: torch.device) -> list[torch.Tensor]:
@@ -335,7 +335,7 @@ def plan_text(plan: LaunchPlan) -> str:
     fn = plan.kernel.fn
     doc = {
         "kernel": f"{fn.__module__}:{fn.__name__}", "grid": plan.grid, "inputs": plan.inputs,
-        "input_dtypes": plan.input_dtypes, "outputs": [[o.name, o.shape, o.dtype, o.zeroed] for o in plan.outputs],
+        "input_dtypes": plan.input_dtypes, "outputs": [[o.name, o.shape, o.dtype, o.zeroed, o.returned] for o in plan.outputs],
         "scalars": plan.scalars, "constexprs": plan.constexprs, "num_warps": plan.num_warps,
         "num_stages": plan.num_stages, "enable_fp_fusion": plan.enable_fp_fusion, "maxnreg": plan.maxnreg,
         "aliases": plan.aliases,
@@ -351,7 +351,8 @@ def plan_from_text(text: str) -> LaunchPlan:
     return LaunchPlan(
         kernel=getattr(importlib.import_module(module), name), grid=tuple(doc["grid"]), inputs=tuple(doc["inputs"]),
         input_dtypes=tuple(doc["input_dtypes"]),
-        outputs=tuple(Output(n, tuple(shape), dtype, zeroed) for n, shape, dtype, zeroed in doc["outputs"]),
+        # (an output's "returned" flag is absent from the texts in graphs cached before it existed)
+        outputs=tuple(Output(n, tuple(shape), dtype, *flags) for n, shape, dtype, *flags in doc["outputs"]),
         scalars=tuples(doc["scalars"]), constexprs=tuples(doc["constexprs"]), num_warps=doc["num_warps"],
         num_stages=doc["num_stages"], enable_fp_fusion=doc["enable_fp_fusion"], aliases=tuples(doc["aliases"]),
         maxnreg=doc.get("maxnreg"),  # absent from the texts in graphs cached before it existed
@@ -365,7 +366,8 @@ def _launch_plan_op(inputs: list[torch.Tensor], plan: str) -> list[torch.Tensor]
 
 @_launch_plan_op.register_fake
 def _launch_plan_fake(inputs, plan):
-    return [inputs[0].new_empty(o.shape, dtype=torch_dtype(o.dtype)) for o in plan_from_text(plan).outputs]
+    return [inputs[0].new_empty(o.shape, dtype=torch_dtype(o.dtype)) for o in plan_from_text(plan).outputs
+            if o.returned]
 
 
 def launch_traceable(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -387,4 +389,4 @@ def launch_traceable(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Ten
             torch.library.wrap_triton(plan.kernel)[plan.grid](
                 *plan.runtime_args(inputs, outputs), **plan.constexpr_dict,
                 num_warps=plan.num_warps, num_stages=plan.num_stages)
-    return tuple(outputs)
+    return plan.results(outputs)

@@ -1,4 +1,6 @@
 """The launch machinery: plans, both launchers, the interpreter scope, jit/vmap, jax-triton import."""
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -97,6 +99,43 @@ def test_zeroed_outputs_and_aliases(fw, rng):
     assert total.shape == (1,) and abs(float(total[0]) - x.astype(np.float64).sum()) <= (
         (len(x) - 1) * 2.0**-24 * np.abs(x.astype(np.float64)).sum())
     np.testing.assert_allclose(out, acc + x, rtol=1e-6)
+
+
+def _accumulate_keeping_the_sum(n: int) -> LaunchPlan:
+    """accumulate_plan with its zeroed sum a buffer only the kernel sees (``Output.returned``)."""
+    plan = kt.accumulate_plan(n)
+    return dataclasses.replace(plan, outputs=(dataclasses.replace(plan.outputs[0], returned=False),
+                                              *plan.outputs[1:]))
+
+
+def test_unreturned_outputs_are_passed_to_the_kernel_but_not_returned(fw, rng):
+    x, acc = (rng.standard_normal(37).astype(np.float32) for _ in range(2))
+    plan = _accumulate_keeping_the_sum(37)
+    runs = [lambda *a: _launch(fw, plan, *a)]
+    if fw.name == "jax":
+        import jax
+
+        runs.append(lambda *a: jax.jit(lambda *b: fw.launch(plan, *b))(*(fw.asarray(b) for b in a)))
+    for run in runs:
+        results = run(x, acc)
+        assert len(results) == 1
+        np.testing.assert_allclose(fw.to_numpy(results[0]), acc + x, rtol=1e-6)
+
+
+def test_plan_text_keeps_unreturned_outputs_and_reads_older_texts():
+    from ejkernel_torch.launch import plan_from_text, plan_text
+
+    plan = _accumulate_keeping_the_sum(5)
+    assert plan_from_text(plan_text(plan)) == plan
+    doc = json.loads(plan_text(kt.accumulate_plan(5)))
+    doc["outputs"] = [o[:4] for o in doc["outputs"]]  # a text from before the flag
+    assert plan_from_text(json.dumps(doc)) == kt.accumulate_plan(5)
+    x = torch.arange(5, dtype=torch.float32)
+    results = torch.ops.ejkernel.interpret_plan([x, torch.zeros(5)], plan_text(plan))  # the opaque op
+    assert len(results) == 1 and torch.equal(results[0], x)
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = torch.ops.ejkernel.interpret_plan([mode.from_tensor(x)] * 2, plan_text(plan))
+    assert [tuple(t.shape) for t in fake] == [(5,)]
 
 
 def test_float32_to_bfloat16_rounds_to_nearest_even(fw, rng):

@@ -103,6 +103,8 @@ class Output:
     shape: tuple[int, ...]
     dtype: str
     zeroed: bool = False  # the launcher fills it with zeros before the launch
+    # False: a buffer only the kernel uses (a tile counter): allocated and passed, not returned
+    returned: bool = True
 
     @property
     def numel(self) -> int:
@@ -213,6 +215,17 @@ class LaunchPlan:
         """Every kernel parameter in order, constexprs included: the argument list a compiled
         Triton kernel's launcher takes (a relaunch builds it on every launch)."""
         return self._filled(self._launch_layout, inputs, outputs)
+
+    @functools.cached_property
+    def _returned(self) -> tuple[int, ...] | None:
+        """Positions of the outputs a launch returns; None when it returns them all."""
+        kept = tuple(i for i, o in enumerate(self.outputs) if o.returned)
+        return None if len(kept) == len(self.outputs) else kept
+
+    def results(self, outputs: Sequence[Any]) -> tuple[Any, ...]:
+        """What a launch returns of the ``outputs`` it allocated: all but the unreturned ones."""
+        kept = self._returned
+        return tuple(outputs) if kept is None else tuple(outputs[i] for i in kept)
 
     def signature(self) -> dict[str, str]:
         """Triton signature as jax-triton builds it (used for ahead-of-time compiles)."""
