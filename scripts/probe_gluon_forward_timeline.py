@@ -63,18 +63,18 @@ _CLOCK = '''    @gluon.jit
     @gluon.jit
     def _mask('''
 
-_RECORD = '''                t3 = _clock()
-                if WG == 0:
-                    if tiles < {max_tiles}:
-                        rec = dbg + tiles * {fields}
-                        gl.store(rec, t0)
-                        gl.store(rec + 1, t1)
-                        gl.store(rec + 2, t2)
-                        gl.store(rec + 3, t3)
-                        gl.store(rec + 4, n_blocks)
-                        gl.store(rec + 5, first_masked)
-                        gl.store(rec + 6, m0)
-                        gl.store(rec + 7, 1)
+_RECORD = '''        t3 = _clock()
+        if WG == 0:
+            if tiles < {max_tiles}:
+                rec = dbg + tiles * {fields}
+                gl.store(rec, t0)
+                gl.store(rec + 1, t1)
+                gl.store(rec + 2, t2)
+                gl.store(rec + 3, t3)
+                gl.store(rec + 4, n_blocks)
+                gl.store(rec + 5, first_masked)
+                gl.store(rec + 6, m0)
+                gl.store(rec + 7, 1)
 '''
 
 _EXIT = '''        exit_ns = _globaltimer()
@@ -89,20 +89,28 @@ _EXIT = '''        exit_ns = _globaltimer()
         gl.store(rec + 6, 1)
 '''
 
-# (text in the kernel's source, what replaces it): each must occur exactly once
-_STAGE = ("                _stage_rows(o_desc, lse_ptr, o_rows, acc, m_i, l_i, row0, seq_q, b, h * HEAD_DIM, lse_base, "
+# (text in the kernel's source, what replaces it[, how often it occurs]): once unless said. The
+# consumer stamps t0 before it waits for a tile's query rows (either walk, static or claimed) and
+# hands it to _consume_tile, which stamps the rest and records them.
+_STAGE = ("        _stage_rows(o_desc, lse_ptr, o_rows, acc, m_i, l_i, row0, seq_q, b, h * HEAD_DIM, lse_base, "
           "BLOCK_N)\n")
 _REGION_END = "            ], [4, 1], [232, 24])\n"  # the two-consumer warp_specialize call
+_NEXT_WAIT = "mbarrier.wait(q_ready.index(tiles % 2), (tiles // 2) & 1)\n"
 EDITS = [
     ("    @gluon.jit\n    def _mask(", _CLOCK),
-    ("logit_scale, seq_q, seq_k, n_m, per_head, n_units) = state\n",
+    ("logit_scale, seq_q, seq_k, n_m, per_head, n_units) = state\n",  # in _consumer and _consume_tile
      "logit_scale, seq_q, seq_k, n_m, per_head, n_units, dbg_ptr) = state\n"
-     f"        dbg = dbg_ptr + gl.program_id(0) * {STRIDE}\n"),
-    ("                mbarrier.wait(q_ready.index(buf), (tiles // 2) & 1)\n",
-     "                t0 = _clock()\n                mbarrier.wait(q_ready.index(buf), (tiles // 2) & 1)\n"
-     "                t1 = _clock()\n"),
-    ("                lse_base = (b.to(gl.int64) * HEADS_Q + h) * seq_q\n",
-     "                t2 = _clock()\n                lse_base = (b.to(gl.int64) * HEADS_Q + h) * seq_q\n"),
+     f"        dbg = dbg_ptr + gl.program_id(0) * {STRIDE}\n", 2),
+    ("            mbarrier.wait(q_ready.index(0), 0)\n",
+     "            t0 = _clock()\n            mbarrier.wait(q_ready.index(0), 0)\n"),
+    ("                tiles += 1\n                " + _NEXT_WAIT,  # the claimed walk's next tile
+     "                tiles += 1\n                t0 = _clock()\n                " + _NEXT_WAIT),
+    ("CAUSAL)\n                    " + _NEXT_WAIT,  # the static walk's
+     "CAUSAL)\n                    t0 = _clock()\n                    " + _NEXT_WAIT),
+    ("_consume_tile(state, o_desc,", "_consume_tile(t0, state, o_desc,", 3),  # the definition and both calls
+    ("        buf = tiles % 2\n        if not CAUSAL:", "        t1 = _clock()\n        buf = tiles % 2\n        if not CAUSAL:"),
+    ("        lse_base = (b.to(gl.int64) * HEADS_Q + h) * seq_q\n",
+     "        t2 = _clock()\n        lse_base = (b.to(gl.int64) * HEADS_Q + h) * seq_q\n"),
     (_STAGE, _STAGE + _RECORD.format(max_tiles=MAX_TILES, fields=FIELDS)),
     ("logit_scale, seq_q, seq_k, n_m, per_head, n_units)\n        if CONSUMERS == 3:",
      "logit_scale, seq_q, seq_k, n_m, per_head, n_units, seed_ptr)\n"
@@ -116,9 +124,10 @@ EDITS = [
 
 def instrument(source: str) -> str:
     """The kernel source with the clock stamps of ``EDITS``."""
-    for old, new in EDITS:
-        if source.count(old) != 1:
-            raise SystemExit(f"instrumentation point found {source.count(old)} times, not once:\n{old}")
+    for old, new, *times in EDITS:
+        want = times[0] if times else 1
+        if source.count(old) != want:
+            raise SystemExit(f"instrumentation point found {source.count(old)} times, not {want}:\n{old}")
         source = source.replace(old, new)
     return source
 

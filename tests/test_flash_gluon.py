@@ -233,6 +233,30 @@ def test_tuning_leaves_the_gluon_backward_alone(isolated_config_cache):
     assert params is None and not measured
 
 
+@needs_gluon
+@pytest.mark.parametrize("head_dim, causal, shape, dynamic", [
+    (128, True, (16, 1024, 16), True),  # causal pairs, 70 blocks a program
+    (128, True, (8, 2048, 16), True),  # 132 blocks a program
+    (128, True, (4, 4096, 16), False),  # 256: long enough for the static walk
+    (128, True, (1, 4096, 16), True),  # 64
+    (64, True, (16, 1024, 32), True),
+    (64, True, (4, 4096, 32), False),  # a head_dim 64 block counts half: 256
+    (64, False, (16, 1024, 32), True),  # more tiles than SMs
+    (64, False, (4, 4096, 32), True),  # three consumers
+    (128, False, (16, 1024, 16), False),  # measured slower there
+    (64, False, (2, 300, 4), False),  # a program a tile
+    (128, True, (1, 1000, 16), False)])  # a program a tile under a causal mask
+def test_persistent_gluon_forward_claims_its_tiles(head_dim, causal, shape, dynamic):
+    batch, seq, heads = shape
+    q = (batch, seq, heads, head_dim)
+    plan = fa.forward_plan(fa.dense_spec(q, q, q, ("bfloat16",) * 3, causal=causal), HOPPER_GLUON)
+    assert plan.is_gluon and plan.constexpr_dict["DYNAMIC"] == dynamic
+    counter = plan.outputs[-1]
+    assert (counter.name, counter.shape, counter.dtype) == ("next_tile_ptr", (1,), "int32")
+    assert counter.zeroed == dynamic and not counter.returned
+    assert [o.name for o in plan.outputs if o.returned] == ["o_ptr", "lse_ptr"]
+
+
 # -- ahead-of-time compile for sm_90 (any machine) --------------------------------------------------
 
 @needs_gluon
@@ -250,6 +274,19 @@ def test_gluon_plans_compile_for_hopper(dtype, causal, head_dim):
         # the default partition's 4, the other consumers' 4 each, the loader's 1 (+3 idle)
         assert compiled.metadata.num_warps == 4 * (plan.constexpr_dict.get("CONSUMERS", 2) + 1)
         assert compiled.metadata.global_scratch_size > 0  # the per-program TMA descriptors
+
+
+@needs_gluon
+@pytest.mark.parametrize("head_dim, causal", [(64, False), (64, True), (128, True)])
+def test_gluon_forward_claiming_its_tiles_compiles_for_hopper(head_dim, causal):
+    from triton_kernels.aot import compile_plan
+
+    q = (8, 2048, 2048 // head_dim, head_dim)
+    plan = fa.forward_plan(fa.dense_spec(q, q, q, ("bfloat16",) * 3, causal=causal), HOPPER_GLUON)
+    assert plan.constexpr_dict["DYNAMIC"]
+    compiled = compile_plan(plan)
+    assert compiled.metadata.shared <= HOPPER.shared_memory
+    assert compiled.metadata.num_warps == 4 * (plan.constexpr_dict["CONSUMERS"] + 1)
 
 
 @needs_gluon
@@ -285,10 +322,11 @@ GLUON_CASES = [
     ((2, 2000, 1536, 4, 2, 64), {}),
     ((1, 150, 384, 2, 1, 64), {}),
     # The schedules on an H100 (132 SMs). Query-tile kernels: causal pairs with an odd tile count
-    # (the middle tile alone), programs looping (the forward: 240 units, one round of pairs over 26
-    # heads, then 22 heads tile by tile); dk/dv a program a tile (the Triton dq beside).
+    # (the middle tile alone), programs looping (240 units, one round of pairs over 26 heads, then
+    # 22 heads tile by tile; the forward claims them in that order); dk/dv a program a tile (the
+    # Triton dq beside).
     ((3, 1100, 1100, 16, 4, 64), dict(causal=True)),
-    # Query tiles a program a tile with seq_q < seq_k; dk/dv the same.
+    # Query tiles in pairs with seq_q < seq_k; dk/dv a program a tile.
     ((3, 700, 1500, 16, 2, 128), dict(causal=True)),
     # Single tiles, programs looping.
     ((4, 600, 1500, 16, 8, 128), {}),
@@ -296,6 +334,9 @@ GLUON_CASES = [
     # rounds of pairs (105 heads), then 23 heads tile by tile.
     ((8, 1100, 1100, 16, 16, 64), dict(causal=True)),
     ((5, 1000, 1500, 8, 8, 128), dict(causal=True)),
+    # Tiles claimed from a counter without a mask (head_dim 64): two consumers, then three.
+    ((4, 600, 1500, 16, 8, 64), {}),
+    ((2, 1150, 1152, 16, 4, 64), {}),
 ]
 
 
@@ -352,6 +393,33 @@ def test_gluon_kernels_correct_and_bitwise_across_frameworks(torch_fw, jax_fw, r
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape, causal", [((3, 1100, 16, 64), True), ((3, 700, 16, 128), True),
+                                           ((4, 600, 16, 64), False), ((2, 1152, 16, 64), False)])
+def test_claimed_tiles_give_the_static_walks_bits(rng, shape, causal):
+    """The forward claiming its tiles and walking them statically (long causal calls, head_dim 128
+    without a mask) compute each tile alike: the same bits, every element written (outputs
+    poisoned), the counter zeroed for every call."""
+    _hopper_with_gluon()
+    import torch
+
+    from ejkernel_torch.launch import launch
+    from ejkernel_torch.ops.flash_attention import _features
+    from triton_kernels.debug import poison_outputs
+
+    q, k, v = (torch.tensor(rng.standard_normal(shape), dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    plan = fa.forward_plan(fa.dense_spec(shape, shape, shape, ("bfloat16",) * 3, causal=causal), _torch_facts())
+    assert plan.constexpr_dict["DYNAMIC"] and plan.outputs[-1].zeroed
+    static = dataclasses.replace(plan, constexprs=tuple((n, False if n == "DYNAMIC" else x) for n, x in plan.constexprs),
+                                 outputs=plan.outputs[:-1] + (dataclasses.replace(plan.outputs[-1], zeroed=False),))
+    arrays = _features(q, k, v, None, None, None, None, None, None)
+    with poison_outputs():
+        claimed, walked, again = launch(plan, *arrays), launch(static, *arrays), launch(plan, *arrays)
+    assert not claimed[0].isnan().any() and not claimed[1].isnan().any()
+    for a, b, c in zip(claimed, walked, again):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.gpu
 def test_gluon_kernels_take_unaligned_views_and_leave_the_allocator_alone():
     _hopper_with_gluon()
     import torch
@@ -380,20 +448,24 @@ def test_gluon_kernels_take_unaligned_views_and_leave_the_allocator_alone():
 
 
 @pytest.mark.gpu
-def test_gluon_forward_under_cuda_graph_replay(rng):
-    """A captured Gluon launch (its TMA descriptors built in scratch from the graph's pool) replays
-    on new inputs to what eager calls give, with eager Gluon launches on the stream in between."""
+@pytest.mark.parametrize("seq, heads", [(257, 4), (1100, 16)])  # the static walk; tiles claimed from a counter
+def test_gluon_forward_under_cuda_graph_replay(rng, seq, heads):
+    """A captured Gluon launch (its TMA descriptors built in scratch from the graph's pool, its
+    tile counter zeroed by a captured fill) replays on new inputs to what eager calls give, with
+    eager Gluon launches on the stream in between."""
     _hopper_with_gluon()
     import torch
 
     import ejkernel_torch as ejk
 
     def inputs(seq):
-        return [torch.tensor(rng.standard_normal((2, seq, 4, 64)), dtype=torch.bfloat16, device="cuda")
+        return [torch.tensor(rng.standard_normal((2, seq, heads, 64)), dtype=torch.bfloat16, device="cuda")
                 for _ in range(3)]
 
-    q, k, v = inputs(257)
-    _assert_gluon(fa.dense_spec(q.shape, k.shape, v.shape, ("bfloat16",) * 3, causal=True))
+    q, k, v = inputs(seq)
+    spec = fa.dense_spec(q.shape, k.shape, v.shape, ("bfloat16",) * 3, causal=True)
+    _assert_gluon(spec)
+    assert fa.forward_plan(spec, _torch_facts()).constexpr_dict["DYNAMIC"] == (seq == 1100)
     ejk.flash_attention(q, k, v, causal=True)  # compile outside the capture
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -404,7 +476,7 @@ def test_gluon_forward_under_cuda_graph_replay(rng):
     with torch.cuda.graph(graph):
         captured = ejk.flash_attention(q, k, v, causal=True)
     for _ in range(2):
-        fresh = inputs(257)
+        fresh = inputs(seq)
         for dst, src in zip((q, k, v), fresh):
             dst.copy_(src)
         want = ejk.flash_attention(*fresh, causal=True)

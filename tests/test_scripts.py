@@ -90,10 +90,11 @@ def test_timeline_probe_instruments_the_plans_forward_kernel():
     module = probe._load(gluon_forward.__file__)
     assert "t0 = _clock()" in inspect.getsource(module)
     h100 = dataclasses.replace(DeviceFacts.cuda((9, 0), 132), gluon=True)
-    shape = (2, 256, 2, 64)
-    spec = fa.dense_spec(shape, shape, shape, ("bfloat16",) * 3, causal=True)
-    plan = dataclasses.replace(gluon_forward_plan(spec, h100), kernel=module.flash_fwd_gluon_kernel)
-    assert compile_plan(plan).asm["cubin"]
+    for shape, dynamic in (((2, 256, 2, 64), False), ((16, 1024, 32, 64), True)):  # the static walk, claimed tiles
+        spec = fa.dense_spec(shape, shape, shape, ("bfloat16",) * 3, causal=True)
+        plan = dataclasses.replace(gluon_forward_plan(spec, h100), kernel=module.flash_fwd_gluon_kernel)
+        assert plan.constexpr_dict["DYNAMIC"] == dynamic
+        assert compile_plan(plan).asm["cubin"]
 
 
 def test_timeline_probe_summary_takes_32_bit_clock_differences():

@@ -17,7 +17,9 @@ softmax. This kernel splits a CTA by role, as FlashAttention-3 does:
 The grid is persistent: one program an SM walks schedule units (``_slot_tile``) in a static
 round robin, and the loader fetches the next tile while the consumers finish the current one.
 Under a causal mask the forward and dq deal the last, partial round's heads tile by tile instead
-(``_tail_slot_tile``).
+(``_tail_slot_tile``). In short causal calls, and at head_dim 64 without a mask, the forward's
+programs claim their tiles in that order from a counter instead (``_claim_tiles``,
+``schedule.claims_tiles``).
 So a short sequence no longer pays, per tile, a program's start (barriers, descriptors, the
 first loads) and its epilogue: at seq 1024 that was 10-35% of the time.
 
@@ -281,6 +283,28 @@ if AVAILABLE:
         return 2 * units if PAIRS else units
 
     @gluon.jit
+    def _pair_tile(unit, first, n_tiles, per_head):
+        """(batch x heads row, tile, whether it exists) of pair unit ``unit``'s ``first`` tile
+        (``n_tiles - 1 - p``) or its second (``p``)."""
+        bh = unit // per_head
+        p = unit % per_head
+        if first:
+            t = n_tiles - 1 - p
+            exists = True
+        else:
+            t = p
+            exists = 2 * p + 1 < n_tiles  # the middle tile of an odd count is alone in its unit
+        return bh, t, exists
+
+    @gluon.jit
+    def _tail_tile(i, paired, n_units, per_head, n_tiles):
+        """(batch x heads row, tile) of the ``i``-th tile after the ``paired`` units: the remaining
+        rows' tiles, largest (last) first, row after row."""
+        first_row = paired // per_head
+        tail_rows = n_units // per_head - first_row
+        return first_row + i % tail_rows, n_tiles - 1 - i // tail_rows
+
+    @gluon.jit
     def _slot_tile(slot, n_tiles, per_head, HEADS: gl.constexpr, TILE: gl.constexpr, PAIRS: gl.constexpr):
         """(first row, head, batch row, whether it exists) of this program's ``slot``-th tile. A
         schedule unit is one tile of ``TILE`` rows, or with ``PAIRS`` (a causal mask) a pair of
@@ -293,17 +317,11 @@ if AVAILABLE:
         1024 on an H100 (probe_gluon_forward_variants, "dyn_half"; instruction fetch, we think)."""
         UNIT: gl.constexpr = 2 if PAIRS else 1
         unit = gl.program_id(0) + (slot // UNIT) * gl.num_programs(0)
-        bh = unit // per_head
-        p = unit % per_head
         if PAIRS:
-            if slot % 2 == 0:
-                t = n_tiles - 1 - p
-                exists = True
-            else:
-                t = p
-                exists = 2 * p + 1 < n_tiles  # the middle tile of an odd count is alone in its unit
+            bh, t, exists = _pair_tile(unit, slot % 2 == 0, n_tiles, per_head)
         else:
-            t = p
+            bh = unit // per_head
+            t = unit % per_head
             exists = True
         return t * TILE, bh % HEADS, bh // HEADS, exists
 
@@ -351,17 +369,63 @@ if AVAILABLE:
                 m0, h, b, exists = _slot_tile(slot, n_tiles, per_head, HEADS, TILE, PAIRS)
             else:
                 s = slot - pair_slots
-                i = s * G + gl.where(s % 2 == 0, G - 1 - pid, pid)
-                first_row = paired // per_head
-                tail_rows = n_units // per_head - first_row
-                bh = first_row + i % tail_rows
-                m0 = (n_tiles - 1 - i // tail_rows) * TILE
+                bh, t = _tail_tile(s * G + gl.where(s % 2 == 0, G - 1 - pid, pid), paired, n_units, per_head,
+                                   n_tiles)
+                m0 = t * TILE
                 h = bh % HEADS
                 b = bh // HEADS
                 exists = True
         else:
             m0, h, b, exists = _slot_tile(slot, n_tiles, per_head, HEADS, TILE, PAIRS)
         return m0, h, b, exists
+
+    @gluon.jit
+    def _claimed_tile(claim, n_tiles, per_head, n_units, HEADS: gl.constexpr, TILE: gl.constexpr,
+                      PAIRS: gl.constexpr):
+        """(first row, head, batch row, whether it exists) of the ``claim``-th tile of the dynamic
+        schedule, where each program's loader claims its next tile from a counter all share
+        (``_claim_tiles``): a program that runs ahead takes more tiles, so programs finish
+        together however fast their SMs run. The order is ``_tail_slot_tile``'s, without the
+        programs: with ``PAIRS``, claims 2u and 2u + 1 are unit u's two tiles up to the last full
+        round (``_paired_units``), then the remaining heads' tiles one by one, largest first;
+        without, tile after tile of each head. Clock stamps had put what the causal forward lost
+        at seq 1024 in the static walk's last round: programs with equal work ended up to 12 us
+        apart. ``schedule.claims_tiles`` says where it runs."""
+        if PAIRS:
+            paired = _paired_units(n_units, per_head)
+            if claim < 2 * paired:
+                bh, t, exists = _pair_tile(claim // 2, claim % 2 == 0, n_tiles, per_head)
+            else:
+                bh, t = _tail_tile(claim - 2 * paired, paired, n_units, per_head, n_tiles)
+                exists = True
+        else:
+            bh = claim // per_head
+            t = claim % per_head
+            exists = True
+        return t * TILE, bh % HEADS, bh // HEADS, exists
+
+    @gluon.jit
+    def _claimable(n_units, per_head, n_tiles, PAIRS: gl.constexpr):
+        """How many claims ``_claimed_tile`` numbers."""
+        if PAIRS:
+            paired = _paired_units(n_units, per_head)
+            return 2 * paired + (n_units - paired) // per_head * n_tiles
+        else:
+            return n_units
+
+    @gluon.jit
+    def _post(claims, i, value):
+        """From the loader's warp: ``claims[i] = value``, every lane's store done before one of
+        them arrives on the barrier that publishes it."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        claims.index(i).store(gl.full([1], value, gl.int32, layout))
+        _thread_barrier()
+
+    @gluon.jit
+    def _read_post(claims, i):
+        """``claims[i]`` in a consumer warpgroup, after the barrier that published it."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        return gl.max(claims.index(i).load(layout), axis=0)
 
     @gluon.jit
     def _kv_blocks(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b, col, n_blocks, ring,
@@ -446,11 +510,111 @@ if AVAILABLE:
                 BLOCK_N, STAGES, CAUSAL, PAIRS, WITH_DO)
 
     @gluon.jit
+    def _claim_tiles(next_tile_ptr, claims, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                     v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q: gl.constexpr,
+                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
+        """``_loader`` for the dynamic schedule: tiles are claimed in ``_claimed_tile``'s order from
+        a counter all programs share (``next_tile_ptr``, zero at launch), the next one as soon as a
+        tile's query loads are out. Each tile's first row and batch x heads row go to the
+        consumers in ``claims`` beside its query parts; a first row of -1 ends their loop."""
+        ROWS: gl.constexpr = q_smem.shape[1]
+        PARTS: gl.constexpr = q_smem.shape[0] // 2
+        TILE_M: gl.constexpr = PARTS * ROWS
+        total = _claimable(n_units, per_head, n_m, PAIRS)
+        ring = 0
+        tiles = 0
+        claim = gl.atomic_add(next_tile_ptr, 1)
+        while claim < total:
+            m0, h, b, exists = _claimed_tile(claim, n_m, per_head, n_units, HEADS_Q, TILE_M, PAIRS)
+            if exists:
+                n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
+                buf = tiles % 2
+                mbarrier.wait(q_empty.index(buf), ((tiles // 2) & 1) ^ 1)
+                _post(claims, buf, m0)
+                _post(claims, 2 + buf, b * HEADS_Q + h)
+                bar = q_ready.index(buf)
+                mbarrier.expect(bar, PARTS * q_desc.block_type.nbytes)
+                for i in gl.static_range(PARTS):
+                    _tma_load(q_desc, [b, m0 + i * ROWS, h * HEAD_DIM], bar, q_smem.index(PARTS * buf + i))
+                claim = gl.atomic_add(next_tile_ptr, 1)  # the next claim's latency hides behind this tile's blocks
+                _kv_blocks(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b,
+                           (h // GROUP) * HEAD_DIM, n_blocks, ring, BLOCK_N, STAGES)
+                ring += n_blocks
+                tiles += 1
+            else:
+                claim = gl.atomic_add(next_tile_ptr, 1)
+        buf = tiles % 2
+        mbarrier.wait(q_empty.index(buf), ((tiles // 2) & 1) ^ 1)
+        _post(claims, buf, -1)
+        mbarrier.arrive(q_ready.index(buf), count=1)
+
+    @gluon.jit
+    def _forward_loader(next_tile_ptr, claims, q_ptr, k_ptr, v_ptr, batch, q_smem, k_smem, v_smem, q_ready, q_empty,
+                        k_ready, v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units,
+                        HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
+                        DYNAMIC: gl.constexpr):
+        """The forward's loader partition: ``_claim_tiles`` with ``DYNAMIC``, else the static walk
+        of ``_loader_making_descriptors`` (which passes q's pointer and buffers for dO's)."""
+        if DYNAMIC:
+            ROWS: gl.constexpr = q_smem.shape[1]
+            q_desc = _batch_heads(q_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS)
+            k_desc = _batch_heads(k_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
+            v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
+            _claim_tiles(next_tile_ptr, claims, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                         v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q,
+                         HEADS_Q // HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)
+        else:
+            _loader_making_descriptors(q_ptr, q_ptr, k_ptr, v_ptr, batch, q_smem, q_smem, k_smem, v_smem, q_ready,
+                                       q_empty, k_ready, v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head,
+                                       n_units, HEADS_Q, HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS, False)
+
+    @gluon.jit
     def _consumer(state, WG: gl.constexpr, HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, PAIRS: gl.constexpr):
-        """Warpgroup ``WG``'s 64 rows of each of this program's tiles, in the loader's order;
-        ``state`` holds the runtime values all consumers share (pointers, buffers, barriers,
-        sizes).
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, PAIRS: gl.constexpr,
+                  DYNAMIC: gl.constexpr):
+        """Warpgroup ``WG``'s 64 rows of each of this program's tiles, in the loader's order: the
+        static walk (``_tail_slot_tile``), or with ``DYNAMIC`` the tiles the loader claimed, read
+        from ``claims`` (``_claim_tiles``). ``state`` holds the runtime values all consumers share
+        (pointers, buffers, barriers, sizes)."""
+        (o_ptr, batch, lse_ptr, q_smem, o_smem, k_smem, v_smem, claims, q_ready, q_empty, k_ready, v_ready, k_empty,
+         v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units) = state
+        ROWS: gl.constexpr = q_smem.shape[1]
+        o_desc = _batch_heads(o_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS)  # see _loader_making_descriptors
+        PARTS: gl.constexpr = q_smem.shape[0] // 2
+        TILE_M: gl.constexpr = PARTS * ROWS
+        ring = 0
+        tiles = 0
+        if DYNAMIC:
+            mbarrier.wait(q_ready.index(0), 0)
+            m0 = _read_post(claims, 0)
+            while m0 >= 0:
+                bh = _read_post(claims, 2 + tiles % 2)
+                n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
+                _consume_tile(state, o_desc, m0, bh % HEADS_Q, bh // HEADS_Q, n_blocks, first_masked, ring, tiles,
+                              WG, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL)
+                ring += n_blocks
+                tiles += 1
+                mbarrier.wait(q_ready.index(tiles % 2), (tiles // 2) & 1)
+                m0 = _read_post(claims, tiles % 2)
+        else:
+            for slot in range(_tail_slots(n_units, per_head, n_m, PAIRS)):
+                m0, h, b, exists = _tail_slot_tile(slot, n_m, per_head, n_units, HEADS_Q, TILE_M, PAIRS)
+                if exists:
+                    n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
+                    mbarrier.wait(q_ready.index(tiles % 2), (tiles // 2) & 1)
+                    _consume_tile(state, o_desc, m0, h, b, n_blocks, first_masked, ring, tiles, WG, HEADS_Q, HEAD_DIM,
+                                  BLOCK_N, STAGES, CAUSAL, KEY_TAIL)
+                    ring += n_blocks
+                    tiles += 1
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _consume_tile(state, o_desc, m0, h, b, n_blocks, first_masked, ring, tiles, WG: gl.constexpr,
+                      HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr):
+        """One tile of ``_consumer``, its query parts ready (the ``tiles``-th of this program).
 
         A tile's output leaves through shared memory with a TMA store (``_stage_rows``). Stored
         from registers, 64-bit addresses and 4-byte stores a thread, it took 3-8% more time
@@ -461,37 +625,25 @@ if AVAILABLE:
         store has read it. A causal tile gives its query buffer back after its last QK^T, so that
         the loader can fetch the next tile's sooner, and stages its rows in ``o_smem``, a buffer
         of its own (as fast as the query buffer without a mask: 0.99-1.02x)."""
-        (o_ptr, batch, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+        (o_ptr, batch, lse_ptr, q_smem, o_smem, k_smem, v_smem, claims, q_ready, q_empty, k_ready, v_ready, k_empty,
          v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units) = state
         ROWS: gl.constexpr = q_smem.shape[1]
-        o_desc = _batch_heads(o_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS)  # see _loader_making_descriptors
         PARTS: gl.constexpr = q_smem.shape[0] // 2
-        TILE_M: gl.constexpr = PARTS * ROWS
-        ring = 0
-        tiles = 0
-        for slot in range(_tail_slots(n_units, per_head, n_m, PAIRS)):
-            m0, h, b, exists = _tail_slot_tile(slot, n_m, per_head, n_units, HEADS_Q, TILE_M, PAIRS)
-            if exists:
-                n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
-                buf = tiles % 2
-                mbarrier.wait(q_ready.index(buf), (tiles // 2) & 1)
-                if not CAUSAL:  # the previous tile's output store has read its buffer: release it
-                    tma.store_wait(0)
-                    mbarrier.arrive(q_empty.index((tiles + 1) % 2), count=1, pred=tiles > 0)
-                row0 = m0 + WG * ROWS
-                acc, m_i, l_i = _attend(q_smem.index(PARTS * buf + WG), k_smem, v_smem, k_ready, v_ready, k_empty,
-                                        v_empty, q_empty.index(buf), logit_scale, row0, seq_q, seq_k, n_blocks,
-                                        first_masked, ring, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, CAUSAL)
-                lse_base = (b.to(gl.int64) * HEADS_Q + h) * seq_q
-                if CAUSAL:
-                    tma.store_wait(0)  # the previous tile's store has read o_smem
-                    o_rows = o_smem.index(WG)
-                else:
-                    o_rows = q_smem.index(PARTS * buf + WG)
-                _stage_rows(o_desc, lse_ptr, o_rows, acc, m_i, l_i, row0, seq_q, b, h * HEAD_DIM, lse_base, BLOCK_N)
-                ring += n_blocks
-                tiles += 1
-        tma.store_wait(0)
+        buf = tiles % 2
+        if not CAUSAL:  # the previous tile's output store has read its buffer: release it
+            tma.store_wait(0)
+            mbarrier.arrive(q_empty.index((tiles + 1) % 2), count=1, pred=tiles > 0)
+        row0 = m0 + WG * ROWS
+        acc, m_i, l_i = _attend(q_smem.index(PARTS * buf + WG), k_smem, v_smem, k_ready, v_ready, k_empty,
+                                v_empty, q_empty.index(buf), logit_scale, row0, seq_q, seq_k, n_blocks,
+                                first_masked, ring, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, CAUSAL)
+        lse_base = (b.to(gl.int64) * HEADS_Q + h) * seq_q
+        if CAUSAL:
+            tma.store_wait(0)  # the previous tile's store has read o_smem
+            o_rows = o_smem.index(WG)
+        else:
+            o_rows = q_smem.index(PARTS * buf + WG)
+        _stage_rows(o_desc, lse_ptr, o_rows, acc, m_i, l_i, row0, seq_q, b, h * HEAD_DIM, lse_base, BLOCK_N)
 
     @gluon.jit
     def _batch_heads(ptr, batch, seq, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr):
@@ -507,10 +659,11 @@ if AVAILABLE:
     @gluon.jit(do_not_specialize_on_alignment=RUNTIME_INTS + ["batch"])
     def flash_fwd_gluon_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_ptr, cu_k_ptr, seed_ptr,
                                batch, seq_q, seq_k, logit_scale,
-                               o_ptr, lse_ptr,
+                               o_ptr, lse_ptr, next_tile_ptr,
                                HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
                                CAUSAL: gl.constexpr, PAIRS: gl.constexpr, BLOCK_N: gl.constexpr,
-                               STAGES: gl.constexpr, KEY_TAIL: gl.constexpr, CONSUMERS: gl.constexpr):
+                               STAGES: gl.constexpr, KEY_TAIL: gl.constexpr, CONSUMERS: gl.constexpr,
+                               DYNAMIC: gl.constexpr):
         """Query tiles of 64 rows a consumer warpgroup (``CONSUMERS`` of them: 2 or 3) against the
         keys they see, a program per SM walking the schedule units of ``_slot_tile``. Takes the
         nine feature arrays every flash forward takes and reads q, k and v (the plans route calls
@@ -530,6 +683,10 @@ if AVAILABLE:
             o_smem = q_smem
         q_ready = _barriers(2, 1)
         q_empty = _barriers(2, CONSUMERS)
+        if DYNAMIC:  # the claimed tiles' first rows and batch x heads rows, one of each a query buffer
+            claims = gl.allocate_shared_memory(gl.int32, [4, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        else:
+            claims = q_ready  # not read
         k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _rings(dtype, STAGES, BLOCK_N, HEAD_DIM, kv_layout,
                                                                     CONSUMERS)
 
@@ -538,24 +695,22 @@ if AVAILABLE:
         n_units = batch * HEADS_Q * per_head
         # The default partition is consumer 0; it gets the registers the workers leave (forward_maxnreg).
         # Only runtime values travel in a tuple: constexprs in one arrive as tensors.
-        state = (o_ptr, batch, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                 v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units)
+        state = (o_ptr, batch, lse_ptr, q_smem, o_smem, k_smem, v_smem, claims, q_ready, q_empty, k_ready, v_ready,
+                 k_empty, v_empty, logit_scale, seq_q, seq_k, n_m, per_head, n_units)
         if CONSUMERS == 3:
             gl.warp_specialize([
-                (_consumer, (state, 0, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
-                (_consumer, (state, 1, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
-                (_consumer, (state, 2, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
-                (_loader_making_descriptors, (q_ptr, q_ptr, k_ptr, v_ptr, batch, q_smem, q_smem, k_smem, v_smem,
-                                              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, seq_q, seq_k, n_m,
-                                              per_head, n_units, HEADS_Q, HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
-                                              PAIRS, False)),
+                (_consumer, (state, 0, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS, DYNAMIC)),
+                (_consumer, (state, 1, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS, DYNAMIC)),
+                (_consumer, (state, 2, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS, DYNAMIC)),
+                (_forward_loader, (next_tile_ptr, claims, q_ptr, k_ptr, v_ptr, batch, q_smem, k_smem, v_smem, q_ready,
+                                    q_empty, k_ready, v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head,
+                                    n_units, HEADS_Q, HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS, DYNAMIC)),
             ], [4, 4, 1], [160, 160, 24])
         else:
             gl.warp_specialize([
-                (_consumer, (state, 0, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
-                (_consumer, (state, 1, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS)),
-                (_loader_making_descriptors, (q_ptr, q_ptr, k_ptr, v_ptr, batch, q_smem, q_smem, k_smem, v_smem,
-                                              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, seq_q, seq_k, n_m,
-                                              per_head, n_units, HEADS_Q, HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,
-                                              PAIRS, False)),
+                (_consumer, (state, 0, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS, DYNAMIC)),
+                (_consumer, (state, 1, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PAIRS, DYNAMIC)),
+                (_forward_loader, (next_tile_ptr, claims, q_ptr, k_ptr, v_ptr, batch, q_smem, k_smem, v_smem, q_ready,
+                                    q_empty, k_ready, v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head,
+                                    n_units, HEADS_Q, HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS, DYNAMIC)),
             ], [4, 1], [232, 24])

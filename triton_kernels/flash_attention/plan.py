@@ -15,7 +15,7 @@ from .backward import flash_bwd_delta_kernel, flash_bwd_dkdv_kernel, flash_bwd_d
 from . import gluon_backward, gluon_forward
 from .dropout import dropout_mask_kernel
 from .forward import flash_fwd_kernel
-from .schedule import persistent_schedule
+from .schedule import claims_tiles, persistent_schedule
 from .spec import FLOAT32_MAX, FlashSpec
 from .tiles import LOG2E
 
@@ -136,14 +136,18 @@ def uses_gluon_dkdv(spec: FlashSpec, facts: DeviceFacts) -> bool:
     return _gluon_covers(spec, facts)
 
 
+def _query_work(spec: FlashSpec, tile: int) -> list[float]:
+    """Each query tile's work (``tile`` rows) in blocks: the keys it sees over 128."""
+    offset = spec.seq_k - spec.seq_q  # causal: bottom-right aligned
+    return [(min(spec.seq_k, min(m + tile, spec.seq_q) + offset) if spec.window is not None else spec.seq_k) / tile
+            for m in range(0, spec.seq_q, tile)]
+
+
 def _query_tiles(spec: FlashSpec, facts: DeviceFacts, tile: int = gluon_forward.TILE_M) -> tuple[tuple[int], bool]:
     """(grid, PAIRS) of the persistent kernels that hold query tiles of ``tile`` rows (forward,
     dq): a tile's work is the keys it sees; they walk ``schedule.query_walk``."""
-    offset = spec.seq_k - spec.seq_q  # causal: bottom-right aligned
-    work = [(min(spec.seq_k, min(m + tile, spec.seq_q) + offset) if spec.window is not None else spec.seq_k) / tile
-            for m in range(0, spec.seq_q, tile)]
-    return persistent_schedule(work, spec.batch * spec.heads_q, spec.window is not None, facts.num_sms,
-                               spec.head_dim, tail=True)
+    return persistent_schedule(_query_work(spec, tile), spec.batch * spec.heads_q, spec.window is not None,
+                               facts.num_sms, spec.head_dim, tail=True)
 
 
 def _key_tiles(spec: FlashSpec, facts: DeviceFacts) -> tuple[tuple[int], bool]:
@@ -166,18 +170,24 @@ def gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts, consumers: int | Non
                                                      spec.seq_k)
     elif consumers not in (2, 3):
         raise ValueError(f"consumers must be 2 or 3, got {consumers!r}")
-    grid, pairs = _query_tiles(spec, facts, consumers * gluon_forward.ROWS)
+    tile = consumers * gluon_forward.ROWS
+    grid, pairs = _query_tiles(spec, facts, tile)
+    dynamic = claims_tiles(_query_work(spec, tile), spec.batch * spec.heads_q, spec.window is not None,
+                           spec.head_dim, grid[0], pairs)
     return LaunchPlan(
         kernel=gluon_forward.flash_fwd_gluon_kernel,
         grid=grid,
         inputs=FEATURE_INPUTS, input_dtypes=feature_dtypes(spec),
         scalars=(("batch", spec.batch), ("seq_q", spec.seq_q), ("seq_k", spec.seq_k),
                  ("logit_scale", fp32(spec.softmax_scale * LOG2E))),
-        outputs=(Output("o_ptr", spec.q_shape, spec.dtype), Output("lse_ptr", spec.lse_shape, "float32")),
+        outputs=(Output("o_ptr", spec.q_shape, spec.dtype), Output("lse_ptr", spec.lse_shape, "float32"),
+                 # the dynamic schedule's tile counter (zeroed then; not read otherwise)
+                 Output("next_tile_ptr", (1,), "int32", zeroed=dynamic, returned=False)),
         constexprs=(("HEADS_Q", spec.heads_q), ("HEADS_KV", spec.heads_kv), ("HEAD_DIM", spec.head_dim),
                     ("CAUSAL", spec.window is not None), ("PAIRS", pairs), ("BLOCK_N", gluon_forward.BLOCK_N),
                     ("STAGES", gluon_forward.forward_stages(spec.head_dim)),
-                    ("KEY_TAIL", spec.seq_k % gluon_forward.BLOCK_N != 0), ("CONSUMERS", consumers)),
+                    ("KEY_TAIL", spec.seq_k % gluon_forward.BLOCK_N != 0), ("CONSUMERS", consumers),
+                    ("DYNAMIC", dynamic)),
         num_warps=4, num_stages=1, maxnreg=gluon_forward.forward_maxnreg(consumers),
     )
 

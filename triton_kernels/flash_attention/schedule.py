@@ -10,7 +10,8 @@ program wherever one ends), at the price of a program's start and end for every 
 
 The query-tile kernels (forward, dq) walk pairs only up to the last full round; the heads left
 over go out tile by tile (``query_walk``, the Python mirror of ``gluon_forward._tail_slot_tile``),
-which evens out the last round. dk/dv keeps the plain round robin (``pair_walk``).
+which evens out the last round; where ``claims_tiles`` says so, the forward's programs claim the
+tiles in that order from a counter instead. dk/dv keeps the plain round robin (``pair_walk``).
 
 Work is counted in blocks: a 128-row tile against 128 rows of the other side, for one head.
 """
@@ -86,6 +87,35 @@ def query_walk(program: int, programs: int, rows: int, n_tiles: int) -> list[tup
         i = s * programs + (programs - 1 - program if s % 2 == 0 else program)
         walk.append((first_row + i % tail_rows, n_tiles - 1 - i // tail_rows))
     return walk
+
+
+def claims_tiles(tile_work: list[float], rows: int, causal: bool, head_dim: int, grid: int, pairs: bool) -> bool:
+    """Whether the persistent forward claims its tiles from a counter (``gluon_forward._claimed_tile``,
+    ``query_walk``'s order without the programs) instead of walking them statically: a program
+    whose SM runs ahead then takes more tiles, so programs end together. Clock stamps had programs
+    with equal work end up to 12 us apart under the static walk (8% of a causal call at seq 1024).
+
+    Side by side with the static walk on an H100 (bf16, 16k tokens a batch; seq 1024 / 2048 /
+    4096; benchmarks/results/ab_dynamic-static-vs-claimed-*.json and, for the kernel before it
+    was a plan's choice, probe_gluon_forward_variants-dynamic-*.json), the static walk's time
+    over the claiming kernel's was:
+
+    - causal head_dim 128: 1.036-1.041 / 1.000-1.005 / 0.988-0.992;
+    - causal head_dim 64: 1.007-1.010 / 1.007-1.014 / 0.996-1.000;
+    - head_dim 64 without a mask: 1.03-1.04 / 1.05 / 1.06;
+    - head_dim 128 without a mask: 0.97-0.98 (the static walk stays).
+
+    Under a causal mask it pays in short calls only: up to ``CLAIM_MAX_BLOCKS`` key blocks a program
+    (a head_dim 64 block counts half), 70 at seq 1024 and 132 at 2048 in those runs, 256 at 4096."""
+    if not (pairs or grid < rows * len(tile_work)):  # a program a tile: nothing to balance
+        return False
+    if not causal:
+        return head_dim == 64
+    return sum(tile_work) * rows * head_dim / 128 / grid <= CLAIM_MAX_BLOCKS
+
+
+# Blocks a program (head_dim 128) up to which a causal forward claims its tiles (``claims_tiles``).
+CLAIM_MAX_BLOCKS = 192
 
 
 def _program_a_tile_time(tile_work: list[float], rows: int, start: float, num_sms: int) -> float:
