@@ -15,7 +15,7 @@ from triton_kernels.flash_attention import gluon_backward, gluon_forward
 from triton_kernels.flash_attention.plan import (GLUON_DQ_MIN_SEQ_K_D64, gluon_dkdv_plan, gluon_dq_plan,
                                                 gluon_forward_plan, triton_forward_plan, uses_gluon,
                                                 uses_gluon_dkdv, uses_gluon_dq)
-from triton_kernels.flash_attention.schedule import pair_walk, persistent_schedule, query_walk
+from triton_kernels.flash_attention.schedule import claim_order, pair_walk, persistent_schedule, query_walk
 from triton_kernels.params import BwdParams, FwdParams
 
 HOPPER_GLUON = dataclasses.replace(HOPPER, gluon=True)
@@ -145,6 +145,25 @@ def test_schedule_walks_cover_every_tile_once(walk):
                     continue  # the grid is at most a program a unit
                 tiles = [tile for g in range(programs) for tile in walk(g, programs, rows, n_tiles)]
                 assert sorted(tiles) == [(r, t) for r in range(rows) for t in range(n_tiles)], (programs, n_tiles, rows)
+
+
+@pytest.mark.parametrize("pairs", [True, False])
+def test_claim_order_covers_every_tile_once_the_tail_largest_first(pairs):
+    for programs in (1, 7, 132):
+        for n_tiles in (1, 2, 3, 8, 9, 19):
+            for rows in (1, 2, 5, 31, 132, 133, 400):
+                order = claim_order(programs, rows, n_tiles, pairs)
+                assert sorted(order) == [(r, t) for r in range(rows) for t in range(n_tiles)], (programs, n_tiles, rows)
+                if pairs:  # the static walk's tiles, in another order
+                    walked = [tile for g in range(min(programs, rows * -(-n_tiles // 2)))
+                              for tile in query_walk(g, min(programs, rows * -(-n_tiles // 2)), rows, n_tiles)]
+                    assert sorted(walked) == sorted(order)
+    # The benchmark's causal seq 1024 at head_dim 128 on an H100: 7 rounds of pairs (rows 0-230),
+    # then rows 231-255's tiles, every row's last tile before any row's next to last.
+    order = claim_order(132, 256, 8, True)
+    assert order[:4] == [(0, 7), (0, 0), (0, 6), (0, 1)] and len(order) == 256 * 8
+    tail = order[2 * 924:]
+    assert tail[:2] == [(231, 7), (232, 7)] and [t for _, t in tail] == sorted((t for _, t in tail), reverse=True)
 
 
 def test_query_walk_evens_out_the_last_round():

@@ -390,7 +390,8 @@ if AVAILABLE:
         round (``_paired_units``), then the remaining heads' tiles one by one, largest first;
         without, tile after tile of each head. Clock stamps had put what the causal forward lost
         at seq 1024 in the static walk's last round: programs with equal work ended up to 12 us
-        apart. ``schedule.claims_tiles`` says where it runs."""
+        apart. ``schedule.claims_tiles`` says where it runs; ``schedule.claim_order`` is the order in
+        Python (tests: every tile once, the tail largest first)."""
         if PAIRS:
             paired = _paired_units(n_units, per_head)
             if claim < 2 * paired:

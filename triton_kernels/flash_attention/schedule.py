@@ -89,6 +89,29 @@ def query_walk(program: int, programs: int, rows: int, n_tiles: int) -> list[tup
     return walk
 
 
+def claim_order(programs: int, rows: int, n_tiles: int, pairs: bool) -> list[tuple[int, int]]:
+    """(row, tile) of claim 0, 1, ... of the forward's dynamic schedule, mirroring
+    ``gluon_forward._claimable`` and ``_claimed_tile`` (the middle tile of an odd count, which
+    does not exist as a second tile, left out): ``query_walk``'s tiles in the order the programs
+    take them, without saying which program takes which."""
+    if not pairs:
+        return [(row, tile) for row in range(rows) for tile in range(n_tiles)]
+    per_head = cdiv(n_tiles, 2)
+    units = rows * per_head
+    paired = units // programs * programs // per_head * per_head
+    order = []
+    for claim in range(2 * paired):
+        row, p = divmod(claim // 2, per_head)
+        if claim % 2 == 0:
+            order.append((row, n_tiles - 1 - p))
+        elif 2 * p + 1 < n_tiles:
+            order.append((row, p))
+    first_row = paired // per_head
+    tail_rows = rows - first_row
+    order += [(first_row + i % tail_rows, n_tiles - 1 - i // tail_rows) for i in range(tail_rows * n_tiles)]
+    return order
+
+
 def claims_tiles(tile_work: list[float], rows: int, causal: bool, head_dim: int, grid: int, pairs: bool) -> bool:
     """Whether the persistent forward claims its tiles from a counter (``gluon_forward._claimed_tile``,
     ``query_walk``'s order without the programs) instead of walking them statically: a program
