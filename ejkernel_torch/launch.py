@@ -335,7 +335,8 @@ def plan_text(plan: LaunchPlan) -> str:
     fn = plan.kernel.fn
     doc = {
         "kernel": f"{fn.__module__}:{fn.__name__}", "grid": plan.grid, "inputs": plan.inputs,
-        "input_dtypes": plan.input_dtypes, "outputs": [[o.name, o.shape, o.dtype, o.zeroed, o.returned] for o in plan.outputs],
+        "input_dtypes": plan.input_dtypes,
+        "outputs": [[o.name, o.shape, o.dtype, o.zeroed, o.returned] for o in plan.outputs],
         "scalars": plan.scalars, "constexprs": plan.constexprs, "num_warps": plan.num_warps,
         "num_stages": plan.num_stages, "enable_fp_fusion": plan.enable_fp_fusion, "maxnreg": plan.maxnreg,
         "aliases": plan.aliases,

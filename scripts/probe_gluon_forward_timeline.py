@@ -108,7 +108,8 @@ EDITS = [
     ("CAUSAL)\n                    " + _NEXT_WAIT,  # the static walk's
      "CAUSAL)\n                    t0 = _clock()\n                    " + _NEXT_WAIT),
     ("_consume_tile(state, o_desc,", "_consume_tile(t0, state, o_desc,", 3),  # the definition and both calls
-    ("        buf = tiles % 2\n        if not CAUSAL:", "        t1 = _clock()\n        buf = tiles % 2\n        if not CAUSAL:"),
+    ("        buf = tiles % 2\n        if not CAUSAL:",
+     "        t1 = _clock()\n        buf = tiles % 2\n        if not CAUSAL:"),
     ("        lse_base = (b.to(gl.int64) * HEADS_Q + h) * seq_q\n",
      "        t2 = _clock()\n        lse_base = (b.to(gl.int64) * HEADS_Q + h) * seq_q\n"),
     (_STAGE, _STAGE + _RECORD.format(max_tiles=MAX_TILES, fields=FIELDS)),

@@ -428,7 +428,8 @@ def test_claimed_tiles_give_the_static_walks_bits(rng, shape, causal):
     q, k, v = (torch.tensor(rng.standard_normal(shape), dtype=torch.bfloat16, device="cuda") for _ in range(3))
     plan = fa.forward_plan(fa.dense_spec(shape, shape, shape, ("bfloat16",) * 3, causal=causal), _torch_facts())
     assert plan.constexpr_dict["DYNAMIC"] and plan.outputs[-1].zeroed
-    static = dataclasses.replace(plan, constexprs=tuple((n, False if n == "DYNAMIC" else x) for n, x in plan.constexprs),
+    walk = tuple((n, False if n == "DYNAMIC" else x) for n, x in plan.constexprs)
+    static = dataclasses.replace(plan, constexprs=walk,
                                  outputs=plan.outputs[:-1] + (dataclasses.replace(plan.outputs[-1], zeroed=False),))
     arrays = _features(q, k, v, None, None, None, None, None, None)
     with poison_outputs():

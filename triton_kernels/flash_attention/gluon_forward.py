@@ -563,8 +563,8 @@ if AVAILABLE:
             q_desc = _batch_heads(q_ptr, batch, seq_q, HEADS_Q, HEAD_DIM, ROWS)
             k_desc = _batch_heads(k_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
             v_desc = _batch_heads(v_ptr, batch, seq_k, HEADS_KV, HEAD_DIM, BLOCK_N)
-            _claim_tiles(next_tile_ptr, claims, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                         v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q,
+            _claim_tiles(next_tile_ptr, claims, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
+                         k_ready, v_ready, k_empty, v_empty, seq_q, seq_k, n_m, per_head, n_units, HEADS_Q,
                          HEADS_Q // HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)
         else:
             _loader_making_descriptors(q_ptr, q_ptr, k_ptr, v_ptr, batch, q_smem, q_smem, k_smem, v_smem, q_ready,
