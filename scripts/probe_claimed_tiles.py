@@ -11,19 +11,11 @@ over back-to-back calls). ``speedup`` > 1: claiming is faster.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-
-def static_walk(plan):
-    """``plan`` with the static walk: DYNAMIC off, the counter left as allocated."""
-    constexprs = tuple((n, False if n == "DYNAMIC" else v) for n, v in plan.constexprs)
-    outputs = tuple(dataclasses.replace(o, zeroed=False) if o.name == "next_tile_ptr" else o for o in plan.outputs)
-    return dataclasses.replace(plan, constexprs=constexprs, outputs=outputs)
 
 
 def _row(b, s, h, d, causal):
@@ -34,6 +26,7 @@ def _row(b, s, h, d, causal):
     from ejkernel_torch.launch import device_facts, launch
     from ejkernel_torch.ops.flash_attention import _features
     from triton_kernels import flash_attention as fa
+    from triton_kernels.flash_attention.plan import static_walk
 
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     plan = fa.forward_plan(fa.dense_spec(q.shape, k.shape, v.shape, ("bfloat16",) * 3, causal=causal),

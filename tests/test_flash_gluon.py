@@ -13,8 +13,8 @@ from triton_kernels import HOPPER
 from triton_kernels import flash_attention as fa
 from triton_kernels.flash_attention import gluon_backward, gluon_forward
 from triton_kernels.flash_attention.plan import (GLUON_DQ_MIN_SEQ_K_D64, gluon_dkdv_plan, gluon_dq_plan,
-                                                gluon_forward_plan, triton_forward_plan, uses_gluon,
-                                                uses_gluon_dkdv, uses_gluon_dq)
+                                                gluon_forward_plan, static_walk, triton_forward_plan,
+                                                uses_gluon, uses_gluon_dkdv, uses_gluon_dq)
 from triton_kernels.flash_attention.schedule import claim_order, pair_walk, persistent_schedule, query_walk
 from triton_kernels.params import BwdParams, FwdParams
 
@@ -274,6 +274,9 @@ def test_persistent_gluon_forward_claims_its_tiles(head_dim, causal, shape, dyna
     assert (counter.name, counter.shape, counter.dtype) == ("next_tile_ptr", (1,), "int32")
     assert counter.zeroed == dynamic and not counter.returned
     assert [o.name for o in plan.outputs if o.returned] == ["o_ptr", "lse_ptr"]
+    walked = static_walk(plan)  # what the GPU test and the probe compare claiming with
+    assert not walked.constexpr_dict["DYNAMIC"] and not walked.outputs[-1].zeroed
+    assert dataclasses.replace(walked, constexprs=plan.constexprs, outputs=plan.outputs) == plan
 
 
 # -- ahead-of-time compile for sm_90 (any machine) --------------------------------------------------
@@ -428,9 +431,7 @@ def test_claimed_tiles_give_the_static_walks_bits(rng, shape, causal):
     q, k, v = (torch.tensor(rng.standard_normal(shape), dtype=torch.bfloat16, device="cuda") for _ in range(3))
     plan = fa.forward_plan(fa.dense_spec(shape, shape, shape, ("bfloat16",) * 3, causal=causal), _torch_facts())
     assert plan.constexpr_dict["DYNAMIC"] and plan.outputs[-1].zeroed
-    walk = tuple((n, False if n == "DYNAMIC" else x) for n, x in plan.constexprs)
-    static = dataclasses.replace(plan, constexprs=walk,
-                                 outputs=plan.outputs[:-1] + (dataclasses.replace(plan.outputs[-1], zeroed=False),))
+    static = static_walk(plan)
     arrays = _features(q, k, v, None, None, None, None, None, None)
     with poison_outputs():
         claimed, walked, again = launch(plan, *arrays), launch(static, *arrays), launch(plan, *arrays)

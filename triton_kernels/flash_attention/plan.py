@@ -6,6 +6,7 @@ kernel signature serves all calls.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from ..padded_attention import _bwd_tiles, _dot_precision, _fwd_tiles, override_tiles
@@ -190,6 +191,14 @@ def gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts, consumers: int | Non
                     ("DYNAMIC", dynamic)),
         num_warps=4, num_stages=1, maxnreg=gluon_forward.forward_maxnreg(consumers),
     )
+
+
+def static_walk(plan: LaunchPlan) -> LaunchPlan:
+    """``plan`` (a Gluon forward's that claims its tiles) walking them in the static order instead:
+    ``DYNAMIC`` off, its tile counter not zeroed. What claiming is timed and checked against."""
+    constexprs = tuple((n, False if n == "DYNAMIC" else v) for n, v in plan.constexprs)
+    outputs = tuple(dataclasses.replace(o, zeroed=False) if o.name == "next_tile_ptr" else o for o in plan.outputs)
+    return dataclasses.replace(plan, constexprs=constexprs, outputs=outputs)
 
 
 @functools.lru_cache(maxsize=512)
