@@ -1,15 +1,16 @@
 """Kernel by kernel: the three grouped-matmul kernels of one bf16 training step, each plan
 launched directly (no op dispatch), against torch._grouped_mm doing the same products.
 
-    python scripts/bench_gmm_kernels.py [--shapes 64,32768,2048,1408 ...] [--label NAME]
-        [--gmm-params JSON] [--tgmm-params JSON] [--out PATH]
+    python scripts/bench_gmm_kernels.py [--shapes 64,32768,2048,1408 ...] [--routing skewed]
+        [--label NAME] [--gmm-params JSON] [--tgmm-params JSON] [--out PATH]
 
 Kernels: ``fwd`` (gmm, lhs [m, k] x rhs [g, k, n]), ``dlhs`` (gmm of the cotangent with rhs
 transposed) and ``drhs`` (tgmm in the [m, k] layout). Each runs with the plan's default config,
 then with every config of ``--gmm-params`` (forward) / ``--tgmm-params`` (drhs), a JSON list of
-FwdParams dicts. Balanced routing, the benchmark's inputs. Prints one JSON row per kernel and
-config, with a digest of the default config's output bits, so that two source trees (run the
-script from each) can be compared for speed and for identical results.
+FwdParams dicts. The benchmark's inputs and routing (balanced unless ``--routing skewed``).
+Prints one JSON row per kernel and config, with a digest of the default config's output bits,
+so that two source trees (run the script from each) can be compared for speed and for
+identical results.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def _digest(t) -> str:
     return hashlib.sha256(t.contiguous().view(-1).view(torch.int16).cpu().numpy().tobytes()).hexdigest()[:16]
 
 
-def _bench_shape(label: str, g: int, m: int, k: int, n: int, gmm_alts: list, tgmm_alts: list) -> list[dict]:
+def _bench_shape(label: str, g: int, m: int, k: int, n: int, gmm_alts: list, tgmm_alts: list,
+                 routing: str = "balanced") -> list[dict]:
     import numpy as np
     import torch
 
@@ -43,7 +45,7 @@ def _bench_shape(label: str, g: int, m: int, k: int, n: int, gmm_alts: list, tgm
     from triton_kernels.params import FwdParams
 
     facts = device_facts(torch.device("cuda"))
-    sizes = torch.from_numpy(group_sizes(m, g, "balanced", np.random.default_rng(0))).cuda()
+    sizes = torch.from_numpy(group_sizes(m, g, routing, np.random.default_rng(0))).cuda()
     offset = torch.zeros(1, dtype=torch.int32, device="cuda")
     gen = torch.Generator("cuda").manual_seed(m * 131 + g)  # the same inputs in every tree, for the digests
     lhs, rhs, cot = (torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -57,7 +59,7 @@ def _bench_shape(label: str, g: int, m: int, k: int, n: int, gmm_alts: list, tgm
     rows = []
     for name, (make, args, alts) in kernels.items():
         for params in [None] + alts:
-            row = {"label": label, "shape": [g, m, k, n], "kernel": name, "params": params}
+            row = {"label": label, "shape": [g, m, k, n], "routing": routing, "kernel": name, "params": params}
             try:
                 plan = make(FwdParams.coerce(params) if params else None)
             except ValueError as e:  # e.g. does not fit shared memory
@@ -77,7 +79,7 @@ def _bench_shape(label: str, g: int, m: int, k: int, n: int, gmm_alts: list, tgm
                  "drhs": lambda: torch._grouped_mm(lhs.t(), cot, offs=offs)}
     for name, fn in baselines.items():
         ms = bench_torch(fn)
-        rows.append({"label": "torch._grouped_mm", "shape": [g, m, k, n], "kernel": name, "ms": ms,
+        rows.append({"label": "torch._grouped_mm", "shape": [g, m, k, n], "routing": routing, "kernel": name, "ms": ms,
                      "tflops": 2 * m * k * n / ms / 1e9})
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -93,6 +95,7 @@ def _shape(text: str) -> tuple[int, int, int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", type=_shape, default=SHAPES)
+    parser.add_argument("--routing", default="balanced", choices=["balanced", "skewed"])
     parser.add_argument("--label", default="current")
     parser.add_argument("--gmm-params", type=json.loads, default=[])
     parser.add_argument("--tgmm-params", type=json.loads, default=[])
@@ -104,7 +107,8 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    rows = [row for s in args.shapes for row in _bench_shape(args.label, *s, args.gmm_params, args.tgmm_params)]
+    rows = [row for s in args.shapes
+            for row in _bench_shape(args.label, *s, args.gmm_params, args.tgmm_params, args.routing)]
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
