@@ -843,6 +843,19 @@ def test_benchmark_smoke_writes_outside_results():
 
 
 
+def test_benchmark_can_leave_ragged_dot_out():
+    """--no-ragged-dot: jax.lax.ragged_dot is not run (on an H200 its autotuner stalled a whole
+    device run), and the row says why it has no time."""
+    from benchmarks import grouped_matmul as bench
+
+    rng = np.random.default_rng(0)
+    sizes = np.array([7, 0, 10], np.int32)
+    lhs, rhs = rng.standard_normal((20, 16), dtype=np.float32), rng.standard_normal((3, 16, 16), dtype=np.float32)
+    times, errors = bench._bench_jax(lhs, rhs, sizes, "float32", True, rng, ragged_dot=False)
+    assert set(times) == {"fwd/ours_jax", "fwd+bwd/ours_jax"}, times
+    assert errors == {f"{p}/jax.lax.ragged_dot": "skipped (--no-ragged-dot)" for p in ("fwd", "fwd+bwd")}
+
+
 @pytest.mark.parametrize("only", ["2", "-1"])
 def test_benchmark_rejects_only_outside_the_shape_list(only, monkeypatch, capsys):
     # --only 2 with the two smoke shapes died with IndexError; --only -1 silently ran the last shape.
