@@ -166,6 +166,13 @@ def test_negative_softmax_scale(fw, rng, dtype):
     _check(fw, rng, (1, 32, 32, 1, 1, 32), dtype, dict(softmax_scale=-0.5))
 
 
+@pytest.mark.parametrize("cap", [1e4, 1e6])
+def test_large_soft_cap_keeps_float32_accuracy(fw, rng, cap):
+    # tanh(s / cap) at small arguments: its exp2 form (1 - e) / (1 + e) cancels, which put an
+    # error of about cap * 6e-8 into the logits (out 7e-5 off at cap 1e4, 7e-3 at 1e6).
+    _check(fw, rng, (1, 16, 16, 2, 2, 32), "float32", dict(logits_soft_cap=cap, causal=True))
+
+
 def test_lse_gradient(fw, rng):
     arrays, values, _, _ = _make(fw, rng, 2, 19, 25, 2, 1, 32, "float32")
     c_out, c_lse = rng.standard_normal((2, 19, 2, 32)), rng.standard_normal((2, 2, 19))

@@ -162,10 +162,15 @@ def _keep_pairs(i, j, len_q, len_k, win_left, win_right, q_seg, k_seg,
 
 @triton.jit
 def _tanh(x):
-    # exp2-based, so the interpreter and every GPU evaluate the same formula.
+    """float32 tanh to about 2e-7 relative error, the same formula in the interpreter and on every
+    GPU. From exp2 where |x| >= 0.25; below that ``1 - e`` cancels (its relative error grows as
+    1 / |x|, and a soft cap c scales the logits' error by c), so an odd Taylor polynomial to x**9
+    takes over, whose truncation error there is below 1e-8."""
     e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E_C))  # tensor first: constexpr * tensor breaks the interpreter
     t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
+    x2 = x * x
+    series = x * ((((x2 * (62.0 / 2835.0) - 17.0 / 315.0) * x2 + 2.0 / 15.0) * x2 - 1.0 / 3.0) * x2 + 1.0)
+    return tl.where(tl.abs(x) < 0.25, series, tl.where(x < 0, -t, t))
 
 
 @triton.jit
