@@ -12,11 +12,11 @@ from triton_kernels.aot import compile_key, compile_plan
 DTYPES = ("float32", "float16", "bfloat16")
 
 
-def _dense(dtype, head_dim, features, seq=1000, segment_dtype="int32"):
+def _dense(dtype, head_dim, features, seq=1000, segment_dtype="int32", softcap=30.0):
     q, kv = (2, seq, 8, head_dim), (2, seq, 2, head_dim)
     if not features:
         return fa.dense_spec(q, kv, kv, (dtype,) * 3)
-    return fa.dense_spec(q, kv, kv, (dtype,) * 3, causal=True, sliding_window=128, logits_soft_cap=30.0,
+    return fa.dense_spec(q, kv, kv, (dtype,) * 3, causal=True, sliding_window=128, logits_soft_cap=softcap,
                          bias_shape=(1, 8, seq, seq), bias_dtype=dtype, q_segment_shape=(2, seq),
                          q_segment_dtype=segment_dtype, kv_segment_shape=(2, seq), kv_segment_dtype=segment_dtype,
                          dropout_p=0.1)
@@ -40,6 +40,7 @@ def _default_specs():
     yield _dense("bfloat16", 128, False), {}
     yield _dense("bfloat16", 128, True, segment_dtype="int64"), dict(write_ds=True, use_dlse=True)
     yield _dense("float16", 64, True, seq=1), dict(write_ds=True, use_dlse=True)  # runtime ints equal to 1
+    yield _dense("bfloat16", 64, True, softcap=1e4), dict(write_ds=True, use_dlse=True)  # tanh's precise form
     yield _varlen("bfloat16", 80), {}
     yield fa.dropout_mask_plan(2, 8, 1000, 1000, 0.1, HOPPER), None
 

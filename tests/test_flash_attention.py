@@ -166,11 +166,24 @@ def test_negative_softmax_scale(fw, rng, dtype):
     _check(fw, rng, (1, 32, 32, 1, 1, 32), dtype, dict(softmax_scale=-0.5))
 
 
-@pytest.mark.parametrize("cap", [1e4, 1e6])
+@pytest.mark.parametrize("cap", [128.0, 1e4, 1e6])
 def test_large_soft_cap_keeps_float32_accuracy(fw, rng, cap):
-    # tanh(s / cap) at small arguments: its exp2 form (1 - e) / (1 + e) cancels, which put an
-    # error of about cap * 6e-8 into the logits (out 7e-5 off at cap 1e4, 7e-3 at 1e6).
+    # tanh(s / cap) at small arguments: its exp2 form (1 - e) / (1 + e) cancels, an error of about
+    # cap * 3e-8 in the logits (out 7e-5 off at cap 1e4, 7e-3 at 1e6). Caps above 128 take the
+    # precise form; 128 is the largest that keeps the fast one.
     _check(fw, rng, (1, 16, 16, 2, 2, 32), "float32", dict(logits_soft_cap=cap, causal=True))
+
+
+def test_only_large_soft_caps_take_the_precise_tanh():
+    from triton_kernels import HOPPER
+    from triton_kernels import flash_attention as fa
+
+    def mode(cap):
+        spec = fa.dense_spec((1, 64, 2, 64), (1, 64, 2, 64), (1, 64, 2, 64), ("bfloat16",) * 3, logits_soft_cap=cap)
+        plans = [fa.forward_plan(spec, HOPPER), *fa.backward_plans(spec, HOPPER, False, False)]
+        return {dict(p.constexprs).get("USE_SOFTCAP") for p in plans} - {None}
+
+    assert [mode(c) for c in (None, 30.0, 128.0, 128.5, 1e6)] == [{0}, {1}, {1}, {2}, {2}]
 
 
 def test_lse_gradient(fw, rng):

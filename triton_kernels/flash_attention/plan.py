@@ -18,7 +18,7 @@ from .dropout import dropout_mask_kernel
 from .forward import flash_fwd_kernel
 from .schedule import claims_tiles, persistent_schedule
 from .spec import FLOAT32_MAX, FlashSpec
-from .tiles import LOG2E
+from .tiles import LOG2E, softcap_mode
 
 # (kernel parameter, what the fronts pass) in kernel order.
 FEATURE_INPUTS = ("q_ptr", "k_ptr", "v_ptr", "bias_ptr", "q_seg_ptr", "kv_seg_ptr", "cu_q_ptr", "cu_k_ptr", "seed_ptr")
@@ -58,7 +58,7 @@ def _features(spec: FlashSpec) -> tuple[tuple[str, object], ...]:
     return (
         ("HEADS_Q", spec.heads_q), ("HEADS_KV", spec.heads_kv), ("HEAD_DIM", spec.head_dim),
         ("IS_VARLEN", spec.varlen), ("USE_WINDOW", spec.window is not None),
-        ("USE_SOFTCAP", spec.softcap is not None), ("USE_BIAS", spec.bias is not None),
+        ("USE_SOFTCAP", softcap_mode(spec.softcap)), ("USE_BIAS", spec.bias is not None),
         ("BIAS_BATCHED", int(bias_b > 1)), ("BIAS_HEADS", bias_h),
         ("USE_SEGMENTS", spec.segments), ("USE_DROPOUT", spec.dropout_p > 0.0),
     )
