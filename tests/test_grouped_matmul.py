@@ -842,7 +842,6 @@ def test_benchmark_smoke_writes_outside_results():
     assert os.path.dirname(default_out(True, "cpu")) != results
 
 
-
 def test_benchmark_can_leave_ragged_dot_out():
     """--no-ragged-dot: jax.lax.ragged_dot is not run (on an H200 its autotuner stalled a whole
     device run), and the row says why it has no time."""
