@@ -242,6 +242,8 @@ def op_params(cls, value, name: str, fields: tuple[str, ...] | None = None):
     """An op's ``fwd_params=``/``bwd_params=`` argument as ``cls``, or ``None`` when it overrides
     nothing (so plans, and their caches, stay exactly the defaults). Errors name ``name``.
     ``fields``: the only fields the op takes, if not all of ``cls``'s."""
+    if value is None:  # the usual call, answered without building and scanning an empty instance
+        return None
     try:
         params = cls.coerce(value) if fields is None else _coerce_fields(cls, value, fields)
     except (TypeError, ValueError) as e:
