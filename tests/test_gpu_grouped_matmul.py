@@ -91,3 +91,41 @@ def test_large_moe_layer_bf16(torch_fw, rng):
         expected[s:e] = lhs[s:e].double() @ rhs[i].double()
     err = ((out.double() - expected).norm() / expected.norm()).item()
     assert err < TOLERANCE["bfloat16"], err
+
+
+def test_value_checks_read_what_the_stream_computed(torch_fw):
+    """The checks read group_sizes with an asynchronous copy after the argument handling: they see
+    values that kernels queued just before the call wrote (on a side stream too), and refuse bad
+    ones by name before the grouped matmul runs."""
+    import torch
+
+    import ejkernel_torch as ejk
+
+    m, k, n, g = 512, 64, 48, 8
+    lhs = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    rhs = torch.randn(g, k, n, device="cuda", dtype=torch.bfloat16)
+    lhs_t = torch.randn(k, m, device="cuda", dtype=torch.bfloat16)
+    cot = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # the inputs above
+    with torch.cuda.stream(side):
+        for bad, match in ((-1, "non-negative"), (m, "exceeds")):
+            # a slow kernel ahead of the write: a read that did not wait for the stream would see 64s
+            torch.cuda._sleep(10_000_000)
+            sizes = torch.full((g,), m // g, dtype=torch.int32, device="cuda")
+            sizes[3] = bad
+            with pytest.raises(ValueError, match=match):
+                ejk.grouped_matmul(lhs, rhs, sizes)
+            with pytest.raises(ValueError, match=match):
+                ejk.transposed_grouped_matmul(lhs_t, cot, sizes)
+        torch.cuda._sleep(10_000_000)
+        offset = torch.zeros((), dtype=torch.int64, device="cuda") + 5  # groups [5, 13) of 8
+        with pytest.raises(ValueError, match="group_offset=5"):
+            ejk.grouped_matmul(lhs, rhs, torch.full((g,), m // g, dtype=torch.int32, device="cuda"),
+                               group_offset=offset)
+        sizes = torch.bincount(torch.arange(m, device="cuda") % g, minlength=g).to(torch.int32)
+        out = ejk.grouped_matmul(lhs, rhs, sizes)
+    side.synchronize()
+    rows = torch.arange(m, device="cuda") // (m // g)
+    expected = torch.einsum("mk,mkn->mn", lhs.double(), rhs.double()[rows])
+    assert ((out.double() - expected).norm() / expected.norm()).item() < TOLERANCE["bfloat16"]

@@ -87,6 +87,25 @@ def values_readable(*tensors: torch.Tensor) -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
+def read_later(*tensors: torch.Tensor):
+    """Start copying ``tensors`` (one device) to the host and return a function that waits for the
+    copies and returns their values as (nested) lists of Python numbers. On CUDA each copy is
+    queued without waiting (into pinned memory), so the host work between the two calls runs
+    while the GPU gets to it: a check that must read values before a launch (a host sync) then
+    leaves the GPU idle only for what follows the wait, not for the whole argument handling. The
+    values are copied as they are and reduced on the host: no kernel launches ahead of the copy."""
+    if tensors[0].device.type != "cuda":
+        return lambda: [t.tolist() for t in tensors]
+    host = [t.to("cpu", non_blocking=True) for t in tensors]  # device-to-host: pinned, asynchronous
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def wait() -> list:
+        copied.synchronize()
+        return [t.tolist() for t in host]
+    return wait
+
+
 _SIGN_BIT = -(2**63)
 
 
