@@ -199,3 +199,35 @@ def test_vmap_folds_the_mapped_axis_into_the_batch(fw, rng, monkeypatch):
             np.testing.assert_array_equal(fw.to_numpy(out)[i], fw.to_numpy(fw.ops.padded_attention(*sample)))
             for got, want_grad in zip(grads, fw.grad(loss, (0, 1, 2))(*sample)):
                 np.testing.assert_array_equal(fw.to_numpy(got)[i], fw.to_numpy(want_grad))
+
+
+def _poison_padding(x: np.ndarray, n_pad: np.ndarray, value: float) -> np.ndarray:
+    """``x`` [batch, seq, ...] with each sequence's padding rows set to ``value``."""
+    x = x.copy()
+    for b, pad in enumerate(n_pad):
+        x[b, :pad] = value
+    return x
+
+
+@pytest.mark.parametrize("garbage", [np.nan, np.inf])
+def test_padding_is_never_read(fw, rng, garbage):
+    """Padding may hold anything (an uninitialized buffer's NaN): outputs and gradients are those
+    of zero padding, padding rows and their gradients exact zeros. A masked probability of 0 times
+    a NaN value or query row used to turn every row of the sequence into NaN."""
+    batch, seq, dim = 3, 37, 16
+    n_pad = np.array([0, 5, 20], np.int32)  # 20: the padding spans a 16-row tile edge
+    clean = [_poison_padding(rng.standard_normal((batch, seq, dim)), n_pad, 0.0) for _ in range(4)]
+    q, k, v, dout = (fw.asarray(_poison_padding(x, n_pad, garbage), "float32") for x in clean)
+    gs = fw.asarray(n_pad)
+    tiles = dict(q_blocksize=16, kv_blocksize=16)
+    attend = lambda q, k, v: fw.ops.padded_attention(q, k, v, gs, fwd_params=tiles, bwd_params=tiles)  # noqa: E731
+    out = fw.to_numpy(attend(q, k, v))
+    grads = fw.vjp(attend, [q, k, v], dout)
+    assert rel_error(out, ref.forward(ref.padded_attention, *clean[:3], n_pad)) < TOLERANCE["float32"]
+    expected = ref.vjp(ref.padded_attention, [*clean[:3], n_pad], clean[3], n_diff=3)
+    for name, got, want in zip("qkv", grads, expected):
+        assert rel_error(got, want) < GRAD_TOLERANCE["float32"], name
+    for got in (out, *grads):
+        assert not np.isnan(got).any()
+        for b, pad in enumerate(n_pad):
+            assert not got[b, :pad].any()

@@ -67,6 +67,31 @@ def test_padded_softmax_v_gradient(fw, rng, dtype):
         assert rel_error(got, want) < GRAD_TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("garbage", [np.nan, np.inf])
+def test_padded_softmax_v_never_reads_padding(fw, rng, garbage):
+    """Padding rows of v and of the cotangent, and scores of padding queries or keys, may hold
+    anything: results are those of zero padding (a probability of 0 times a NaN row of v used
+    to make every row of its sequence NaN)."""
+    batch, seq, dim = 3, 37, 16
+    n_pad = np.array([0, 5, 20], np.int32)
+    scores, v, dout = rng.standard_normal((batch, seq, seq)), *rng.standard_normal((2, batch, seq, dim))
+    dirty = [x.copy() for x in (scores, v, dout)]
+    for b, pad in enumerate(n_pad):
+        v[b, :pad] = dout[b, :pad] = scores[b, :pad] = scores[b, :, :pad] = 0.0
+        dirty[1][b, :pad] = dirty[2][b, :pad] = dirty[0][b, :pad] = dirty[0][b, :, :pad] = garbage
+    s_in, v_in, dout_in = (fw.asarray(x, "float32") for x in dirty)
+    gs = fw.asarray(n_pad)
+    out = fw.to_numpy(fw.ops.padded_softmax_v(s_in, v_in, gs))
+    grads = fw.vjp(lambda s, v: fw.ops.padded_softmax_v(s, v, gs), [s_in, v_in], dout_in)
+    assert rel_error(out, ref.forward(ref.padded_softmax_v, scores, v, n_pad)) < TOLERANCE["float32"]
+    expected = ref.vjp(ref.padded_softmax_v, [scores, v, n_pad], dout, n_diff=2)
+    for name, got, want in zip(("scores", "v"), grads, expected):
+        assert rel_error(got, want) < GRAD_TOLERANCE["float32"], name
+        assert not np.isnan(got).any(), name
+    for b, pad in enumerate(n_pad):
+        assert not out[b, :pad].any() and not grads[1][b, :pad].any()
+
+
 def test_padded_softmax_v_scores_near_float32_max(fw, rng):
     # Scores beyond 3.4e38 / log2(e) overflowed when turned into base-2 logits: NaN rows.
     scores = rng.standard_normal((1, 6, 6)).astype(np.float32)

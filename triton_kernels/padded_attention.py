@@ -105,6 +105,15 @@ def _load_tile(ptr, base, offs, offs_d, seq_len, head_dim):
 
 
 @triton.jit
+def _load_tokens(ptr, base, offs, offs_d, pad, seq_len, head_dim):
+    """``_load_tile`` with the padding rows (``offs < pad``) read as zeros, never from memory:
+    padding may hold anything (an uninitialized buffer's NaN), and a masked probability of 0
+    times a NaN is still NaN in ``p @ v``, ``ds @ k`` and ``ds^T @ q``."""
+    return tl.load(ptr + base + offs[:, None] * head_dim + offs_d[None, :],
+                   mask=_tile_mask(offs, offs_d, seq_len, head_dim) & (offs >= pad)[:, None], other=0.0)
+
+
+@triton.jit
 def _store_tile(ptr, base, offs, offs_d, seq_len, head_dim, value):
     tl.store(ptr + base + offs[:, None] * head_dim + offs_d[None, :], value.to(ptr.dtype.element_ty),
              mask=_tile_mask(offs, offs_d, seq_len, head_dim))
@@ -114,6 +123,13 @@ def _store_tile(ptr, base, offs, offs_d, seq_len, head_dim, value):
 def _load_rows(ptr, b, offs, seq_len):
     """Per-row float32 statistics (lse, delta) of batch row ``b``."""
     return tl.load(ptr + b * seq_len + offs, mask=offs < seq_len, other=0.0)
+
+
+@triton.jit
+def _load_token_rows(ptr, b, offs, pad, seq_len):
+    """``_load_rows`` with the padding rows read as zeros: delta = rowsum(o * do) is NaN there when
+    the incoming gradient's padding rows are (see _load_tokens)."""
+    return tl.load(ptr + b * seq_len + offs, mask=(offs < seq_len) & (offs >= pad), other=0.0)
 
 
 @triton.jit
@@ -142,7 +158,7 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, n_pad_ptr, seq_len, head_dim, qk_s
     start_m = tl.program_id(0) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_tile(q_ptr, base, offs_m, offs_d, seq_len, head_dim)
+    q = _load_tokens(q_ptr, base, offs_m, offs_d, pad, seq_len, head_dim)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
@@ -151,8 +167,8 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, n_pad_ptr, seq_len, head_dim, qk_s
     hi = tl.minimum(start_m + BLOCK_M, seq_len)  # nor are keys after the last query (causal)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_ptr, base, offs_n, offs_d, seq_len, head_dim)
-        v = _load_tile(v_ptr, base, offs_n, offs_d, seq_len, head_dim)
+        k = _load_tokens(k_ptr, base, offs_n, offs_d, pad, seq_len, head_dim)
+        v = _load_tokens(v_ptr, base, offs_n, offs_d, pad, seq_len, head_dim)
         s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale
         keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
         acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, s, keep, v, DOT_PRECISION, 1.0)
@@ -177,7 +193,7 @@ def scores_v_fwd_kernel(s_ptr, v_ptr, n_pad_ptr, seq_len, head_dim, o_ptr, lse_p
         offs_n = start_n + tl.arange(0, BLOCK_N)
         keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
         s = _load_scores(s_ptr, b, offs_m, offs_n, keep, seq_len)
-        v = _load_tile(v_ptr, base, offs_n, offs_d, seq_len, head_dim)
+        v = _load_tokens(v_ptr, base, offs_n, offs_d, pad, seq_len, head_dim)
         acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, s, keep, v, DOT_PRECISION, 1.4426950408889634)
     _finish_rows(acc, m_i, l_i, o_ptr, lse_ptr, b, base, offs_m, offs_d, seq_len, head_dim, 1.4426950408889634)
 
@@ -231,21 +247,21 @@ def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, n
     start_n = tl.program_id(0) * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _load_tile(k_ptr, base, offs_n, offs_d, seq_len, head_dim)
-    v = _load_tile(v_ptr, base, offs_n, offs_d, seq_len, head_dim)
+    k = _load_tokens(k_ptr, base, offs_n, offs_d, pad, seq_len, head_dim)
+    v = _load_tokens(v_ptr, base, offs_n, offs_d, pad, seq_len, head_dim)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     lo = (tl.maximum(start_n, pad) // BLOCK_M) * BLOCK_M  # queries before this key never see it
     for start_m in range(lo, seq_len, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_tile(q_ptr, base, offs_m, offs_d, seq_len, head_dim)
-        do = _load_tile(do_ptr, base, offs_m, offs_d, seq_len, head_dim)
+        q = _load_tokens(q_ptr, base, offs_m, offs_d, pad, seq_len, head_dim)
+        do = _load_tokens(do_ptr, base, offs_m, offs_d, pad, seq_len, head_dim)
         keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
         p = _recompute_p(q, k, _load_rows(lse_ptr, b, offs_m, seq_len), keep, qk_scale, DOT_PRECISION)
         dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_PRECISION)
         dp = _dot(do, tl.trans(v), DOT_PRECISION)
-        ds = p * (dp - _load_rows(delta_ptr, b, offs_m, seq_len)[:, None])
+        ds = p * (dp - _load_token_rows(delta_ptr, b, offs_m, pad, seq_len)[:, None])
         dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_PRECISION)
     _store_tile(dk_ptr, base, offs_n, offs_d, seq_len, head_dim, dk * sm_scale)
     _store_tile(dv_ptr, base, offs_n, offs_d, seq_len, head_dim, dv)
@@ -264,18 +280,18 @@ def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, n_p
     start_m = tl.program_id(0) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_tile(q_ptr, base, offs_m, offs_d, seq_len, head_dim)
-    do = _load_tile(do_ptr, base, offs_m, offs_d, seq_len, head_dim)
+    q = _load_tokens(q_ptr, base, offs_m, offs_d, pad, seq_len, head_dim)
+    do = _load_tokens(do_ptr, base, offs_m, offs_d, pad, seq_len, head_dim)
     lse2 = _load_rows(lse_ptr, b, offs_m, seq_len)
-    delta = _load_rows(delta_ptr, b, offs_m, seq_len)
+    delta = _load_token_rows(delta_ptr, b, offs_m, pad, seq_len)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo = (pad // BLOCK_N) * BLOCK_N
     hi = tl.minimum(start_m + BLOCK_M, seq_len)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_ptr, base, offs_n, offs_d, seq_len, head_dim)
-        v = _load_tile(v_ptr, base, offs_n, offs_d, seq_len, head_dim)
+        k = _load_tokens(k_ptr, base, offs_n, offs_d, pad, seq_len, head_dim)
+        v = _load_tokens(v_ptr, base, offs_n, offs_d, pad, seq_len, head_dim)
         keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
         p = _recompute_p(q, k, lse2, keep, qk_scale, DOT_PRECISION)
         ds = p * (_dot(do, tl.trans(v), DOT_PRECISION) - delta[:, None])
@@ -292,14 +308,14 @@ def scores_v_bwd_ds_kernel(s_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, n_pad_ptr, 
     b, pad, base = _sequence(n_pad_ptr, seq_len, head_dim)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    do = _load_tile(do_ptr, base, offs_m, offs_d, seq_len, head_dim)
+    do = _load_tokens(do_ptr, base, offs_m, offs_d, pad, seq_len, head_dim)
     lse = _load_rows(lse_ptr, b, offs_m, seq_len)  # natural log (the scores' units)
-    delta = _load_rows(delta_ptr, b, offs_m, seq_len)
+    delta = _load_token_rows(delta_ptr, b, offs_m, pad, seq_len)
     for start_n in range(0, seq_len, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
         p = _probs(_load_scores(s_ptr, b, offs_m, offs_n, keep, seq_len), lse, keep, 1.4426950408889634)
-        v = _load_tile(v_ptr, base, offs_n, offs_d, seq_len, head_dim)
+        v = _load_tokens(v_ptr, base, offs_n, offs_d, pad, seq_len, head_dim)
         ds = p * (_dot(do, tl.trans(v), DOT_PRECISION) - delta[:, None])
         ptrs = ds_ptr + b * seq_len * seq_len + offs_m[:, None] * seq_len + offs_n[None, :]
         tl.store(ptrs, ds.to(ds_ptr.dtype.element_ty), mask=(offs_m < seq_len)[:, None] & (offs_n < seq_len)[None, :])
@@ -318,7 +334,7 @@ def scores_v_bwd_dv_kernel(s_ptr, do_ptr, lse_ptr, n_pad_ptr, seq_len, head_dim,
     lo = (tl.maximum(start_n, pad) // BLOCK_M) * BLOCK_M
     for start_m in range(lo, seq_len, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        do = _load_tile(do_ptr, base, offs_m, offs_d, seq_len, head_dim)
+        do = _load_tokens(do_ptr, base, offs_m, offs_d, pad, seq_len, head_dim)
         keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
         s = _load_scores(s_ptr, b, offs_m, offs_n, keep, seq_len)
         p = _probs(s, _load_rows(lse_ptr, b, offs_m, seq_len), keep, 1.4426950408889634)
