@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import pathlib
+import shutil
 import stat
 import subprocess
 import sys
@@ -176,8 +177,49 @@ def test_malformed_entries_are_dropped(cache):
     doc = json.loads(cache.path.read_text())
     doc["entries"]["junk"] = "not an entry"
     cache.path.write_text(json.dumps(doc))
-    with pytest.warns(UserWarning, match="1 malformed"):
+    before = cache.path.read_text()
+    with pytest.warns(UserWarning, match="1 malformed entries; ignoring those"):  # the good one is used
         assert ConfigCache(cache.path).lookup(KEY) == {"BLOCK": 16}
+    other = cc.make_key("dev", "other", 1)
+    with pytest.warns(UserWarning, match="1 malformed entries; dropping them"):
+        ConfigCache(cache.path).store(other, {"BLOCK": 8})
+    assert cache.path.with_name("configs.json.bad").read_text() == before  # what the rewrite dropped is kept
+    assert "junk" not in json.loads(cache.path.read_text())["entries"]
+    assert ConfigCache(cache.path).lookup(KEY) == {"BLOCK": 16}
+
+
+def _store_kept_in_memory(cache: ConfigCache, key, config) -> None:
+    """``cache.store`` while a file stands where the cache's folder goes; the folder is back after."""
+    folder = cache.path.parent
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.write_text("")
+    with pytest.warns(UserWarning, match="could not write"):
+        cache.store(key, config)
+    folder.unlink()
+    folder.mkdir()
+
+
+def test_a_config_kept_in_memory_gives_way_to_the_file(tmp_path):
+    """A store that could not write keeps its entry in memory; once the file holds an entry for
+    the key, this process reads that one, as every other process does."""
+    cache = ConfigCache(tmp_path / "d" / "configs.json")
+    _store_kept_in_memory(cache, KEY, {"BLOCK": 16})
+    assert cache.store(KEY, {"BLOCK": 64}, overwrite=True) == {"BLOCK": 64}
+    assert cache.lookup(KEY) == ConfigCache(cache.path).lookup(KEY) == {"BLOCK": 64}
+
+    _store_kept_in_memory(cache, KEY, {"BLOCK": 16})
+    ConfigCache(cache.path).store(KEY, {"BLOCK": 32})  # another process stores first
+    assert cache.store(KEY, {"BLOCK": 4}) == {"BLOCK": 32}  # not overwritten: the file's entry
+    assert cache.lookup(KEY) == {"BLOCK": 32}
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+def test_no_lock_file_beside_a_path_that_is_not_a_regular_file(tmp_path):
+    fifo = tmp_path / "configs.json"
+    os.mkfifo(fifo)
+    with pytest.warns(UserWarning, match="could not write.*not a regular file"):
+        assert ConfigCache(fifo).store(KEY, {"BLOCK": 16}) == {"BLOCK": 16}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["configs.json"]
 
 
 def test_unwritable_location_warns_and_keeps_config_in_memory(tmp_path):

@@ -32,6 +32,7 @@ import math
 import os
 import platform
 import secrets
+import shutil
 import stat
 import sys
 import tempfile
@@ -231,7 +232,8 @@ class ConfigCache:
         if stamp != self._stamp:
             entries, problem, _ = self._read_file()
             if problem:  # once per version of the file, not on every lookup
-                warnings.warn(f"config cache {self.path} {problem}; ignoring it", stacklevel=4)
+                what = "ignoring those" if entries else "ignoring it"  # some entries may be good
+                warnings.warn(f"config cache {self.path} {problem}; {what}", stacklevel=4)
             self._entries, self._stamp = entries, stamp
             self._generation = next(_generations)
 
@@ -308,21 +310,29 @@ class ConfigCache:
             # A symlink's file, not the link: replacing the link cut it off from the file it names.
             target = Path(os.path.realpath(self.path))
             target.parent.mkdir(parents=True, exist_ok=True)
+            if target.exists() and not target.is_file():  # no lock file beside /dev/null or a folder
+                raise OSError("not a regular file")
             with self._file_lock(target):
                 current, problem, bad = self._read_file()
+                backup = target.with_name(target.name + ".bad")
                 if bad:
-                    backup = target.with_name(target.name + ".bad")
                     os.replace(target, backup)
                     warnings.warn(f"config cache {self.path} {problem}; moved it to {backup}", stacklevel=2)
                 elif problem and not current:  # unreadable: writing now would drop its entries
                     raise OSError(problem)
                 old = current.get(key.text)
                 if old is not None and not overwrite:
+                    self._forget_local(key)
                     return dict(old["config"])
+                if problem and not bad:  # malformed entries, which the rewrite drops: keep the file as it was
+                    shutil.copyfile(target, backup)
+                    warnings.warn(f"config cache {self.path} {problem}; dropping them (the file as it was is "
+                                  f"in {backup})", stacklevel=2)
                 current[key.text] = entry
                 self._replace(current, target)
                 with self._lock:  # this process sees its own write at once, whatever the clock's grain
                     self._entries, self._stamp = current, self._file_stamp()
+                    self._local.pop(key.text, None)  # kept in memory when the location failed; on file now
                     self._generation = next(_generations)
         except OSError as e:
             warnings.warn(f"could not write config cache {self.path} ({e}); "
@@ -331,6 +341,13 @@ class ConfigCache:
                 self._local[key.text] = entry
                 self._generation = next(_generations)
         return dict(config)
+
+
+    def _forget_local(self, key: CacheKey) -> None:
+        """Drop the in-memory entry for ``key``, if an earlier store kept one: the file's wins now."""
+        with self._lock:
+            if self._local.pop(key.text, None) is not None:
+                self._generation = next(_generations)
 
 
 _caches: dict[Path, ConfigCache] = {}
