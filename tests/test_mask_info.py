@@ -335,6 +335,10 @@ def test_invalid_inputs_raise():
         I.process_dynamic_mask(jnp.ones((64, 64), bool), (16, 16))
     with pytest.raises(ValueError, match="bool"):
         I.process_dynamic_mask(jnp.ones((2, 64, 64), jnp.int32), (16, 16))
+    with pytest.raises(TypeError, match="use process_mask"):  # was an AttributeError on .dtype
+        I.process_dynamic_mask(M.MultiHeadMask([M.CausalMask((64, 64))]), (16, 16))
+    with pytest.raises(TypeError, match="got list"):  # said "got shape ()"
+        I.process_dynamic_mask([[[True]]], (16, 16))
     with pytest.raises(ValueError, match=r"block_shape\[0\]"):
         I.process_dynamic_mask_dkv(jnp.ones((2, 64, 64), bool), (24, 16))
     with pytest.raises(ValueError, match="head_shards"):

@@ -209,6 +209,9 @@ def test_multi_head_mask():
     np.testing.assert_array_equal(mh[1], dense[1])
     np.testing.assert_array_equal(mh[-1, 3:9, 10:], dense[-1, 3:9, 10:])
     np.testing.assert_array_equal(mh[1:, :5, 2:30], dense[1:, :5, 2:30])
+    for empty in ((slice(1, 1),), (slice(5, None), 3), (slice(2, 1), slice(None), 4)):  # no heads, as numpy
+        np.testing.assert_array_equal(mh[empty], dense[empty])
+        assert mh[empty].shape == dense[empty].shape
     assert mh.mask_function is None
 
 
@@ -218,6 +221,9 @@ def test_invalid_masks_raise():
         M.NumpyMask(np.zeros((4, 4), np.int32))
     with pytest.raises(ValueError, match="array"):
         M.NumpyMask(np.zeros((2, 4, 4), bool))
+    for empty in ((0, 4), (4, 0)):  # process_mask failed inside numpy on these
+        with pytest.raises(ValueError, match="positive"):
+            M.NumpyMask(np.ones(empty, bool))
     with pytest.raises(ValueError, match="shape"):
         M.CausalMask((16,))
     with pytest.raises(ValueError, match="shape"):

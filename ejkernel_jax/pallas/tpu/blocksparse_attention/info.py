@@ -360,7 +360,10 @@ def process_dynamic_mask(
     is_dkv = mask_lib.check_flag("is_dkv", is_dkv)  # "no" was the dK/dV schedule
     mask_lib.check_flag("downcast_smem_data", downcast_smem_data), mask_lib.check_flag("shrink_grid", shrink_grid)
     del shrink_grid  # output shapes may not depend on the mask's contents
-    shape = tuple(getattr(mask, "shape", ()))
+    if not isinstance(mask, (jax.Array, np.ndarray)):  # a Mask object goes to process_mask
+        raise TypeError(f"mask must be a bool jax.Array [heads, q_len, kv_len], got {type(mask).__name__}"
+                        + ("; for a mask object use process_mask" if isinstance(mask, mask_lib.Mask) else ""))
+    shape = tuple(mask.shape)
     if len(shape) != 3:
         raise ValueError(f"mask must be 3-D [heads, q_len, kv_len], got shape {shape}")
     if jnp.dtype(mask.dtype) != jnp.bool_:

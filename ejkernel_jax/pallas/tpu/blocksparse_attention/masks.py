@@ -500,6 +500,7 @@ class NumpyMask(Mask):
             raise ValueError(f"array must be 2-D (q_len, kv_len), got shape {array.shape}")
         if array.dtype != np.bool_:
             raise ValueError(f"array must be boolean, got dtype {array.dtype}")
+        _check_shape(array.shape)  # a zero-length axis, as the computed masks refuse
         self.array = np.array(array, copy=True)
         self.array.flags.writeable = False
         # Hashing a large array is not free: do it once.
@@ -550,7 +551,10 @@ class MultiHeadMask(Mask):
     def __getitem__(self, idx) -> np.ndarray:
         hi, qi, ki = _split_index(idx, 3)
         if isinstance(hi, slice):
-            return np.stack([m[qi, ki] for m in self.masks[hi]])
+            heads = [m[qi, ki] for m in self.masks[hi]]
+            if not heads:  # an empty head range, as numpy slices it: no heads of the other axes' shape
+                return np.zeros((0, *self.masks[0][qi, ki].shape), np.bool_)
+            return np.stack(heads)
         h0, _, _ = _axis_range(hi, len(self.masks))
         return self.masks[h0][qi, ki]
 
