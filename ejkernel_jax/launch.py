@@ -178,10 +178,10 @@ def _to_torch(a: np.ndarray):
     import torch
 
     a = np.require(a, requirements="C")
-    if a.dtype == jnp.bfloat16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     with warnings.catch_warnings():  # jax hands out read-only buffers; kernels never write inputs
         warnings.simplefilter("ignore", UserWarning)
+        if a.dtype == jnp.bfloat16:
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(a)
 
 

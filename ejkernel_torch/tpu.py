@@ -590,7 +590,8 @@ def make_group_metadata(
         # into them first, the traced value selects what jax selects for it.
         start_group = clamp_to_int32(start_group, -num_nonzero_groups, group_sizes.shape[0])
     return _metadata(group_sizes, start_group, m=m, tm=tm, num_nonzero_groups=num_nonzero_groups,
-                     visit_empty_groups=bool(visit_empty_groups))
+                     visit_empty_groups=_gmm.check_flag(f"{fn}: argument 'visit_empty_groups'",
+                                                        visit_empty_groups))  # bool("no") is True
 
 
 # -- introspection -----------------------------------------------------------------------------

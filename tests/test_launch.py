@@ -332,6 +332,23 @@ def test_jax_triton_import_restores_triton_cache_dir(tmp_path, cache_dir):
     assert out.stdout.strip() == repr(cache_dir)
 
 
+def test_jax_bfloat16_on_the_interpreter_warns_nothing():
+    """jax hands the interpreter read-only buffers; torch warns about wrapping one (once a
+    process, hence a fresh one). Every dtype's wrap was silenced but bfloat16's."""
+    script = textwrap.dedent("""
+        import warnings
+        import jax.numpy as jnp
+        import ejkernel_jax
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ejkernel_jax.softmax(jnp.ones((2, 8), jnp.bfloat16)).block_until_ready()
+        print([str(w.message)[:80] for w in caught])
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_jax_result_not_waited_for_exits_cleanly():
     # A jax-only CPU script that exits with a kernel still queued (behind slow matmuls): the callback
     # ran during interpreter shutdown, imported torch there for the first time and printed "can't

@@ -211,6 +211,7 @@ def test_make_group_metadata_without_rows():
         (dict(group_sizes=jnp.array([3.0, 5.0])), TypeError, r"'group_sizes' must be an int32 array, got float32"),
         (dict(group_sizes=[3, 5]), TypeError, r"'group_sizes' must be an int32 array, got list"),
         (dict(group_sizes=jnp.array([[3, 5]], jnp.int32)), ValueError, r"'group_sizes' must be 1-D"),
+        (dict(visit_empty_groups="no"), TypeError, r"'visit_empty_groups' must be a bool, got 'no'"),  # int("no")
     ],
 )
 def test_make_group_metadata_bad_arguments(override, exc, match):

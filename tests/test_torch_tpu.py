@@ -496,6 +496,9 @@ BAD = {
                                     ValueError, r"'start_group' must be a non-negative int, got -1"),
     "float m": (lambda: tpu.make_group_metadata(group_sizes=_gs, m=8.0, tm=4, start_group=0, num_nonzero_groups=2),
                 TypeError, r"'m' must be an int, got float 8.0"),
+    "string visit_empty_groups": (lambda: tpu.make_group_metadata(group_sizes=_gs, m=8, tm=4, start_group=0,
+                                                                  num_nonzero_groups=2, visit_empty_groups="no"),
+                                  TypeError, r"'visit_empty_groups' must be a bool, got 'no'"),  # "no" was True
     "dynamic mask not bool": (lambda: tpu.process_dynamic_mask(torch.ones(1, 8, 8), (8, 8)), TypeError,
                               r"'mask' must be a bool tensor"),
     "string is_dkv": (lambda: tpu.process_dynamic_mask(torch.ones(1, 8, 8, dtype=torch.bool), (8, 8), is_dkv="no"),

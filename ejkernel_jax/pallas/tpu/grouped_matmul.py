@@ -114,6 +114,7 @@ def make_group_metadata(
         (copies of the last valid visit) and must not be used.
     """
     m, tm = _check_metadata_args(group_sizes, m, tm, start_group, num_nonzero_groups)
+    visit_empty_groups = check_flag("make_group_metadata: argument 'visit_empty_groups'", visit_empty_groups)
     num_groups = group_sizes.shape[0]
     tiles_m = pl.cdiv(m, tm)
     # With m = 0 (no tiles) tile ids were clamped into [0, -1], giving -1, and the empty groups'
