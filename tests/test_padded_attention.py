@@ -142,6 +142,26 @@ def test_torch_compile_fullgraph(torch_fw, rng, dynamic):
             assert rel_error(torch_fw.to_numpy(t.grad), want) < GRAD_TOLERANCE["float32"], name
 
 
+def test_torch_compile_fullgraph_with_keys_as_values(torch_fw, rng):
+    """One tensor as both k and v (cross-attention on a shared kv): dynamo refused the autograd
+    function ("duplicate tensor input"), with fullgraph=True and in strict export."""
+    import torch
+
+    import ejkernel_torch as ejk
+
+    fn = torch.compile(lambda q, kv, n: ejk.padded_attention(q, kv, kv, n), backend="aot_eager", fullgraph=True)
+    (q, kv, _), (q_np, kv_np, _), n_pad, n_pad_np = _case(torch_fw, rng, 2, 7, 8, "float32")
+    q, kv = q.requires_grad_(), kv.requires_grad_()
+    out = fn(q, kv, n_pad)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    out.backward(torch_fw.asarray(dout))
+    assert rel_error(torch_fw.to_numpy(out), ref.forward(ref.padded_attention, q_np, kv_np, kv_np, n_pad_np)) \
+        < TOLERANCE["float32"]
+    d_q, d_k, d_v = ref.vjp(ref.padded_attention, [q_np, kv_np, kv_np, n_pad_np], dout, n_diff=3)
+    assert rel_error(torch_fw.to_numpy(q.grad), d_q) < GRAD_TOLERANCE["float32"]
+    assert rel_error(torch_fw.to_numpy(kv.grad), d_k + d_v) < GRAD_TOLERANCE["float32"]  # both uses add up
+
+
 def test_double_backward_raises(torch_fw, rng):
     # The backward kernels have no derivative: a create_graph=True gradient had no graph through
     # them, so a second derivative silently dropped their terms (off by ~5 on this case).
