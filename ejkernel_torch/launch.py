@@ -266,12 +266,16 @@ def plain_eager(*tensors) -> bool:
             or _C._get_tracing_state() is not None or _C._autograd._profiler_enabled()):
         return False
     for t in tensors:
-        if t is not None and type(t) not in _PLAIN_TENSOR_TYPES:
+        if t is not None and (type(t) not in _PLAIN_TENSOR_TYPES or _legacy_batched(t)):
             return False
     return True
 
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+# The batched tensors of torch's older vmap (autograd.grad(is_grads_batched=True),
+# jacobian(vectorize=True)) are plain torch.Tensors without storage: launched on, they failed
+# inside the launcher ("Cannot access storage of BatchedTensorImpl").
+_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
 
 def functorch_active() -> bool:

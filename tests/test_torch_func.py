@@ -192,3 +192,24 @@ def test_grouped_matmul_second_derivative(torch_fw, rng, op):
     (ga,) = torch.autograd.grad((fn(a, b) ** 2).sum(), a, create_graph=True)
     (ga ** 2).sum().backward()
     _equal(got, [a.grad, b.grad])
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_batched_cotangents(torch_fw, rng, op):
+    """autograd.grad(is_grads_batched=True) and jacobian(vectorize=True) run torch's older vmap,
+    whose batched tensors have no storage: the backward launched on them and failed inside the
+    launcher ("Cannot access storage of BatchedTensorImpl"). Now it goes through the registered
+    ops, which that vmap runs once per cotangent: the gradients of a loop over cotangents."""
+    import torch
+
+    fn, _, args = _case(torch_fw, rng, op, seq=4, dim=8)
+    args = [a.detach().requires_grad_() for a in args]
+    out = fn(*args)
+    cotangents = torch_fw.asarray(rng.standard_normal((3, *out.shape)), "float32")
+    with warnings.catch_warnings():  # torch warns that its fallback runs one slice at a time
+        warnings.simplefilter("ignore", UserWarning)
+        got = torch.autograd.grad(out, args, cotangents, is_grads_batched=True, retain_graph=True)
+    loop = [torch.autograd.grad(out, args, c, retain_graph=True) for c in cotangents]
+    for i, g in enumerate(got):
+        want = torch.stack([grads[i] for grads in loop])
+        assert not torch.isnan(g).any() and rel_error(torch_fw.to_numpy(g), torch_fw.to_numpy(want)) < 1e-6, i
