@@ -275,7 +275,7 @@ _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 # The batched tensors of torch's older vmap (autograd.grad(is_grads_batched=True),
 # jacobian(vectorize=True)) are plain torch.Tensors without storage: launched on, they failed
 # inside the launcher ("Cannot access storage of BatchedTensorImpl").
-_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
+_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)  # not a public API
 
 
 def functorch_active() -> bool:
