@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 
@@ -32,6 +33,12 @@ def register_folding(op, call) -> None:
 
     @op.register_vmap
     def _rule(info, in_dims, *args):
+        if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+            # The op has no derivative of its own: its autograd function calls it without grad mode.
+            # Reached this way (torch.compile of torch.func.vmap), its share of the gradient was lost.
+            raise NotImplementedError(f"{op._name} under torch.func.vmap with inputs that require grad, inside "
+                                      "torch.compile: the gradient would be lost; vmap outside torch.compile, or "
+                                      "fold the mapped axis into the batch")
         n = info.batch_size
         at = next(i for i, a in enumerate(args) if isinstance(a, Tensor))
         batch = args[at].shape[1 if in_dims[at] == 0 else 0]
