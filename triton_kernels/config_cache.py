@@ -342,7 +342,6 @@ class ConfigCache:
                 self._generation = next(_generations)
         return dict(config)
 
-
     def _forget_local(self, key: CacheKey) -> None:
         """Drop the in-memory entry for ``key``, if an earlier store kept one: the file's wins now."""
         with self._lock:

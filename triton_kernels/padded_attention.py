@@ -98,17 +98,11 @@ def _tile_mask(offs, offs_d, seq_len, head_dim):
 
 
 @triton.jit
-def _load_tile(ptr, base, offs, offs_d, seq_len, head_dim):
-    """Rows ``offs`` of a [seq, head_dim] slab, zero outside it (head_dim padded to BLOCK_D)."""
-    return tl.load(ptr + base + offs[:, None] * head_dim + offs_d[None, :],
-                   mask=_tile_mask(offs, offs_d, seq_len, head_dim), other=0.0)
-
-
-@triton.jit
 def _load_tokens(ptr, base, offs, offs_d, pad, seq_len, head_dim):
-    """``_load_tile`` with the padding rows (``offs < pad``) read as zeros, never from memory:
-    padding may hold anything (an uninitialized buffer's NaN), and a masked probability of 0
-    times a NaN is still NaN in ``p @ v``, ``ds @ k`` and ``ds^T @ q``."""
+    """Rows ``offs`` of a [seq, head_dim] slab, zero outside it (head_dim padded to BLOCK_D) and
+    on the padding rows (``offs < pad``), which are never read: padding may hold anything (an
+    uninitialized buffer's NaN), and a masked probability of 0 times a NaN is still NaN in
+    ``p @ v``, ``ds @ k`` and ``ds^T @ q``."""
     return tl.load(ptr + base + offs[:, None] * head_dim + offs_d[None, :],
                    mask=_tile_mask(offs, offs_d, seq_len, head_dim) & (offs >= pad)[:, None], other=0.0)
 
@@ -120,15 +114,9 @@ def _store_tile(ptr, base, offs, offs_d, seq_len, head_dim, value):
 
 
 @triton.jit
-def _load_rows(ptr, b, offs, seq_len):
-    """Per-row float32 statistics (lse, delta) of batch row ``b``."""
-    return tl.load(ptr + b * seq_len + offs, mask=offs < seq_len, other=0.0)
-
-
-@triton.jit
 def _load_token_rows(ptr, b, offs, pad, seq_len):
-    """``_load_rows`` with the padding rows read as zeros: delta = rowsum(o * do) is NaN there when
-    the incoming gradient's padding rows are (see _load_tokens)."""
+    """Per-row float32 statistics (lse, delta) of batch row ``b``, zero on rows below ``pad``:
+    delta = rowsum(o * do) is NaN there when the incoming gradient's padding rows are."""
     return tl.load(ptr + b * seq_len + offs, mask=(offs < seq_len) & (offs >= pad), other=0.0)
 
 
@@ -215,8 +203,8 @@ def attention_bwd_delta_kernel(o_ptr, do_ptr, n_rows, head_dim, delta_ptr,
     # delta = rowsum(o * do), over all batch rows at once (a [batch * seq, head_dim] slab).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o = _load_tile(o_ptr, 0, rows.to(tl.int64), offs_d, n_rows, head_dim).to(tl.float32)
-    do = _load_tile(do_ptr, 0, rows.to(tl.int64), offs_d, n_rows, head_dim).to(tl.float32)
+    o = _load_tokens(o_ptr, 0, rows.to(tl.int64), offs_d, 0, n_rows, head_dim).to(tl.float32)
+    do = _load_tokens(do_ptr, 0, rows.to(tl.int64), offs_d, 0, n_rows, head_dim).to(tl.float32)
     tl.store(delta_ptr + rows, tl.sum(o * do, axis=1), mask=rows < n_rows)
 
 
@@ -258,7 +246,7 @@ def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, n
         q = _load_tokens(q_ptr, base, offs_m, offs_d, pad, seq_len, head_dim)
         do = _load_tokens(do_ptr, base, offs_m, offs_d, pad, seq_len, head_dim)
         keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
-        p = _recompute_p(q, k, _load_rows(lse_ptr, b, offs_m, seq_len), keep, qk_scale, DOT_PRECISION)
+        p = _recompute_p(q, k, _load_token_rows(lse_ptr, b, offs_m, 0, seq_len), keep, qk_scale, DOT_PRECISION)
         dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_PRECISION)
         dp = _dot(do, tl.trans(v), DOT_PRECISION)
         ds = p * (dp - _load_token_rows(delta_ptr, b, offs_m, pad, seq_len)[:, None])
@@ -282,7 +270,7 @@ def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, n_p
     offs_d = tl.arange(0, BLOCK_D)
     q = _load_tokens(q_ptr, base, offs_m, offs_d, pad, seq_len, head_dim)
     do = _load_tokens(do_ptr, base, offs_m, offs_d, pad, seq_len, head_dim)
-    lse2 = _load_rows(lse_ptr, b, offs_m, seq_len)
+    lse2 = _load_token_rows(lse_ptr, b, offs_m, 0, seq_len)
     delta = _load_token_rows(delta_ptr, b, offs_m, pad, seq_len)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -309,7 +297,7 @@ def scores_v_bwd_ds_kernel(s_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, n_pad_ptr, 
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     do = _load_tokens(do_ptr, base, offs_m, offs_d, pad, seq_len, head_dim)
-    lse = _load_rows(lse_ptr, b, offs_m, seq_len)  # natural log (the scores' units)
+    lse = _load_token_rows(lse_ptr, b, offs_m, 0, seq_len)  # natural log (the scores' units)
     delta = _load_token_rows(delta_ptr, b, offs_m, pad, seq_len)
     for start_n in range(0, seq_len, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -337,7 +325,7 @@ def scores_v_bwd_dv_kernel(s_ptr, do_ptr, lse_ptr, n_pad_ptr, seq_len, head_dim,
         do = _load_tokens(do_ptr, base, offs_m, offs_d, pad, seq_len, head_dim)
         keep = _causal_padded_keep(offs_m, offs_n, pad, seq_len)
         s = _load_scores(s_ptr, b, offs_m, offs_n, keep, seq_len)
-        p = _probs(s, _load_rows(lse_ptr, b, offs_m, seq_len), keep, 1.4426950408889634)
+        p = _probs(s, _load_token_rows(lse_ptr, b, offs_m, 0, seq_len), keep, 1.4426950408889634)
         dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_PRECISION)
     _store_tile(dv_ptr, base, offs_n, offs_d, seq_len, head_dim, dv)
 

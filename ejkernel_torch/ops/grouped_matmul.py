@@ -271,22 +271,19 @@ def _group_args(group_sizes, group_offset, m: int, num_groups: int, num_selected
             raise ValueError(f"group_offset is on {group_offset.device} but lhs is on {device}")
         # Clamped before the int32 cast (see group_offset_bounds).
         offset = clamp_to_int32(group_offset.reshape(1), *gm.group_offset_bounds(num_groups, num_selected))
-        offset_value = None
+        unread = [group_offset.reshape(())]  # values the checks still need
     elif isinstance(group_offset, (int, np.integer)) and not isinstance(group_offset, bool):
         group_offset = int(group_offset)  # numpy integers too, as in the jax front
         gm.check_group_offset_value(group_offset, num_groups, num_selected)
         # torch.full fills on the device; torch.tensor([...], device="cuda") would sync the stream.
         offset = torch.full((1,), group_offset, dtype=torch.int32, device=device)
-        offset_value = group_offset
+        unread = []
     else:
         raise TypeError(f"group_offset must be an int or an integer scalar tensor, got {group_offset!r}")
-    check = _no_check
-    tensor_offset = offset_value is None
-    if (check_values and (num_groups or tensor_offset)
-            and values_readable(group_sizes, *([group_offset] if tensor_offset else []))):
-        read = read_later(group_sizes, *([group_offset.reshape(())] if tensor_offset else []))
-        check = functools.partial(_check_values, read, m, num_groups, num_selected)
-    return group_sizes.contiguous(), offset, check
+    if check_values and (num_groups or unread) and values_readable(group_sizes, *unread):
+        check = functools.partial(_check_values, read_later(group_sizes, *unread), m, num_groups, num_selected)
+        return group_sizes.contiguous(), offset, check
+    return group_sizes.contiguous(), offset, _no_check
 
 
 def _no_check() -> None:
@@ -380,11 +377,12 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     params = op_params(FwdParams, fwd_params, "fwd_params", gm.PARAM_FIELDS)  # {}: None, as if not given
     check_autotune(autotune)
     lhs, rhs = lhs.contiguous(), rhs.contiguous()
-    if not torch.compiler.is_compiling():  # bad fwd_params fail here (dynamo cannot trace plans)
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # bad fwd_params fail here (dynamo cannot trace plans)
         problem = _gmm_problem(lhs, rhs, group_sizes, offset, bool(transpose_rhs), out_dtype)  # the op body's
         gm.gmm_plan(*problem, device_facts(device), params)
     check_group_values()  # before any kernel runs (autotuning's too)
-    if not torch.compiler.is_compiling():
+    if not compiling:
         _tuning.autotune(GMM, problem, device, (lhs, rhs, group_sizes, offset), autotune, params)
         _autotune_grads(functools.partial(_gmm_grad_calls, lhs, rhs, group_sizes, offset, bool(transpose_rhs)),
                         (lhs, rhs, group_sizes, offset), (m, n), autotune, device)
@@ -420,11 +418,12 @@ def transposed_grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes:
     params = op_params(FwdParams, fwd_params, "fwd_params", gm.PARAM_FIELDS)  # {}: None, as if not given
     check_autotune(autotune)
     lhs, rhs = lhs.contiguous(), rhs.contiguous()
-    if not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
         problem = _tgmm_problem(lhs, rhs, group_sizes, offset, num_selected, False, out_dtype)  # the op body's
         gm.tgmm_plan(*problem, device_facts(device), params)
     check_group_values()
-    if not torch.compiler.is_compiling():
+    if not compiling:
         _tuning.autotune(TGMM, problem, device, (lhs, rhs, group_sizes, offset), autotune, params)
         _autotune_grads(functools.partial(_tgmm_grad_calls, lhs, rhs, group_sizes, offset, False),
                         (lhs, rhs, group_sizes, offset), (num_selected, k, n), autotune, device)
