@@ -121,45 +121,6 @@ def test_padding_rows_are_zero_with_zero_gradients(fw, rng):
         assert np.isfinite(g).all() and not g[1].any()
 
 
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's masked lanes
-@pytest.mark.parametrize("garbage", [np.nan, np.inf])
-def test_segment_padding_may_hold_anything(fw, rng, garbage):
-    """Padding (ids <= 0) may hold anything, as an uninitialized buffer does: outputs and gradients
-    are those of zero padding, its rows and their gradients exact zeros. A masked probability of 0
-    times a NaN read at a padding key, query or cotangent row made every row of the sequence NaN."""
-    batch, seq, heads_q, heads_kv, dim = 2, 37, 4, 2, 16
-    seg = np.ones((batch, seq), np.int32)
-    seg[0, :5], seg[0, 5:20] = 0, 2  # padding first, and a second segment
-    seg[1, 17:] = 0  # 20 padding tokens: they span a tile edge at any tile size up to 32
-    pad = seg <= 0
-    clean = [rng.standard_normal(s) for s in [(batch, seq, heads_q, dim)] + [(batch, seq, heads_kv, dim)] * 2
-             + [(batch, seq, heads_q, dim), (batch, heads_q, seq, seq)]]
-
-    def fill_padding(arrays, value):
-        for x in arrays[:4]:
-            x[pad] = value
-        for b in range(batch):  # the bias at every pair with a padding query or key
-            arrays[4][b, :, pad[b]] = arrays[4][b, :, :, pad[b]] = value
-        return arrays
-
-    clean = fill_padding(clean, 0.0)
-    poisoned = fill_padding([x.copy() for x in clean], garbage)
-    q, k, v, dout, bias = (fw.asarray(x, "float32") for x in poisoned)
-    ids = dict(q_segment_ids=fw.asarray(seg), kv_segment_ids=fw.asarray(seg))
-    op = _op(fw, {}, ids)
-    out = fw.to_numpy(op(q, k, v, bias))
-    grads = fw.vjp(op, [q, k, v, bias], dout)
-    reference = _ref({}, dict(q_segment_ids=ref._t(seg), kv_segment_ids=ref._t(seg)))
-    want = reference(*(ref._t(x) for x in clean[:3]), bias=ref._t(clean[4])).numpy()
-    assert rel_error(out, want) < TOLERANCE["float32"]
-    expected = ref.flash_vjp(reference, [clean[0], clean[1], clean[2], clean[4]], out, clean[3], n_diff=4)
-    for name, got, wanted in zip(["dq", "dk", "dv", "dbias"], grads, expected):
-        assert not np.isnan(got).any(), name
-        assert rel_error(got, wanted) < GRAD_TOLERANCE["float32"], name
-    for name, got in zip(["out", "dq", "dk", "dv"], (out, *grads[:3])):
-        assert not got[pad].any(), name
-
-
 def test_int64_segment_ids_are_compared_exactly(fw, rng):
     # Truncated to int32, 1 and 1 + 2**32 would be one segment, 2**31 padding and 3 - 2**32 a
     # real segment. jax has int64 arrays only with x64 enabled.

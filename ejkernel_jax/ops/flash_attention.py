@@ -207,7 +207,7 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     bottom-right aligned; ``softmax_scale`` None means ``head_dim ** -0.5``; ``sliding_window`` int
     or (left, right); ``logits_soft_cap``; additive
     ``bias`` ``[batch|1, heads_q|1, seq_q, seq_k]`` (differentiable); segment ids ``[batch, seq]``
-    (ids <= 0 are padding, which may hold anything, NaN included; int64 ids, which need
+    (ids <= 0 are padding, masked but still read: keep its q/k/v finite; int64 ids, which need
     jax_enable_x64, are compared as int64); dropout from
     ``dropout_seed`` (required when ``dropout_p`` > 0: an int or an integer array, uint32 read as
     its bits, traced values welcome); ``return_lse`` adds the float32 log-sum-exp

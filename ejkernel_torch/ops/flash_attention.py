@@ -474,7 +474,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, so
       (float32 scratch of [batch, heads_q, seq_q, seq_k] in the backward).
     * ``q_segment_ids``/``kv_segment_ids`` ``[batch, seq]``: tokens attend only within equal ids;
       ids <= 0 are padding. int8/16/32/64 or uint8; int64 ids are compared as int64, the rest as int32.
-      Padding may hold anything, NaN included: the kernels zero it as they load it.
+      Padding is masked but still read: keep its q/k/v finite (a NaN there reaches every row).
     * ``dropout_p``/``dropout_seed``: dropout on the probabilities, drawn in-kernel from
       (seed, element offset) (see ``flash_attention_dropout_mask``); the seed defaults to a draw
       from torch's generator.

@@ -18,7 +18,7 @@ import triton.language as tl
 from ..padded_attention import _dot, _dot_acc
 from .tiles import (LOG2E_C, _dropout_keep_pairs, _full_key_range, _full_query_range, _keep, _keep_t, _key_range,
                     _load_bias, _load_bias_pairs, _load_full_rows, _load_kv, _load_rows, _logits2, _query_range,
-                    _row_base, _run_bounds, _segment_ids, _sequence, _store_rows, _zero_padding)
+                    _row_base, _run_bounds, _segment_ids, _sequence, _store_rows)
 
 RUNTIME_INTS = ["seq_q", "seq_k", "total_q", "total_k", "win_left", "win_right"]
 
@@ -54,17 +54,6 @@ def _lse2(lse, MAY_BE_EMPTY: tl.constexpr):
     if MAY_BE_EMPTY:
         return tl.where(lse == -float("inf"), float("inf"), lse * LOG2E_C)
     return lse * LOG2E_C
-
-
-@triton.jit
-def _clear_padding_queries(q, do, delta, q_seg, USE_SEGMENTS: tl.constexpr):
-    """q, dO and delta with padding query rows (segment ids <= 0) at 0 (see ``_zero_padding``):
-    the delta kernel reads dO there without segment ids, so delta may be NaN too."""
-    if USE_SEGMENTS:
-        q = _zero_padding(q, q_seg, USE_SEGMENTS)
-        do = _zero_padding(do, q_seg, USE_SEGMENTS)
-        delta = tl.where(q_seg > 0, delta, 0.0)
-    return q, do, delta
 
 
 @triton.jit
@@ -116,8 +105,6 @@ def _dkdv_step(dk, dv, k, v, k_seg, start_m, offs_n, offs_d, q_ptr, do_ptr, lse_
         do = _load_rows(do_ptr, q_start, offs_m, len_q, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM)
         lse2 = _lse2(tl.load(lse_ptr + rows + offs_m, mask=row_mask, other=0.0), True)
         delta = tl.load(delta_ptr + rows + offs_m, mask=row_mask, other=0.0)
-        q_seg = _segment_ids(q_seg_ptr, b, seq_q, offs_m, len_q, USE_SEGMENTS)
-        q, do, delta = _clear_padding_queries(q, do, delta, q_seg, USE_SEGMENTS)
     else:
         q = _load_full_rows(q_ptr, q_start, offs_m, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM, BLOCK_D)
         do = _load_full_rows(do_ptr, q_start, offs_m, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM, BLOCK_D)
@@ -131,6 +118,7 @@ def _dkdv_step(dk, dv, k, v, k_seg, start_m, offs_n, offs_d, q_ptr, do_ptr, lse_
     s, t = _logits2(_dot(k, tl.trans(q), DOT_PRECISION), bias, logit_scale, softcap, USE_SOFTCAP, USE_BIAS)
     keep = True
     if MASKED:
+        q_seg = _segment_ids(q_seg_ptr, b, seq_q, offs_m, len_q, USE_SEGMENTS)
         keep = _keep_t(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg, USE_WINDOW, USE_SEGMENTS)
     dp = _dot(v, tl.trans(do), DOT_PRECISION)
     p_v, ds, ds_raw = _dlogits(s, t, dp, lse2, delta, keep, seed, drop_base, i, j, seq_k, dropout_p, dropout_scale,
@@ -153,16 +141,13 @@ def _dq_step(dq, q, do, lse2, delta, q_seg, start_n, offs_m, offs_d, k_ptr, v_pt
     """Add key block ``start_n``'s share to the query block's dq (``MASKED`` as in ``_fwd_step``)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k, v = _load_kv(k_ptr, v_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV, HEAD_DIM, BLOCK_D, MASKED)
-    if MASKED:  # every block is, with segment ids
-        k_seg = _segment_ids(kv_seg_ptr, b, seq_k, offs_n, len_k, USE_SEGMENTS)
-        k = _zero_padding(k, k_seg, USE_SEGMENTS)
-        v = _zero_padding(v, k_seg, USE_SEGMENTS)
     bias = 0.0
     if USE_BIAS:
         bias = _load_bias(bias_ptr, b, h, offs_m, offs_n, len_q, len_k, BIAS_BATCHED, BIAS_HEADS)
     s, t = _logits2(_dot(q, tl.trans(k), DOT_PRECISION), bias, logit_scale, softcap, USE_SOFTCAP, USE_BIAS)
     keep = True
     if MASKED:
+        k_seg = _segment_ids(kv_seg_ptr, b, seq_k, offs_n, len_k, USE_SEGMENTS)
         keep = _keep(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg, USE_WINDOW, USE_SEGMENTS)
     dp = _dot(do, tl.trans(v), DOT_PRECISION)
     _, _, ds_raw = _dlogits(s, t, dp, lse2, delta, keep, seed, drop_base, offs_m[:, None], offs_n[None, :], seq_k,
@@ -200,8 +185,6 @@ def flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, 
     k = _load_rows(k_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
     v = _load_rows(v_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV * HEAD_DIM, HEAD_DIM)
     k_seg = _segment_ids(kv_seg_ptr, b, seq_k, offs_n, len_k, USE_SEGMENTS)
-    k = _zero_padding(k, k_seg, USE_SEGMENTS)
-    v = _zero_padding(v, k_seg, USE_SEGMENTS)
     seed = 0
     if USE_DROPOUT:
         seed = tl.load(seed_ptr)
@@ -265,7 +248,6 @@ def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu
     lse2 = _lse2(tl.load(lse_ptr + rows + offs_m, mask=row_mask, other=0.0), True)  # once, outside the loop
     delta = tl.load(delta_ptr + rows + offs_m, mask=row_mask, other=0.0)
     q_seg = _segment_ids(q_seg_ptr, b, seq_q, offs_m, len_q, USE_SEGMENTS)
-    q, do, delta = _clear_padding_queries(q, do, delta, q_seg, USE_SEGMENTS)
     seed = 0
     if USE_DROPOUT:
         seed = tl.load(seed_ptr)

@@ -8,8 +8,7 @@ import triton.language as tl
 
 from ..padded_attention import _dot, _dot_acc
 from .tiles import (LN2_C, _dropout_keep, _full_key_range, _keep, _key_range, _load_bias, _load_kv,
-                    _load_rows, _logits2, _row_base, _run_bounds, _segment_ids, _sequence, _store_rows,
-                    _zero_padding)
+                    _load_rows, _logits2, _row_base, _run_bounds, _segment_ids, _sequence, _store_rows)
 
 # Runtime ints: listed so torch and jax-triton compile the same binary (see triton_kernels.plan).
 RUNTIME_INTS = ["seq_q", "seq_k", "total_q", "total_k", "win_left", "win_right"]
@@ -27,9 +26,6 @@ def _fwd_step(acc, m_i, l_i, q, q_seg, start_n, k_ptr, v_ptr, bias_ptr, kv_seg_p
     ``MASKED=False`` is for blocks every row attends entirely (``_full_key_range``)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k, v = _load_kv(k_ptr, v_ptr, k_start, offs_n, len_k, h_kv, offs_d, HEADS_KV, HEAD_DIM, BLOCK_D, MASKED)
-    if MASKED:  # every block is, with segment ids
-        k_seg = _segment_ids(kv_seg_ptr, b, seq_k, offs_n, len_k, USE_SEGMENTS)
-        v = _zero_padding(v, k_seg, USE_SEGMENTS)  # a padding key's logit is masked; its value is not
     bias = 0.0
     if USE_BIAS:
         bias = _load_bias(bias_ptr, b, h, offs_m, offs_n, len_q, len_k, BIAS_BATCHED, BIAS_HEADS)
@@ -37,6 +33,7 @@ def _fwd_step(acc, m_i, l_i, q, q_seg, start_n, k_ptr, v_ptr, bias_ptr, kv_seg_p
     if MASKED or USE_SOFTCAP or USE_BIAS or NEGATIVE_SCALE:
         s, _ = _logits2(qk, bias, logit_scale, softcap, USE_SOFTCAP, USE_BIAS)
         if MASKED:
+            k_seg = _segment_ids(kv_seg_ptr, b, seq_k, offs_n, len_k, USE_SEGMENTS)
             keep = _keep(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg, USE_WINDOW, USE_SEGMENTS)
             s = tl.where(keep, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

@@ -132,16 +132,6 @@ def _segment_ids(seg_ptr, b, seq, offs, length, USE_SEGMENTS: tl.constexpr):
 
 
 @triton.jit
-def _zero_padding(x, ids, USE_SEGMENTS: tl.constexpr):
-    """Tile ``x`` with its padding rows (segment ids <= 0) set to 0. Masked pairs get probability
-    0, but 0 times a NaN or inf read there is NaN, so padding that enters a product is cleared
-    first: it may then hold anything, like the tokens varlen never reads."""
-    if USE_SEGMENTS:
-        x = tl.where((ids > 0)[:, None], x, tl.zeros_like(x))
-    return x
-
-
-@triton.jit
 def _keep(offs_m, offs_n, len_q, len_k, win_left, win_right, q_seg, k_seg,
           USE_WINDOW: tl.constexpr, USE_SEGMENTS: tl.constexpr):
     """[BLOCK_M, BLOCK_N] bool: query i attends key j."""
