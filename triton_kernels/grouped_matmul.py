@@ -131,23 +131,43 @@ def _gmm_tile(lhs_ptr, rhs_ptr, out_ptr, start, rows, rhs_index, pm, pn,
 
 
 @triton.jit
+def _segment_tiles(start, end, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(row tiles, tiles) of the output rows ``[start, end)``."""
+    tiles_m = tl.cdiv(end - start, BLOCK_M)
+    return tiles_m, tiles_m * tl.cdiv(N, BLOCK_N)
+
+
+@triton.jit
+def _next_tile(tile, end):
+    """This program's first tile at or past ``end``: its tiles are ``tile`` plus multiples of the grid."""
+    programs = tl.num_programs(0)
+    return tile + tl.maximum(end - tile + programs - 1, 0) // programs * programs
+
+
+@triton.jit
 def _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, start, end, rhs_index,
                  K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, IS_ZERO: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Do this program's tiles among the ``[done, done + count)`` of rows ``[start, end)``.
-
-    ``tile`` is the next global tile index this program owns; returns it and the new ``done``.
-    """
-    tiles_m = tl.cdiv(end - start, BLOCK_M)
+    """Do this program's tiles among the ``[done, done + count)`` of rows ``[start, end)``, from
+    ``tile``, the next global tile index it owns. Returns nothing: the caller advances ``tile``
+    (``_next_tile``), so no index flows out of a call given the input pointers, which torch's
+    mutation analysis of wrap_triton would take as a write to them (and torch.compile would
+    copy lhs and rhs before every launch)."""
+    tiles_m, count = _segment_tiles(start, end, N, BLOCK_M, BLOCK_N)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    count = tiles_m * tiles_n
     while tile < done + count:
         pm, pn = _swizzle(tile - done, tiles_m, tiles_n, GROUP_M)
         _gmm_tile(lhs_ptr, rhs_ptr, out_ptr, start, end - start, rhs_index, pm, pn, K, N,
                   TRANSPOSE_RHS, IS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         tile += tl.num_programs(0)
-    return tile, done + count
+
+
+@triton.jit
+def _after_segment(tile, done, start, end, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(tile, done) after ``_gmm_segment`` of rows ``[start, end)``."""
+    _, count = _segment_tiles(start, end, N, BLOCK_M, BLOCK_N)
+    return _next_tile(tile, done + count), done + count
 
 
 @triton.jit(do_not_specialize_on_alignment=["m"])
@@ -165,12 +185,14 @@ def gmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
     row = first_row
     for i in range(0, NUM_SELECTED):
         end = _group_end(row, group_sizes_ptr, g0 + i, m, NUM_GROUPS)
-        tile, done = _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, row, end, i, K, N, TRANSPOSE_RHS,
-                                  False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+        _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, row, end, i, K, N, TRANSPOSE_RHS,
+                     False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+        tile, done = _after_segment(tile, done, row, end, N, BLOCK_M, BLOCK_N)
         row = end
     zero = tl.zeros([], tl.int32)
-    tile, done = _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, zero, first_row, zero, K, N, TRANSPOSE_RHS,
-                              True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+    _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, zero, first_row, zero, K, N, TRANSPOSE_RHS,
+                 True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+    tile, done = _after_segment(tile, done, zero, first_row, N, BLOCK_M, BLOCK_N)
     _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, row, m, zero, K, N, TRANSPOSE_RHS,
                  True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
 
