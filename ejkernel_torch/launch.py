@@ -295,14 +295,15 @@ def vmap_only(*tensors) -> bool:
 
     if any(i.key() != _C._functorch.TransformType.Vmap for i in retrieve_all_functorch_interpreters()):
         return False
-    if not torch.is_grad_enabled():
-        return True
-    for t in tensors:
-        while isinstance(t, torch.Tensor) and _C._functorch.is_batchedtensor(t):
-            t = _C._functorch.get_unwrapped(t)
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            return False
-    return True
+    return not (torch.is_grad_enabled() and any(requires_grad_beneath(t) for t in tensors))
+
+
+def requires_grad_beneath(t) -> bool:
+    """Whether ``t`` is a tensor that requires grad, read beneath vmap's batching (batched
+    tensors hide it)."""
+    while isinstance(t, torch.Tensor) and _C._functorch.is_batchedtensor(t):
+        t = _C._functorch.get_unwrapped(t)
+    return isinstance(t, torch.Tensor) and t.requires_grad
 
 
 def reject_forward_ad(*tensors) -> None:

@@ -215,33 +215,42 @@ def test_batched_cotangents(torch_fw, rng, op):
         assert not torch.isnan(g).any() and rel_error(torch_fw.to_numpy(g), torch_fw.to_numpy(want)) < 1e-6, i
 
 
-@pytest.mark.parametrize("fullgraph", [False, True])
-def test_compiled_vmap_never_loses_the_gradient(torch_fw, rng, fullgraph):
-    """A backward through torch.func.vmap of a folded op inside torch.compile ran the op outside
-    its autograd (the batched tensors hide requires_grad): the eager backend returned gradients
-    without the op's share (0.45 off). Now it either raises, naming the loss, or is right."""
+# The folding ops (OPS[:4]) were the broken ones, under the eager backend too; the rest once each.
+@pytest.mark.parametrize("op, backend", [(op, b) for op in OPS[:4] for b in ("eager", "aot_eager")]
+                         + [(op, "aot_eager") for op in OPS[4:]])
+def test_compiled_vmap_backward(torch_fw, rng, op, backend):
+    """.backward() through torch.func.vmap (nested) of an op inside torch.compile (fullgraph)
+    gives each sample's own gradients. The batched tensors hide requires_grad there,
+    so the folding ops ran outside their autograd functions: the eager backend returned gradients
+    without their share (0.45 off for softmax), aot_eager and inductor failed ("no autograd
+    formula was registered"). They now carry their derivative themselves (register_autograd)."""
     import torch
 
-    import ejkernel_torch as ejk
-
-    w0 = torch_fw.asarray(rng.standard_normal((3, 4, 8)), "float32")
-    c = torch_fw.asarray(rng.standard_normal((3, 4, 8)), "float32")
-
-    def loss(w, softmax):
-        return (torch.func.vmap(softmax)(w) * c).sum() + (w ** 2).sum()
-
-    def grad_of(fn, softmax):
-        w = w0.clone().requires_grad_()
-        fn(w, softmax).backward()
-        return w.grad
-
-    want = grad_of(loss, lambda x: torch.softmax(x, -1))
+    fn = _case(torch_fw, rng, op, seq=4, dim=8)[0]
+    grid = [[_case(torch_fw, rng, op, seq=4, dim=8)[2] for _ in range(3)] for _ in range(2)]
+    cotangents = [[torch.randn_like(fn(*p)) for p in row] for row in grid]
+    want = [[_backward(fn, p, c) for p, c in zip(*rows)] for rows in zip(grid, cotangents)]
+    stack = lambda rows: torch.stack([torch.stack(row) for row in rows])  # noqa: E731  [2, 3, ...]
+    n_args = len(grid[0][0])
+    batched = [stack([[p[i] for p in row] for row in grid]) for i in range(n_args)]
     torch._dynamo.reset()
     try:
-        got = grad_of(torch.compile(loss, backend="eager", fullgraph=fullgraph), ejk.softmax)
-    except Exception as e:  # noqa: BLE001 (dynamo wraps the error in its own types)
-        assert "gradient would be lost" in str(e)
-    else:
-        assert rel_error(torch_fw.to_numpy(got), torch_fw.to_numpy(want)) < GRAD_TOLERANCE
+        vmapped = torch.compile(torch.func.vmap(torch.func.vmap(fn)), backend=backend, fullgraph=True)
+        got = _backward(vmapped, batched, stack(cotangents))
     finally:
         torch._dynamo.reset()
+    for i, g in enumerate(got):
+        expected = stack([[grads[i] for grads in row] for row in want])
+        assert rel_error(torch_fw.to_numpy(g), torch_fw.to_numpy(expected)) < 1e-6, i
+
+
+def test_vmap_of_a_backward_kernel_refuses_inputs_that_require_grad(torch_fw, rng):
+    """The backward kernels have no derivative: their vmap rule raises rather than drop one."""
+    import importlib
+
+    import torch
+
+    softmax = importlib.import_module("ejkernel_torch.ops.softmax")  # the package exports the function
+    y = torch_fw.asarray(rng.standard_normal((3, 2, 4)), "float32").requires_grad_()
+    with pytest.raises(NotImplementedError, match="softmax_rows_bwd under torch.func.vmap .* no derivative"):
+        torch.func.vmap(softmax._rows_backward_op.op)(y, y.detach())

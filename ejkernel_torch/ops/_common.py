@@ -149,27 +149,35 @@ def n_pad_arg(n_pad, batch: int, seq_len: int, device: torch.device) -> torch.Te
     return n_pad.to(torch.int32).contiguous()
 
 
-def kernel_op(name: str, body, *, folds_under_vmap: bool = False):
+class KernelOp:
     """``body`` (plans built from its tensors' shapes, run by ``launch_traceable``) as the
-    ``torch.library.triton_op`` ``ejkernel::name``. torch.compile cannot trace the plan code (nor
-    the interpreter): it sees the registered op instead, and traces it with ``fullgraph=True``
-    too, specialized on every size (see ``ejkernel_torch.ops.flash_attention``: new shapes
-    recompile, ``mark_dynamic`` raises). Plain eager calls run ``body`` directly, without the
-    dispatcher's Python layers. The op has no derivative of its own: gradients come from the
-    ``KernelFunction`` calling it (see ``no_grad_op``). ``folds_under_vmap``: every tensor argument
-    and output has one leading axis whose indices the kernels treat on their own; under
-    ``torch.func.vmap`` the mapped axis folds into it (``register_folding``), one launch for all
-    samples, instead of torch's per-sample fallback."""
-    op = torch.library.triton_op(f"ejkernel::{name}", body, mutates_args=())
+    ``torch.library.triton_op`` ``ejkernel::name`` (``.op``). torch.compile cannot trace the plan
+    code (nor the interpreter): it sees the registered op instead, and traces it with
+    ``fullgraph=True`` too, specialized on every size (see ``ejkernel_torch.ops.flash_attention``:
+    new shapes recompile, ``mark_dynamic`` raises). Calling it runs ``body`` directly in plain
+    eager mode, without the dispatcher's Python layers, else the op (see ``no_grad_op``). Its
+    gradient, if any, is ``register_autograd``'s; ``KernelFunction`` registers one for the forward
+    ops and records eager gradients itself. ``folds_under_vmap``: every tensor argument and output
+    has one leading axis whose indices the kernels treat on their own; under ``torch.func.vmap``
+    the mapped axis folds into it (``register_folding``), one launch for all samples, instead of
+    torch's per-sample fallback."""
 
-    def call(*args):
+    def __init__(self, name: str, body, *, folds_under_vmap: bool = False):
+        self.body = body
+        self.op = torch.library.triton_op(f"ejkernel::{name}", body, mutates_args=())
+        self.differentiable = False
+        if folds_under_vmap:
+            register_folding(self)
+
+    def __call__(self, *args):
         if plain_eager(*(a for a in args if isinstance(a, torch.Tensor))):
-            return body(*args)
-        return no_grad_op(op, *args)
+            return self.body(*args)
+        return no_grad_op(self.op, *args)
 
-    if folds_under_vmap:
-        register_folding(op, call)
-    return call
+    def register_autograd(self, backward, setup_context) -> None:
+        """Give the op a derivative (``torch.library.register_autograd``'s arguments)."""
+        self.op.register_autograd(backward, setup_context=setup_context)
+        self.differentiable = True
 
 
 def no_grad_op(op, *args):
@@ -255,13 +263,17 @@ def autograd_function(name: str, forward, setup_context, backward, *, transforms
 
 
 class KernelFunction:
-    """An op's ``forward(*inputs)`` with its gradient: ``setup_context`` and ``backward`` as
-    ``torch.autograd.Function`` takes them. Calling it runs ``forward`` alone when no input needs
-    a gradient (autograd's bookkeeping costs about as much as the kernel launch itself on small
-    inputs; under ``torch.func.vmap`` alone, ``vmap_only``, the ops' vmap rules serve), else
-    through an autograd function (see ``autograd_function``)."""
+    """An op's ``forward`` (a ``KernelOp``) with its gradient: ``setup_context`` and ``backward``
+    as ``torch.autograd.Function`` and ``register_autograd`` take them. Calling it runs
+    ``forward`` alone when no input needs a gradient (autograd's bookkeeping costs about as much
+    as the kernel launch itself on small inputs; under ``torch.func.vmap`` alone, ``vmap_only``,
+    the ops' vmap rules serve), else through an autograd function (see ``autograd_function``)."""
 
-    def __init__(self, name: str, forward, setup_context, backward):
+    def __init__(self, name: str, forward: KernelOp, setup_context, backward):
+        # The op's own derivative serves where the op is reached outside this function: under
+        # torch.compile, torch.func.vmap's batched tensors hide requires_grad, so the op is called
+        # directly and its vmap rule (register_folding) runs it on tensors that require grad.
+        forward.register_autograd(backward, setup_context)
         self.forward = forward
         self.function = autograd_function(name, forward, setup_context, backward, transforms=False)
         self.transforms_function = autograd_function(f"{name}Transforms", forward, setup_context, backward,

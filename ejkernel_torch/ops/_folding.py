@@ -9,6 +9,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ejkernel_torch.launch import requires_grad_beneath
+
 
 def fold(x: Optional[Tensor], dim: Optional[int], n: int, batch: Optional[int] = None) -> Optional[Tensor]:
     """``x`` as ``[n * batch, ...]``: mapped over ``dim`` with ``[batch|1, ...]`` samples, or the
@@ -26,23 +28,28 @@ def unfold(x: Tensor, n: int, batch: int) -> Tensor:
     return x.unflatten(0, (n, batch))
 
 
-def register_folding(op, call) -> None:
-    """A vmap rule for ``op``, whose tensor arguments and outputs all share one leading axis that
-    its kernels treat index by index: every tensor argument is folded, ``call`` (the op, or a
-    function running it) runs once and each output is unfolded."""
+def register_folding(kernel_op) -> None:
+    """A vmap rule for ``kernel_op`` (a ``KernelOp``), whose tensor arguments and outputs all
+    share one leading axis that its kernels treat index by index: every tensor argument is
+    folded, the op runs once and each output is unfolded."""
+    op = kernel_op.op
 
     @op.register_vmap
     def _rule(info, in_dims, *args):
-        if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
-            # The op has no derivative of its own: its autograd function calls it without grad mode.
-            # Reached this way (torch.compile of torch.func.vmap), its share of the gradient was lost.
-            raise NotImplementedError(f"{op._name} under torch.func.vmap with inputs that require grad, inside "
-                                      "torch.compile: the gradient would be lost; vmap outside torch.compile, or "
-                                      "fold the mapped axis into the batch")
         n = info.batch_size
         at = next(i for i, a in enumerate(args) if isinstance(a, Tensor))
         batch = args[at].shape[1 if in_dims[at] == 0 else 0]
-        outputs = call(*(fold(a, d, n) if isinstance(a, Tensor) else a for a, d in zip(args, in_dims)))
+        folded = [fold(a, d, n) if isinstance(a, Tensor) else a for a, d in zip(args, in_dims)]
+        if torch.is_grad_enabled() and any(requires_grad_beneath(a) for a in folded):
+            # Reached so under torch.compile, where vmap's batched tensors hide requires_grad and
+            # the op is called outside its autograd function: its own derivative records it (in
+            # the innermost vmap's rule: until then the folded tensors are batched ones).
+            if not kernel_op.differentiable:
+                raise NotImplementedError(f"{op._name} under torch.func.vmap with inputs that require grad: it "
+                                          "has no derivative, and the gradient would be lost")
+            outputs = op(*folded)
+        else:
+            outputs = kernel_op(*folded)
         if isinstance(outputs, Tensor):
             return unfold(outputs, n, batch), 0
         return tuple(unfold(o, n, batch) for o in outputs), (0,) * len(outputs)

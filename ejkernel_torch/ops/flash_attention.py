@@ -31,7 +31,7 @@ from torch import Tensor
 from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch, launch_prechecked,
                                    launch_traceable, plain_eager, reject_forward_ad, torch_dtype, vmap_only)
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import (autocast, autograd_function, first_order, kernel_op, name_of, no_grad_op,
+from ejkernel_torch.ops._common import (KernelOp, autocast, autograd_function, first_order, name_of, no_grad_op,
                                         same_device, saved_tensors, tensor_arg, under_torch_func, values_readable)
 from ejkernel_torch.ops._folding import fold, unfold
 from triton_kernels import checks, flash_attention as fa, tuning
@@ -572,4 +572,4 @@ def _dropout_mask_body(seed: Tensor, batch: int, heads: int, seq_q: int, seq_k: 
 
 
 # A registered op, as the attention ops: torch.compile cannot trace the plan code nor the interpreter.
-_dropout_mask = kernel_op("flash_attention_dropout_mask", _dropout_mask_body)
+_dropout_mask = KernelOp("flash_attention_dropout_mask", _dropout_mask_body)

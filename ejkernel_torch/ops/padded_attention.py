@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import (KernelFunction, autocast, first_order, kernel_op, n_pad_arg,
+from ejkernel_torch.ops._common import (KernelFunction, KernelOp, autocast, first_order, n_pad_arg,
                                         name_of, same_device, saved_tensors, static_shape, tensor_arg)
 from triton_kernels import checks
 from triton_kernels.tuning import PADDED_BWD, PADDED_FWD
@@ -17,7 +17,8 @@ from triton_kernels.params import BwdParams, FwdParams, decode_params, encode_pa
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, n_pad: Tensor, softmax_scale: float,
-             fwd_params: Optional[list[int]]) -> tuple[Tensor, Tensor]:
+             fwd_params: Optional[list[int]], bwd_params: Optional[list[int]]) -> tuple[Tensor, Tensor]:
+    # bwd_params is for the gradient (_setup), which sees the op's arguments only.
     problem = (static_shape(q), dtype_name(q.dtype), softmax_scale)
     params = _tuning.resolve(PADDED_FWD, problem, q.device, decode_params(FwdParams, fwd_params))
     out, lse2 = launch_traceable(attention_fwd_plan(*problem, device_facts(q.device), params), q, k, v, n_pad)
@@ -35,10 +36,10 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, n_pad:
     return dq, dk, dv
 
 
-# Registered ops (kernel_op); params travel as encode_params lists, which a schema can carry.
+# Registered ops (KernelOp); params travel as encode_params lists, which a schema can carry.
 # The kernels treat each batch row on its own: under vmap the mapped axis folds into the batch.
-_forward_op = kernel_op("padded_attention_fwd", _forward, folds_under_vmap=True)
-_backward_op = kernel_op("padded_attention_bwd", _backward, folds_under_vmap=True)
+_forward_op = KernelOp("padded_attention_fwd", _forward, folds_under_vmap=True)
+_backward_op = KernelOp("padded_attention_bwd", _backward, folds_under_vmap=True)
 
 
 def _setup(ctx, inputs, output):
@@ -53,14 +54,12 @@ def _setup(ctx, inputs, output):
 def _grad(ctx, dout, _dlse2):
     q, k, v, out, lse2, n_pad = saved_tensors(ctx)
     dq, dk, dv = _backward_op(q, k, v, out, lse2, n_pad, dout.to(q.dtype).contiguous(), ctx.softmax_scale,
-                              encode_params(ctx.bwd_params))
+                              ctx.bwd_params)
     return first_order("padded_attention", (dq, dk, dv, None, None, None, None), (q, k, v, out, dout))
 
 
-# Arguments: q, k, v, n_pad, softmax_scale, fwd_params, bwd_params (FwdParams/BwdParams or None)
-_padded_attention = KernelFunction(
-    "PaddedAttention", lambda q, k, v, n_pad, scale, fwd, bwd: _forward_op(q, k, v, n_pad, scale, encode_params(fwd)),
-    _setup, _grad)
+# Arguments: q, k, v, n_pad, softmax_scale, fwd_params, bwd_params (encode_params lists)
+_padded_attention = KernelFunction("PaddedAttention", _forward_op, _setup, _grad)
 
 
 def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_pad: torch.Tensor,
@@ -95,4 +94,4 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_pad: t
     _tuning.autotune(PADDED_FWD, problem, device, args, autotune, fwd)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         _tuning.autotune(PADDED_BWD, problem, device, args, autotune, bwd)
-    return _padded_attention(*args, scale, fwd, bwd)[0]
+    return _padded_attention(*args, scale, encode_params(fwd), encode_params(bwd))[0]

@@ -7,14 +7,14 @@ import torch
 from torch import Tensor
 
 from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable
-from ejkernel_torch.ops._common import (KernelFunction, first_order, kernel_op, n_pad_arg, name_of,
+from ejkernel_torch.ops._common import (KernelFunction, KernelOp, first_order, n_pad_arg, name_of,
                                         same_device, saved_tensors, static_shape, tensor_arg)
 from triton_kernels import checks
 from triton_kernels.padded_attention import scores_v_bwd_plans, scores_v_fwd_plan
 from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
 
 
-# -- kernels, as registered ops (kernel_op): inputs are checked and contiguous --------------------
+# -- kernels, as registered ops (KernelOp): inputs are checked and contiguous --------------------
 # Each treats every row (batch row for the padded ones) on its own: under vmap the mapped axis
 # folds into the rows, one launch for all samples.
 
@@ -49,11 +49,11 @@ def _scores_v_backward(scores: Tensor, v: Tensor, n_pad: Tensor, out: Tensor, ls
     return dscores, dv
 
 
-_rows_forward_op = kernel_op("softmax_rows_fwd", _rows_forward, folds_under_vmap=True)
-_rows_backward_op = kernel_op("softmax_rows_bwd", _rows_backward, folds_under_vmap=True)
-_padded_probs_op = kernel_op("padded_softmax_fwd", _padded_probs, folds_under_vmap=True)
-_scores_v_forward_op = kernel_op("padded_softmax_v_fwd", _scores_v_forward, folds_under_vmap=True)
-_scores_v_backward_op = kernel_op("padded_softmax_v_bwd", _scores_v_backward, folds_under_vmap=True)
+_rows_forward_op = KernelOp("softmax_rows_fwd", _rows_forward, folds_under_vmap=True)
+_rows_backward_op = KernelOp("softmax_rows_bwd", _rows_backward, folds_under_vmap=True)
+_padded_probs_op = KernelOp("padded_softmax_fwd", _padded_probs, folds_under_vmap=True)
+_scores_v_forward_op = KernelOp("padded_softmax_v_fwd", _scores_v_forward, folds_under_vmap=True)
+_scores_v_backward_op = KernelOp("padded_softmax_v_bwd", _scores_v_backward, folds_under_vmap=True)
 
 
 def _softmax_rows_backward(y2d: Tensor, dy2d: Tensor) -> Tensor:
@@ -62,8 +62,8 @@ def _softmax_rows_backward(y2d: Tensor, dy2d: Tensor) -> Tensor:
 
 # Gradients (KernelFunction: forward, setup_context, backward)
 
-def _save_probs(ctx, inputs, probs):
-    ctx.save_for_backward(probs)
+def _save_probs(ctx, inputs, output):
+    ctx.save_for_backward(output)
 
 
 def _rows_grad(ctx, dy):
