@@ -254,3 +254,28 @@ def test_vmap_of_a_backward_kernel_refuses_inputs_that_require_grad(torch_fw, rn
     y = torch_fw.asarray(rng.standard_normal((3, 2, 4)), "float32").requires_grad_()
     with pytest.raises(NotImplementedError, match="softmax_rows_bwd under torch.func.vmap .* no derivative"):
         torch.func.vmap(softmax._rows_backward_op.op)(y, y.detach())
+
+
+@pytest.mark.parametrize("name", ["softmax_rows_fwd", "softmax_rows_bwd", "padded_softmax_fwd",
+                                  "padded_softmax_v_fwd", "padded_attention_fwd", "padded_attention_bwd"])
+def test_folding_ops_pass_opcheck(torch_fw, rng, name):
+    """The registered ops behind softmax, padded_softmax(_v) and padded_attention, the forward ones
+    with their derivative (register_autograd): schema, fake tensors, autograd registration and
+    aot_dispatch (compiled against eager, gradients included)."""
+    import torch
+
+    import ejkernel_torch  # noqa: F401  (registers the ops)
+
+    t = lambda *shape, grad=True: torch_fw.asarray(rng.standard_normal(shape), "float32").requires_grad_(grad)  # noqa: E731
+    n_pad = torch.tensor([1, 0], dtype=torch.int32, device=torch_fw.device)
+    out = t(2, 5, 8, grad=False)
+    lse = t(2, 5, grad=False)
+    args = {
+        "softmax_rows_fwd": (t(3, 7),),
+        "softmax_rows_bwd": (torch.softmax(t(3, 7, grad=False), -1), t(3, 7, grad=False)),
+        "padded_softmax_fwd": (t(2, 5, 5), n_pad),
+        "padded_softmax_v_fwd": (t(2, 5, 5), t(2, 5, 8), n_pad),
+        "padded_attention_fwd": (t(2, 5, 8), t(2, 5, 8), t(2, 5, 8), n_pad, 0.3, None, None),
+        "padded_attention_bwd": (*(t(2, 5, 8, grad=False) for _ in "qkv"), out, lse, n_pad, out, 0.3, None),
+    }[name]
+    torch.library.opcheck(getattr(torch.ops.ejkernel, name).default, args)
