@@ -325,6 +325,11 @@ def test_bad_input_errors_name_the_argument():
         to_torch([1.0, 2.0])
     with pytest.raises(TypeError, match="to_torch: argument 'array'.*int4"):
         to_torch(jnp.zeros(4, jnp.int4))
+    # An extended dtype has no numpy dtype: numpy's "Cannot interpret 'key<fry>'" named nothing.
+    with pytest.raises(TypeError, match="to_torch: argument 'array': dtype key<fry> has no torch equivalent"):
+        to_torch(jax.random.key(0))
+    with pytest.raises(TypeError, match="output leaf 1: dtype key<fry> has no torch equivalent"):
+        jax_to_torch(lambda x: (x + 1, jax.random.key(0)))(torch.ones(2))
 
 
 def test_to_torch_of_a_deleted_array_is_a_clear_error():

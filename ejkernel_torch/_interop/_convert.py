@@ -432,7 +432,9 @@ def check_array(array) -> None:
         )
     if not isinstance(array, jax.Array):
         raise ConversionError(TypeError, f"expected a jax.Array, got {type(array).__name__}")
-    if np.dtype(array.dtype) not in JAX_TO_TORCH_DTYPE:
+    # Not np.dtype(array.dtype): extended dtypes (typed PRNG keys) have none, and numpy's own
+    # error named neither the argument nor the output leaf.
+    if array.dtype not in JAX_TO_TORCH_DTYPE:
         raise ConversionError(
             TypeError, f"dtype {array.dtype} has no torch equivalent that DLPack can carry"
         )
