@@ -55,6 +55,8 @@ def _traced(x) -> bool:
 def _int_array(x, name: str, ndim: int | None = None, offsets: bool = False) -> jax.Array:
     """An integer array; ``offsets`` (lengths, boundaries) must be int32 or int64, since a
     narrower or unsigned dtype wraps around when they are added or subtracted."""
+    if isinstance(x, (list, tuple)) and not x:  # not the float64 numpy gives []: the size checks name it
+        x = np.zeros(0, np.int32)
     x = x if isinstance(x, jax.Array) else np.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
@@ -185,7 +187,9 @@ def prepare_token_indices(cu_seqlens, total_tokens: int | None = None) -> jax.Ar
 def prepare_chunk_offsets(cu_seqlens, chunk_size: int) -> jax.Array:
     """``[0, cumsum(ceil(len / chunk_size))]``: where each sequence's chunks start."""
     cu = _cu_seqlens(cu_seqlens)
-    chunks = cdiv(cu[1:] - cu[:-1], _chunk_size(chunk_size))
+    # Every length fits cu's dtype, so a chunk_size past its range means one chunk each; cut to
+    # it (jit raised OverflowError parsing 2**31 as an int32 argument).
+    chunks = cdiv(cu[1:] - cu[:-1], min(_chunk_size(chunk_size), int(jnp.iinfo(cu.dtype).max)))
     return jnp.concatenate([jnp.zeros(1, cu.dtype), jnp.cumsum(chunks, dtype=cu.dtype)])
 
 

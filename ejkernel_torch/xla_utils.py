@@ -42,6 +42,8 @@ def _int_tensor(x, name: str, ndim: int | None = None, offsets: bool = False) ->
     """An integer tensor; ``offsets`` (lengths, boundaries) must be int32 or int64, since a
     narrower or unsigned dtype wraps around when they are added or subtracted (and torch
     indexes only with int64/int32)."""
+    if isinstance(x, (list, tuple)) and not x:  # not the float32 torch gives []: the size checks name it
+        x = torch.zeros(0, dtype=torch.int32)
     x = _as_tensor(x, name)
     if not _is_int(x):
         raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
@@ -157,7 +159,10 @@ def prepare_token_indices(cu_seqlens, total_tokens: int | None = None) -> torch.
 def prepare_chunk_offsets(cu_seqlens, chunk_size: int) -> torch.Tensor:
     """``[0, cumsum(ceil(len / chunk_size))]``: where each sequence's chunks start."""
     cu = _cu_seqlens(cu_seqlens)
-    chunks = cdiv(cu[1:] - cu[:-1], checks.chunk_size(chunk_size))
+    # Every length fits cu's dtype, so a chunk_size past its range means one chunk each; cut to
+    # it, or the division casts chunk_size into that dtype and wraps (2**31 gave 0 chunks).
+    size = min(checks.chunk_size(chunk_size), torch.iinfo(cu.dtype).max)
+    chunks = cdiv(cu[1:] - cu[:-1], size)
     zero = torch.zeros(1, dtype=cu.dtype, device=cu.device)
     return torch.cat([zero, torch.cumsum(chunks, dim=0, dtype=cu.dtype)])
 

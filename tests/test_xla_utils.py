@@ -136,6 +136,20 @@ def test_chunk_helpers_match_loops(fw, lens, chunk_size):
     assert [tuple(r) for r in got.tolist()] == rows
 
 
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+def test_chunk_size_past_the_lengths_dtype(fw, dtype):
+    """A chunk_size beyond cu_seqlens' dtype is one chunk a sequence: torch cast it into int32 and
+    wrapped (2**31 gave no chunks, 2**32 + 2 chunks of 2, 2**40 a division by zero); jax's jit
+    raised OverflowError."""
+    x = xu(fw)
+    with x64(fw):
+        cu = ints(fw, [0, 5, 7], dtype)
+        assert str(cu.dtype).endswith(dtype)
+        for chunk_size in (5, 2**31 - 1, 2**31, 2**32 + 2, 2**40):
+            assert np_of(fw, x.prepare_chunk_offsets(cu, chunk_size)).tolist() == [0, 1, 2], chunk_size
+            assert np_of(fw, x.prepare_chunk_indices(cu, chunk_size)).tolist() == [[0, 0], [1, 0]], chunk_size
+
+
 @FAST
 @given(shape=mask_shapes, data=st.data())
 def test_mask_to_segment_ids_matches_loop(fw, shape, data):
@@ -324,6 +338,8 @@ def test_bad_input(fw):
         x.prepare_sequence_ids(ints(fw, [0, 4, 2]))
     with pytest.raises(ValueError, match="cu_seqlens"):
         x.prepare_lens(ints(fw, np.zeros(0, np.int32)))
+    with pytest.raises(ValueError, match="cu_seqlens must hold at least one boundary"):  # not "float dtype"
+        x.prepare_lens([])
     with pytest.raises(ValueError, match="total_tokens"):
         x.prepare_position_ids(ints(fw, [0, 4, 6]), total_tokens=5)
     with pytest.raises(ValueError, match="total_chunks"):
