@@ -98,8 +98,12 @@ class MultiHeadAttention(nn.Module):
         checks.attention_layer_input(tuple(x.shape), self.embed_dim)
         checks.flag("use_bias", self.use_bias), checks.flag("causal", self.causal)  # before any weight
         fa.layer_options(head_dim, self.causal, self.sliding_window, self.logits_soft_cap, self.softmax_scale)
+        if not jnp.issubdtype(x.dtype, jnp.floating):  # it would cast the weights to int32 first
+            raise TypeError(f"x must be a floating-point array, got {x.dtype}")
         if self.attention_fn is flash_attention:  # another attention_fn (a reference run) may take wider heads
             fa.layer_head_dim(self.embed_dim, self.num_heads, self.head_dim, head_dim)
+            compute = self.dtype if self.dtype is not None else x.dtype  # as TorchLinear's
+            fa.layer_dtype(jnp.dtype(compute).name, "dtype" if self.dtype is not None else "x's dtype, dtype=None")
         deterministic = _static_flag("deterministic", deterministic)
         batch, seq, _ = x.shape
         linear = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)

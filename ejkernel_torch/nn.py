@@ -9,6 +9,9 @@ from ejkernel_torch.ops.flash_attention import flash_attention
 from triton_kernels import checks, flash_attention as fa
 
 
+_FLASH_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what flash_attention takes
+
+
 class MultiHeadAttention(nn.Module):
     """Self-attention for GPT-style models: fused qkv projection, flash attention, output projection.
 
@@ -41,9 +44,14 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``segment_ids [batch, seq]``: attend within equal ids only; ids <= 0 are padding."""
+        if not isinstance(x, torch.Tensor):  # x.device of a numpy array is a str: an AttributeError followed
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         checks.attention_layer_input(tuple(x.shape), self.embed_dim)
         if x.dtype != self.qkv.weight.dtype and not autocasting(x.device.type):  # autocast casts both
             raise TypeError(f"x must have the layer's dtype {self.qkv.weight.dtype}, got {x.dtype}")
+        if self.attention_fn is flash_attention and self.qkv.weight.dtype not in _FLASH_DTYPES:
+            # (a float64 layer may still be built: to hold or convert weights)
+            fa.layer_dtype(str(self.qkv.weight.dtype).removeprefix("torch."), "the layer's dtype")
         batch, seq, _ = x.shape
         qkv = self.qkv(x).view(batch, seq, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)

@@ -193,6 +193,37 @@ def test_bad_layer_inputs():
             flax_layer.init(jax.random.PRNGKey(0), jnp.zeros(shape))
     with pytest.raises(TypeError, match="x must have the layer's dtype"):
         layer(torch.zeros(1, 5, 32, dtype=torch.float16))
+    # A numpy x: "'str' object has no attribute 'type'" (its .device is a str). An int x made
+    # Flax cast the weights to int32, then name q.
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got ndarray"):
+        layer(np.zeros((1, 5, 32), np.float32))
+    with pytest.raises(TypeError, match="x must be a floating-point array, got int32"):
+        flax_layer.init(jax.random.PRNGKey(0), jnp.zeros((1, 5, 32), jnp.int32))
+
+
+def test_layer_dtype_flash_attention_cannot_take_is_named():
+    """float64 layers failed at every call naming q, which the user never passed. (A float64 torch
+    layer may still be built: to hold or convert weights, test_params_from_torch_keeps_dtypes.)"""
+    import jax
+    import jax.numpy as jnp
+
+    import ejkernel_jax.nn
+    import ejkernel_torch.nn
+
+    layer = ejkernel_torch.nn.MultiHeadAttention(32, 4, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"compute in float64 \(from the layer's dtype\); flash_attention takes"):
+        layer(torch.zeros(1, 5, 32, dtype=torch.float64))
+    with jax.enable_x64(True):
+        flax_layer = ejkernel_jax.nn.MultiHeadAttention(32, 4, param_dtype=jnp.float64)
+        with pytest.raises(TypeError, match=r"float64 \(from x's dtype, dtype=None\)"):
+            flax_layer.init(jax.random.PRNGKey(0), jnp.zeros((1, 5, 32), jnp.float64))
+        flax_layer.init(jax.random.PRNGKey(0), jnp.zeros((1, 5, 32), jnp.float32))  # float64 params, float32 math
+        flax_layer = ejkernel_jax.nn.MultiHeadAttention(32, 4, dtype=jnp.float64)
+        with pytest.raises(TypeError, match=r"compute in float64 \(from dtype\)"):
+            flax_layer.init(jax.random.PRNGKey(0), jnp.zeros((1, 5, 32), jnp.float32))
+    # Another attention_fn may compute in float64 (a reference run)
+    reference = ejkernel_torch.nn.MultiHeadAttention(32, 4, dtype=torch.float64, attention_fn=lambda *a, **k: a[0])
+    assert reference(torch.zeros(1, 5, 32, dtype=torch.float64)).dtype == torch.float64
 
 
 def _run_example(name, steps):

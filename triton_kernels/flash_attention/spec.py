@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from .. import checks
-from ..plan import hash_fields_once, state_without_hash
+from ..plan import FLOAT_DTYPES, hash_fields_once, state_without_hash
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256  # padded to a power of two >= 16 inside the kernels
 FLOAT32_MAX = checks.FLOAT32_MAX
@@ -155,6 +155,15 @@ def layer_head_dim(embed_dim: int, num_heads: int, head_dim: int | None, resolve
         source = f"head_dim={head_dim}" if head_dim is not None else f"embed_dim={embed_dim} / num_heads={num_heads}"
         raise ValueError(f"head_dim must be between {MIN_HEAD_DIM} and {MAX_HEAD_DIM} for flash_attention, "
                          f"got {resolved} ({source})")
+
+
+def layer_dtype(dtype: str, source: str) -> None:
+    """A ``MultiHeadAttention`` layer's compute dtype (``dtype``, named by ``source``: the
+    argument it comes from) one flash_attention takes, checked before any weight is used: the
+    kernels' check came only at the first call and named q."""
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"MultiHeadAttention would compute in {dtype} (from {source}); flash_attention takes "
+                        "float16, bfloat16 or float32")
 
 
 def dropout(dropout_p) -> float:
