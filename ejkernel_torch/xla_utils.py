@@ -193,7 +193,9 @@ def identity_dtype_convert(dtype):
     """A function that returns its input unchanged and rounds the incoming gradient through ``dtype``.
 
     The gradient w.r.t. the input keeps the input's dtype; its values are those of ``dtype``
-    (as in the jax version).
+    (as in the jax version). The output is a view of the input made by an autograd function, which
+    torch forbids to modify in place ("Output 0 of _IdentityGradCast is a view..."): clone it
+    first. (Returning a copy would cost every call a pass over the tensor.)
     """
     dtype = _dtype(dtype)
 
