@@ -10,6 +10,7 @@ CPU tests' CUDA twins.
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -652,11 +653,36 @@ def test_in_place_write_after_forward_fails_loudly():
     y_data.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
-    out = b(x, y)
-    with torch.no_grad():
-        out.add_(1)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+def test_outputs_the_backward_does_not_read_may_be_modified_in_place(hooks):
+    """Every output was saved for backward, so any in-place op on one failed at backward
+    ("modified by an inplace operation"), where torch's own ops allow it: relu_ after a bridged
+    matmul, an update of x * y. Only outputs whose memory a residual shares are saved now."""
+    x, w = _f64(2, 3), _f64(3, 4, seed=1)
+    lin = jax_to_torch(lambda x, w: x @ w)
+    ref = [t.detach().clone().requires_grad_() for t in (x, w)]
+    with torch.autograd.graph.save_on_cpu() if hooks else contextlib.nullcontext():
+        torch.relu_(lin(x, w)).sum().backward()
+        torch.relu_(ref[0] @ ref[1]).sum().backward()
+        out = jax_to_torch(jnp.exp)(x)  # the residual is exp(x) too, in a buffer of its own
+        with torch.no_grad():
+            out.add_(1)
         out.sum().backward()
+    assert torch.allclose(w.grad, ref[1].grad)
+    assert torch.allclose(x.grad, ref[0].grad + x.detach().exp())
+
+
+def test_an_output_sharing_a_residual_buffer_is_saved():
+    """Where jax hands back one buffer as an output and a residual, that output is saved, so an
+    in-place write to it fails loudly instead of corrupting the gradient."""
+    from ejkernel_torch._interop._bridge import _outputs_sharing
+
+    residual = jnp.arange(4.0) + 1
+    shared, other = to_torch(residual), torch.ones(4)
+    assert _outputs_sharing([residual], [other, shared], None) == [shared]
+    assert _outputs_sharing([], [other, shared], None) == []
 
 
 def test_tensors_converted_inside_the_jax_function_are_refused():

@@ -482,14 +482,19 @@ class _BridgeFunction(torch.autograd.Function):
         if len(ct_idx) != len(touts):
             keep = set(ct_idx)
             ctx.mark_non_differentiable(*[t for j, t in enumerate(touts) if j not in keep])
-        # Saving inputs and outputs arms torch's in-place-modification check: the residuals on
-        # the jax side may alias their memory (zero-copy), so a later in-place write must fail.
+        # Saving inputs, and the outputs whose memory a residual shares, arms torch's
+        # in-place-modification check: the backward reads them (zero-copy), so a later in-place
+        # write must fail. Other outputs may be modified, as torch's own ops allow (relu_ after
+        # a bridged matmul); the backward needs only their shapes.
+        ctx.out_meta = [(t.shape, t.dtype, t.device) for t in touts]
+        touts_read = _outputs_sharing(kept, touts, _xla_device(tensors))
+        ctx.n_outs_read = len(touts_read)
         if _saved_tensor_hooks_active():
-            _save_hooked(ctx, call, jleaves, kept, recipe, tensors, touts)
+            _save_hooked(ctx, call, jleaves, kept, recipe, tensors, touts_read)
         else:
             pullback = None if recipe is None else _rebuild_pullback(jleaves, kept, recipe)
             ctx.kept = _Kept(call, pullback)
-            ctx.save_for_backward(*tensors, *touts, ctx.kept.tie_to())
+            ctx.save_for_backward(*tensors, *touts_read, ctx.kept.tie_to())
         return tuple(touts)
 
     @staticmethod
@@ -504,6 +509,20 @@ class _BridgeFunction(torch.autograd.Function):
         # product differentiates w.r.t. the latter): wire both to the error node.
         anchors = [saved[k] for k in ctx.kept.call.diff_k] + [g for g in grads if g is not None]
         return (None, *_poison_for_double_backward(result, anchors))
+
+
+def _outputs_sharing(kept, touts, xla_device) -> list:
+    """The outputs whose memory a kept residual (a jax array the backward reads) shares; all of
+    them where that cannot be told (torch_xla, arrays without one buffer pointer)."""
+    if not kept:  # no residuals (or recomputed from the inputs in backward)
+        return []
+    if xla_device is not None:
+        return list(touts)
+    try:
+        shared = {r.unsafe_buffer_pointer() for r in kept if r.size}
+    except Exception:  # noqa: BLE001 (sharded or deleted arrays: keep the safe choice)
+        return list(touts)
+    return [t for t in touts if t.numel() and t.data_ptr() in shared]
 
 
 def _save_hooked(ctx, call, jleaves, kept, recipe, tensors, touts):
@@ -554,7 +573,8 @@ def _backward(ctx, grads):
     for j in call.ct_idx:
         g = grads[j]
         if g is None:
-            g = torch.zeros_like(saved[n_in + j])
+            shape, dtype, device = ctx.out_meta[j]
+            g = torch.zeros(shape, dtype=dtype, device=device)
         elif not g.is_contiguous():
             g = g.contiguous()  # e.g. the expanded ones of sum().backward()
         try:
@@ -565,7 +585,7 @@ def _backward(ctx, grads):
         grads_in = _run(call.use_x64, b._bwd, (ctx.kept.pullback, cts))
     elif ctx.kept.recipe is not None:  # residuals saved through saved-tensor hooks
         jleaves = _import_leaves(b, call.args, call.kwargs, call.leaves, call.tpos, saved[:n_in])
-        kept = [cv.tensor_to_jax(t, None) for t in saved[n_in + len(grads):]]
+        kept = [cv.tensor_to_jax(t, None) for t in saved[n_in + ctx.n_outs_read:]]
         pullback = _rebuild_pullback(jleaves, kept, ctx.kept.recipe)
         grads_in = _run(call.use_x64, b._bwd, (pullback, cts))
     else:
