@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ejkernel_torch.ops._common import autocasting
+from ejkernel_torch.ops._common import autocasting, name_of
 from ejkernel_torch.ops.flash_attention import flash_attention
 from triton_kernels import checks, flash_attention as fa
 
@@ -51,7 +51,7 @@ class MultiHeadAttention(nn.Module):
             raise TypeError(f"x must have the layer's dtype {self.qkv.weight.dtype}, got {x.dtype}")
         if self.attention_fn is flash_attention and self.qkv.weight.dtype not in _FLASH_DTYPES:
             # (a float64 layer may still be built: to hold or convert weights)
-            fa.layer_dtype(str(self.qkv.weight.dtype).removeprefix("torch."), "the layer's dtype")
+            fa.layer_dtype(name_of(self.qkv.weight), "the layer's dtype")
         batch, seq, _ = x.shape
         qkv = self.qkv(x).view(batch, seq, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)

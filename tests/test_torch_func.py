@@ -266,7 +266,9 @@ def test_folding_ops_pass_opcheck(torch_fw, rng, name):
 
     import ejkernel_torch  # noqa: F401  (registers the ops)
 
-    t = lambda *shape, grad=True: torch_fw.asarray(rng.standard_normal(shape), "float32").requires_grad_(grad)  # noqa: E731
+    def t(*shape, grad=True):
+        return torch_fw.asarray(rng.standard_normal(shape), "float32").requires_grad_(grad)
+
     n_pad = torch.tensor([1, 0], dtype=torch.int32, device=torch_fw.device)
     out = t(2, 5, 8, grad=False)
     lse = t(2, 5, grad=False)

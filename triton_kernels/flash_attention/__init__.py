@@ -11,6 +11,6 @@ from .spec import (FlashSpec, cu_seqlens_values, dense_spec, layer_dtype, layer_
 
 __all__ = [
     "FEATURE_INPUTS", "FlashSpec", "backward_plans", "cu_seqlens_values", "dense_spec", "dropout_mask_plan",
-    "feature_dtypes", "forward_plan", "layer_dtype", "layer_head_dim", "layer_options", "seed_array", "seed_value", "varlen_spec",
-    "window_arg",
+    "feature_dtypes", "forward_plan", "layer_dtype", "layer_head_dim", "layer_options", "seed_array", "seed_value",
+    "varlen_spec", "window_arg",
 ]
