@@ -32,6 +32,11 @@ def _plans():
     yield gmm_plan(m, k, n, 2 * g, g, False, "bfloat16", "bfloat16", HOPPER)  # an expert-parallel shard
     yield gmm_plan(37, 19, 23, 4, 4, False, "bfloat16", "bfloat16", HOPPER)  # ragged k and n
     yield tgmm_plan(37, 19, 23, 4, 4, True, "bfloat16", "bfloat16", HOPPER)
+    # torch.func.vmap's batches of problems
+    yield gmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER, batch=8)
+    yield gmm_plan(m, k, n, g, g, True, "bfloat16", "bfloat16", HOPPER, batch=8, shared_rhs=True)
+    yield tgmm_plan(m, k, n, g, g, True, "bfloat16", "bfloat16", HOPPER, batch=8)
+    yield tgmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER, batch=8)
     for params in SWEEP_CONFIGS:  # what benchmarks/grouped_matmul.py --sweep tries
         yield gmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER, params)
 
@@ -42,9 +47,10 @@ PLANS = distinct_plans(_plans())
 def _id(plan):
     c = plan.constexpr_dict
     layout = f"T{int(c['TRANSPOSE_RHS'])}" if "TRANSPOSE_RHS" in c else f"MK{int(c['LHS_MK'])}"
+    batch = f"-b{c['BATCH']}" + "-shared" * c.get("SHARED_RHS", False) if c["BATCH"] > 1 else ""
     return (f"{plan.name}-{plan.input_dtypes[0]}-{plan.outputs[0].dtype}-K{c['K']}-N{c['N']}-G{c['NUM_GROUPS']}"
             f"-S{c['NUM_SELECTED']}-{layout}-{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}-w{plan.num_warps}"
-            f"-s{plan.num_stages}")
+            f"-s{plan.num_stages}{batch}")
 
 
 SM_SHARED = 228 * 1024  # shared memory of one H100 SM, shared by its resident programs

@@ -22,6 +22,12 @@ def _plans():
     yield "gmm transpose_rhs", gmm_plan(64, 32, 48, 3, 3, True, "bfloat16", "bfloat16", HOPPER)
     yield "tgmm", tgmm_plan(64, 32, 48, 3, 3, False, "bfloat16", "bfloat16", HOPPER)
     yield "tgmm lhs_mk", tgmm_plan(64, 32, 48, 3, 3, True, "bfloat16", "bfloat16", HOPPER)
+    # torch.func.vmap's batches of problems (the pointers each problem's operands start at)
+    yield "gmm batch", gmm_plan(64, 32, 48, 3, 3, False, "bfloat16", "bfloat16", HOPPER, batch=4)
+    yield "gmm batch shared rhs", gmm_plan(64, 32, 48, 3, 3, True, "bfloat16", "bfloat16", HOPPER, batch=4,
+                                           shared_rhs=True)
+    yield "tgmm batch", tgmm_plan(64, 32, 48, 3, 3, False, "bfloat16", "bfloat16", HOPPER, batch=4)
+    yield "tgmm lhs_mk batch", tgmm_plan(64, 32, 48, 3, 3, True, "bfloat16", "bfloat16", HOPPER, batch=4)
     yield "softmax", sm.softmax_fwd_plan(8, 32, "float32", HOPPER)
     yield "softmax bwd", sm.softmax_bwd_plan(8, 32, "float32", HOPPER)
     yield "padded_softmax", sm.padded_softmax_fwd_plan(2, 32, "float32", HOPPER)

@@ -5,6 +5,7 @@ Outputs are poisoned with NaN before every launch (conftest), so a row the kerne
 write, e.g. past sum(group_sizes), fails the comparisons.
 """
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -558,6 +559,84 @@ def test_vmap_over_group_sizes(fw, rng):
         np.testing.assert_array_equal(fw.to_numpy(gmm)[i], fw.to_numpy(one))
         one = fw.ops.transposed_grouped_matmul(lhs.T, rhs_t, sizes[i])
         np.testing.assert_array_equal(fw.to_numpy(tgmm)[i], fw.to_numpy(one))
+
+
+def _vmap_case(fw, rng, shared_rhs: bool):
+    """Three samples with their own routing (sizes, offsets; rows past the sum and groups
+    outside the selection must be zeros), odd sizes, and expert weights per sample or shared."""
+    n, m, k, width, groups, held = 3, 23, 10, 7, 5, 3
+    sizes = np.stack([ragged_sizes(rng, m, groups, spare=spare) for spare in (0, 3, 7)])
+    offsets = np.array([0, 2, 1], np.int32)
+    (lhs, rhs), (lhs_np, rhs_np) = _arrays(fw, rng, "float32", (n, m, k), (held, k, width) if shared_rhs
+                                           else (n, held, k, width))
+    return (lhs, rhs, fw.asarray(sizes), fw.asarray(offsets)), (lhs_np, rhs_np, sizes, offsets)
+
+
+@pytest.mark.parametrize("shared_rhs", [False, True])
+def test_vmap_gmm_matches_each_sample(fw, rng, shared_rhs):
+    """vmap over every argument (rhs mapped, or one rhs for all samples, as per-sample gradients
+    have it) gives each sample's float64 result. torch runs the samples as one launch's batch
+    of problems (it ran one launch per sample, warning so; test_torch_func checks the warning)."""
+    args, (lhs, rhs, sizes, offsets) = _vmap_case(fw, rng, shared_rhs)
+    fn = lambda x, y, g, o: fw.ops.grouped_matmul(x, y, g, group_offset=o)  # noqa: E731
+    out = fw.to_numpy(fw.vmap(fn, (0, None if shared_rhs else 0, 0, 0))(*args))
+    for i in range(len(lhs)):
+        want = ref.forward(ref.grouped_matmul, lhs[i], rhs if shared_rhs else rhs[i], sizes[i],
+                           group_offset=int(offsets[i]))
+        assert _err(out[i], want, "float32"), i
+
+
+def test_vmap_tgmm_matches_each_sample(fw, rng):
+    args, (lhs, rhs_unused, sizes, offsets) = _vmap_case(fw, rng, shared_rhs=False)
+    lhs_t = fw.asarray(np.ascontiguousarray(lhs.transpose(0, 2, 1)))  # [n, k, m]: the public layout
+    (rhs,), (rhs_np,) = _arrays(fw, rng, "float32", (len(lhs), lhs.shape[1], 6))
+    fn = lambda x, y, g, o: fw.ops.transposed_grouped_matmul(x, y, g, group_offset=o, num_actual_groups=3)  # noqa: E731
+    out = fw.to_numpy(fw.vmap(fn, (0, 0, 0, 0))(lhs_t, rhs, args[2], args[3]))
+    assert out.shape == (len(lhs), 3, lhs.shape[2], 6)
+    for i in range(len(lhs)):
+        want = ref.forward(ref.transposed_grouped_matmul, lhs[i].T, rhs_np[i], sizes[i], group_offset=int(offsets[i]),
+                           num_actual_groups=3)
+        assert _err(out[i], want, "float32"), i
+
+
+def test_vmap_per_sample_gradients(fw, rng):
+    """vmap of grad with the expert weights shared: each sample's own d_lhs and d_rhs (float64),
+    every kernel run once for all samples (jax ran them in a loop, torch warned of its own)."""
+    args, (lhs, rhs, sizes, offsets) = _vmap_case(fw, rng, shared_rhs=True)
+    (cot,), (cot_np,) = _arrays(fw, rng, "float32", (len(lhs), lhs.shape[1], rhs.shape[-1]))
+
+    def loss(x, y, g, o, c):
+        return (fw.ops.grouped_matmul(x, y, g, group_offset=o) * c).sum()
+
+    per_sample_grads = fw.vmap(fw.grad(loss, (0, 1)), (0, None, 0, 0, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's fallback warns "There is a performance drop ..."
+        grads = per_sample_grads(*args, cot)
+    if fw.name == "jax":
+        assert not fw.has_loop(per_sample_grads, *args, cot)
+    for i in range(len(lhs)):
+        want = ref.vjp(ref.grouped_matmul, [lhs[i], rhs, sizes[i]], cot_np[i], n_diff=2,
+                       group_offset=int(offsets[i]))
+        for name, got, w in zip(("d_lhs", "d_rhs"), grads, want):
+            assert _err(fw.to_numpy(got)[i], w, "float32"), (name, i)
+
+
+def test_vmap_nested_and_empty(fw, rng):
+    """vmap of vmap (the inner samples' problems are batched again) equals the flat vmap; a
+    mapped axis of size 0 gives empty results (torch's fallback raised)."""
+    args, _ = _vmap_case(fw, rng, shared_rhs=True)
+    lhs, rhs, sizes, offsets = args
+    fn = lambda x, y, g, o: fw.ops.grouped_matmul(x, y, g, group_offset=o)  # noqa: E731
+    flat = fw.to_numpy(fw.vmap(fn, (0, None, 0, 0))(*args))
+    pairs = [fw.asarray(np.stack([fw.to_numpy(a)] * 2, axis=1)) for a in (lhs, sizes, offsets)]  # [n, 2, ...]
+    nested = fw.to_numpy(fw.vmap(fw.vmap(fn, (0, None, 0, 0)), (0, None, 0, 0))(pairs[0], rhs, pairs[1], pairs[2]))
+    np.testing.assert_array_equal(nested, np.stack([flat] * 2, axis=1))
+    empty = fw.vmap(fn, (0, None, 0, 0))(lhs[:0], rhs, sizes[:0], offsets[:0])
+    assert tuple(empty.shape) == (0, *lhs.shape[1:2], rhs.shape[-1])
+    lhs_t = fw.asarray(np.zeros((0, 10, 23), np.float32))
+    rhs_t = fw.asarray(np.zeros((0, 23, 6), np.float32))
+    tgmm = fw.vmap(lambda x, y, g: fw.ops.transposed_grouped_matmul(x, y, g), (0, 0, 0))(lhs_t, rhs_t, sizes[:0])
+    assert tuple(tgmm.shape) == (0, 5, 10, 6)
 
 
 def test_jax_jit_with_traced_groups(jax_fw, rng):

@@ -175,26 +175,37 @@ def gmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
                out_ptr,
                K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
                TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # Global tile order: the selected groups' tiles, then the zero rows before them, then the
-    # zero rows after them. Every program walks the groups (scalar loads only) and does the
-    # tiles congruent to its id.
-    g0, first_row = _first_selected(group_sizes_ptr, group_offset_ptr, m, NUM_GROUPS, NUM_SELECTED)
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               BATCH: tl.constexpr, SHARED_RHS: tl.constexpr):
+    # Global tile order, per problem of the batch in turn: the selected groups' tiles, then the
+    # zero rows before them, then the zero rows after them. Every program walks the groups
+    # (scalar loads only) and does the tiles congruent to its id.
     tile = tl.program_id(0)
     done = tl.zeros([], tl.int32)
-    row = first_row
-    for i in range(0, NUM_SELECTED):
-        end = _group_end(row, group_sizes_ptr, g0 + i, m, NUM_GROUPS)
-        _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, row, end, i, K, N, TRANSPOSE_RHS,
-                     False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
-        tile, done = _after_segment(tile, done, row, end, N, BLOCK_M, BLOCK_N)
-        row = end
-    zero = tl.zeros([], tl.int32)
-    _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, zero, first_row, zero, K, N, TRANSPOSE_RHS,
-                 True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
-    tile, done = _after_segment(tile, done, zero, first_row, N, BLOCK_M, BLOCK_N)
-    _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, row, m, zero, K, N, TRANSPOSE_RHS,
-                 True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+    for b in range(0, BATCH):  # a batch of 1 is no loop: the compiled code is the unbatched one's
+        # Problem b's operands, inline: a pointer returned by a helper that was also given lhs
+        # would make torch's mutation analysis take lhs as written (see _gmm_segment).
+        rows = tl.cast(b, tl.int64) * m
+        lhs_b = lhs_ptr + rows * K
+        out_b = out_ptr + rows * N
+        rhs_b = rhs_ptr if SHARED_RHS else rhs_ptr + tl.cast(b, tl.int64) * (NUM_SELECTED * K * N)
+        sizes_b = group_sizes_ptr + b * NUM_GROUPS
+        offset_b = group_offset_ptr + b
+        g0, first_row = _first_selected(sizes_b, offset_b, m, NUM_GROUPS, NUM_SELECTED)
+        row = first_row
+        for i in range(0, NUM_SELECTED):
+            end = _group_end(row, sizes_b, g0 + i, m, NUM_GROUPS)
+            _gmm_segment(lhs_b, rhs_b, out_b, tile, done, row, end, i, K, N, TRANSPOSE_RHS,
+                         False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+            tile, done = _after_segment(tile, done, row, end, N, BLOCK_M, BLOCK_N)
+            row = end
+        zero = tl.zeros([], tl.int32)
+        _gmm_segment(lhs_b, rhs_b, out_b, tile, done, zero, first_row, zero, K, N, TRANSPOSE_RHS,
+                     True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+        tile, done = _after_segment(tile, done, zero, first_row, N, BLOCK_M, BLOCK_N)
+        _gmm_segment(lhs_b, rhs_b, out_b, tile, done, row, m, zero, K, N, TRANSPOSE_RHS,
+                     True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+        tile, done = _after_segment(tile, done, row, m, N, BLOCK_M, BLOCK_N)
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,23 +254,40 @@ def tgmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
                 out_ptr,
                 K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
                 LHS_MK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
-    # Tiles are ordered group-major, so a program's tiles visit groups in increasing order and
-    # the group's row range follows from a running cumsum (one pass over the groups in total).
+                DOT_PRECISION: tl.constexpr, BATCH: tl.constexpr):
+    # Tiles are ordered problem-major, then group-major, so a program's tiles visit groups in
+    # increasing order and the group's row range follows from a running cumsum (one pass over
+    # each problem's groups in total).
     g0, start = _first_selected(group_sizes_ptr, group_offset_ptr, m, NUM_GROUPS, NUM_SELECTED)
     tiles_k = tl.cdiv(K, BLOCK_K)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_group = tiles_k * tiles_n
+    per_problem = NUM_SELECTED * per_group
     current = tl.zeros([], tl.int32)
     end = _group_end(start, group_sizes_ptr, g0, m, NUM_GROUPS)
-    for tile in range(tl.program_id(0), NUM_SELECTED * per_group, tl.num_programs(0)):
-        index = tile // per_group
+    problem = tl.zeros([], tl.int32)
+    for tile in range(tl.program_id(0), BATCH * per_problem, tl.num_programs(0)):
+        local = tile
+        if BATCH > 1:  # decided at compile time: a batch of 1 compiles to the unbatched kernel
+            b = tile // per_problem
+            if b != problem:  # the next problem this program has tiles of: walk its groups anew
+                problem = b
+                g0, start = _first_selected(group_sizes_ptr + b * NUM_GROUPS, group_offset_ptr + b, m,
+                                            NUM_GROUPS, NUM_SELECTED)
+                current = tl.zeros([], tl.int32)
+                end = _group_end(start, group_sizes_ptr + b * NUM_GROUPS, g0, m, NUM_GROUPS)
+            local -= b * per_problem
+        index = local // per_group
         while current < index:
             current += 1
             start = end
-            end = _group_end(start, group_sizes_ptr, g0 + current, m, NUM_GROUPS)
-        local = tile - index * per_group
-        _tgmm_tile(lhs_ptr, rhs_ptr, out_ptr, m, start, end - start, index, local // tiles_n, local % tiles_n,
+            end = _group_end(start, group_sizes_ptr + problem * NUM_GROUPS, g0 + current, m, NUM_GROUPS)
+        local -= index * per_group
+        # The problem's operands inline (see gmm_kernel): its lhs ([m, K] or [K, m]) and rhs
+        # ([m, N]) follow the previous problem's; its outputs are the next NUM_SELECTED.
+        rows = tl.cast(problem, tl.int64) * m
+        _tgmm_tile(lhs_ptr + rows * K, rhs_ptr + rows * N, out_ptr,
+                   m, start, end - start, problem * NUM_SELECTED + index, local // tiles_n, local % tiles_n,
                    K, N, LHS_MK, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
 
 
@@ -440,49 +468,59 @@ def _group_inputs(dtype: str) -> dict:
 
 @functools.lru_cache(maxsize=512)
 def gmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, transpose_rhs: bool,
-             dtype: str, out_dtype: str, facts: DeviceFacts, params: FwdParams | None = None) -> LaunchPlan:
+             dtype: str, out_dtype: str, facts: DeviceFacts, params: FwdParams | None = None,
+             batch: int = 1, shared_rhs: bool = False) -> LaunchPlan:
     """Plan for ``out[m, n] = grouped lhs[m, k] @ rhs[num_selected, k, n]`` (``[.., n, k]`` if
-    ``transpose_rhs``). Inputs: lhs, rhs, group_sizes (int32 [num_groups]), group_offset (int32 [1])."""
+    ``transpose_rhs``). Inputs: lhs, rhs, group_sizes (int32 [num_groups]), group_offset (int32 [1]).
+
+    ``batch`` independent problems in one launch (what torch.func.vmap folds): lhs ``[batch * m,
+    k]``, group_sizes ``[batch, num_groups]``, group_offset ``[batch]``, rhs ``[batch,
+    num_selected, ...]`` or, with ``shared_rhs``, one ``[num_selected, ...]`` for all; out
+    ``[batch * m, n]``."""
     check_float_dtype("lhs", dtype)
     check_out_dtype(out_dtype)
     cfg = _gmm_config(m, k, n, num_selected, dtype, facts, params)
     bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
     # Upper bound on the tiles: each group adds at most one partial row tile, and so does each
     # of the two zero segments.
-    tiles = cdiv(n, bn) * (cdiv(m, bm) + num_selected + 2) if m and n else 0
+    tiles = batch * cdiv(n, bn) * (cdiv(m, bm) + num_selected + 2) if m and n else 0
     return LaunchPlan(
         kernel=gmm_kernel,
         grid=(_programs(tiles, cfg, facts),),
         **_group_inputs(dtype),
         scalars=(("m", m),),
-        outputs=(Output("out_ptr", (m, n), out_dtype),),
+        outputs=(Output("out_ptr", (batch * m, n), out_dtype),),
         constexprs=(("K", k), ("N", n), ("NUM_GROUPS", num_groups), ("NUM_SELECTED", num_selected),
                     ("TRANSPOSE_RHS", bool(transpose_rhs)), ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk),
-                    ("GROUP_M", 8), ("DOT_PRECISION", _dot_precision(dtype, facts))),
+                    ("GROUP_M", 8), ("DOT_PRECISION", _dot_precision(dtype, facts)), ("BATCH", batch),
+                    ("SHARED_RHS", bool(shared_rhs) and batch > 1)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=True,
     )
 
 
 @functools.lru_cache(maxsize=512)
 def tgmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, lhs_mk: bool,
-              dtype: str, out_dtype: str, facts: DeviceFacts, params: FwdParams | None = None) -> LaunchPlan:
+              dtype: str, out_dtype: str, facts: DeviceFacts, params: FwdParams | None = None,
+              batch: int = 1) -> LaunchPlan:
     """Plan for ``out[num_selected, k, n]``, ``out[i] = lhs[:, rows_(g0+i)] @ rhs[rows_(g0+i)]``.
 
     ``lhs`` is ``[k, m]``, or ``[m, k]`` when ``lhs_mk``; ``rhs`` is ``[m, n]``. Inputs as gmm_plan.
+    ``batch`` problems in one launch: lhs ``[batch, k, m]`` or ``[batch * m, k]``, rhs ``[batch *
+    m, n]``, group arguments as gmm_plan's; out ``[batch * num_selected, k, n]``.
     """
     check_float_dtype("lhs", dtype)
     check_out_dtype(out_dtype)
     cfg = _tgmm_config(k, n, dtype, facts, params)
     bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
-    tiles = num_selected * cdiv(k, bk) * cdiv(n, bn)
+    tiles = batch * num_selected * cdiv(k, bk) * cdiv(n, bn)
     return LaunchPlan(
         kernel=tgmm_kernel,
         grid=(_programs(tiles, cfg, facts),),
         **_group_inputs(dtype),
         scalars=(("m", m),),
-        outputs=(Output("out_ptr", (num_selected, k, n), out_dtype),),
+        outputs=(Output("out_ptr", (batch * num_selected, k, n), out_dtype),),
         constexprs=(("K", k), ("N", n), ("NUM_GROUPS", num_groups), ("NUM_SELECTED", num_selected),
                     ("LHS_MK", bool(lhs_mk)), ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk),
-                    ("DOT_PRECISION", _dot_precision(dtype, facts))),
+                    ("DOT_PRECISION", _dot_precision(dtype, facts)), ("BATCH", batch)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=True,
     )

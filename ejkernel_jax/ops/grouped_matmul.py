@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel_jax._vma import vary_together
-from ejkernel_jax.launch import backend, device_facts, launch
+from ejkernel_jax.launch import any_traced, backend, device_facts, launch
 from ejkernel_jax.ops import _tuning
 from ejkernel_jax.ops._common import array_arg, is_concrete, name_of, same_device
 from triton_kernels import checks
@@ -37,28 +37,119 @@ PLATFORMS = ("tpu", "gpu", "cuda", "cpu")
 
 
 def _gmm_problem(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype, params=None) -> tuple:
-    """The GMM problem (plan arguments, cache key) of a ``_gmm_launch`` call: takes its arguments."""
+    """The GMM problem (plan arguments, cache key) of a ``_gmm_launch`` call: takes its arguments.
+    For a batch of problems (``_gmm_kernels``), one problem's."""
     m, k = lhs.shape
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    return (m, k, n, group_sizes.shape[0], rhs.shape[0], transpose_rhs, name_of(lhs), out_dtype)
+    n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
+    return (m // max(_batch(group_sizes), 1), k, n, group_sizes.shape[-1], rhs.shape[-3], transpose_rhs,
+            name_of(lhs), out_dtype)
 
 
 def _tgmm_problem(lhs, rhs, group_sizes, offset, num_selected, lhs_mk, out_dtype, params=None) -> tuple:
-    """The TGMM problem of a ``_tgmm_launch`` call: takes its arguments."""
-    m, k = lhs.shape if lhs_mk else lhs.shape[::-1]
-    return (m, k, rhs.shape[1], group_sizes.shape[0], num_selected, lhs_mk, name_of(lhs), out_dtype)
+    """The TGMM problem of a ``_tgmm_launch`` call: takes its arguments (one problem's of a batch)."""
+    if lhs_mk:
+        m, k = lhs.shape[0] // max(_batch(group_sizes), 1), lhs.shape[1]
+    else:
+        k, m = lhs.shape[-2:]
+    return (m, k, rhs.shape[1], group_sizes.shape[-1], num_selected, lhs_mk, name_of(lhs), out_dtype)
 
 
 def _gmm_launch(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype, params):
-    problem = _gmm_problem(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype)
-    plan = gm.gmm_plan(*problem, device_facts(), _tuning.resolve(GMM, problem, params))
-    return launch(plan, lhs, rhs, group_sizes, offset)[0]
+    if not any_traced(lhs, rhs, group_sizes, offset):  # concrete: no vmap can be batching the call
+        return _gmm_kernels(transpose_rhs, out_dtype, params, lhs, rhs, group_sizes, offset)
+    return _gmm_batching(transpose_rhs, out_dtype, params)(lhs, rhs, group_sizes, offset)
 
 
 def _tgmm_launch(lhs, rhs, group_sizes, offset, num_selected, lhs_mk, out_dtype, params):
-    problem = _tgmm_problem(lhs, rhs, group_sizes, offset, num_selected, lhs_mk, out_dtype)
-    plan = gm.tgmm_plan(*problem, device_facts(), _tuning.resolve(TGMM, problem, params))
+    if not any_traced(lhs, rhs, group_sizes, offset):
+        return _tgmm_kernels(num_selected, lhs_mk, out_dtype, params, lhs, rhs, group_sizes, offset)
+    return _tgmm_batching(num_selected, lhs_mk, out_dtype, params)(lhs, rhs, group_sizes, offset)
+
+
+def _batch(group_sizes) -> int:
+    """Problems in a launch: 1, or the rows of a 2-D ``group_sizes`` (a vmap's batch)."""
+    return group_sizes.shape[0] if group_sizes.ndim == 2 else 1
+
+
+def _gmm_kernels(transpose_rhs, out_dtype, params, lhs, rhs, group_sizes, offset):
+    """One problem, or a batch of them (see ``gm.gmm_plan``): lhs [batch * m, k], rhs [batch,
+    selected, ..] or shared, group_sizes [batch, groups], offset [batch]."""
+    problem = _gmm_problem(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype)
+    plan = gm.gmm_plan(*problem, device_facts(), _tuning.resolve(GMM, problem, params), batch=_batch(group_sizes),
+                       shared_rhs=rhs.ndim == 3)
     return launch(plan, lhs, rhs, group_sizes, offset)[0]
+
+
+def _tgmm_kernels(num_selected, lhs_mk, out_dtype, params, lhs, rhs, group_sizes, offset):
+    """One problem, or a batch: lhs [batch * m, k] (lhs_mk) or [batch, k, m], rhs [batch * m, n]."""
+    problem = _tgmm_problem(lhs, rhs, group_sizes, offset, num_selected, lhs_mk, out_dtype)
+    plan = gm.tgmm_plan(*problem, device_facts(), _tuning.resolve(TGMM, problem, params), batch=_batch(group_sizes))
+    return launch(plan, lhs, rhs, group_sizes, offset)[0]
+
+
+# -- vmap: the samples become one launch's batch of problems ---------------------------------
+# The launches' own vmap rule runs one launch per sample, in sequence (lax.map). A nested vmap
+# folds again: the inner rule's problems are each sample's.
+
+
+def _stacked(x, batched: bool, n: int):
+    return x if batched else jnp.broadcast_to(x, (n,) + x.shape)
+
+
+def _problems(group_sizes, offset, in_batched, n: int):
+    """(group_sizes [n * batch, groups], offset [n * batch], batch per sample)."""
+    sizes = _stacked(group_sizes, in_batched[2], n)
+    batch = sizes.shape[1] if sizes.ndim == 3 else 1
+    offset = jnp.broadcast_to(_stacked(offset, in_batched[3], n), (n, batch))
+    return sizes.reshape(n * batch, sizes.shape[-1]), offset.reshape(n * batch), batch
+
+
+@functools.lru_cache(maxsize=256)
+def _gmm_batching(transpose_rhs, out_dtype, params):
+    @jax.custom_batching.custom_vmap
+    def run(lhs, rhs, group_sizes, offset):
+        return _gmm_kernels(transpose_rhs, out_dtype, params, lhs, rhs, group_sizes, offset)
+
+    @run.def_vmap
+    def _rule(n, in_batched, lhs, rhs, group_sizes, offset):
+        rows, k = lhs.shape[-2:]
+        rhs_shape = rhs.shape[1:] if in_batched[1] else rhs.shape
+        if n == 0:
+            return jnp.zeros((0, rows, rhs_shape[-2 if transpose_rhs else -1]), out_dtype), True
+        sizes, offsets, batch = _problems(group_sizes, offset, in_batched, n)
+        if not in_batched[1] and rhs.ndim == 3:  # one rhs for every problem: read in place
+            rhs_b = rhs
+        else:
+            rhs_b = _stacked(rhs, in_batched[1], n)
+            if len(rhs_shape) == 3:  # each sample's own rhs, shared by its inner problems
+                rhs_b = jnp.broadcast_to(rhs_b[:, None], (n, batch) + rhs_shape)
+            rhs_b = rhs_b.reshape((n * batch,) + rhs_shape[-3:])
+        lhs_b = _stacked(lhs, in_batched[0], n).reshape(n * rows, k)
+        return run(lhs_b, rhs_b, sizes, offsets).reshape(n, rows, -1), True  # an outer vmap folds again
+
+    return run
+
+
+@functools.lru_cache(maxsize=256)
+def _tgmm_batching(num_selected, lhs_mk, out_dtype, params):
+    @jax.custom_batching.custom_vmap
+    def run(lhs, rhs, group_sizes, offset):
+        return _tgmm_kernels(num_selected, lhs_mk, out_dtype, params, lhs, rhs, group_sizes, offset)
+
+    @run.def_vmap
+    def _rule(n, in_batched, lhs, rhs, group_sizes, offset):
+        lhs_shape = lhs.shape[1:] if in_batched[0] else lhs.shape
+        sizes, offsets, batch = _problems(group_sizes, offset, in_batched, n)
+        k, width = (lhs_shape[-1] if lhs_mk else lhs_shape[-2]), rhs.shape[-1]
+        if n == 0:
+            return jnp.zeros((0, batch * num_selected, k, width), out_dtype), True
+        lhs_b = _stacked(lhs, in_batched[0], n)
+        # [n * rows, k] for lhs_mk, else [n * batch, k, m]: each problem's [k, m] block in place
+        lhs_b = lhs_b.reshape((-1, k) if lhs_mk else (n * batch,) + lhs_shape[-2:])
+        rhs_b = _stacked(rhs, in_batched[1], n).reshape(-1, width)
+        return run(lhs_b, rhs_b, sizes, offsets).reshape(n, batch * num_selected, k, width), True
+
+    return run
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))

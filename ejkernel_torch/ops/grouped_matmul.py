@@ -73,7 +73,7 @@ def _static_groups(group_sizes: torch.Tensor) -> int:
     reaches an op body under torch.compile only with a tensor ``group_offset``
     (``_compile_time_groups`` cuts it otherwise): refused by name, where torch's own error said
     "Could not extract specialized integer"."""
-    length = group_sizes.shape[0]
+    length = group_sizes.shape[-1]
     if isinstance(length, torch.SymInt) and has_free_unbacked_symbols(length):
         raise ValueError("group_sizes has a length that depends on values (torch.bincount's, say): under "
                          "torch.compile pass group_offset as an int, or cut group_sizes to the number of groups "
@@ -81,26 +81,41 @@ def _static_groups(group_sizes: torch.Tensor) -> int:
     return int(length)
 
 
+def _batch(group_sizes: torch.Tensor) -> int:
+    """How many problems a registered op's call holds: 1, or the rows of a 2-D ``group_sizes``
+    (the vmap rules' folded calls: ``_gmm_vmap``)."""
+    return int(group_sizes.shape[0]) if group_sizes.dim() == 2 else 1
+
+
 def _gmm_problem(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, group_offset: torch.Tensor,
                  transpose_rhs: bool, out_dtype: torch.dtype, params: Optional[list[int]] = None) -> tuple:
-    """The GMM problem (plan arguments, cache key) of a ``_gmm_body`` call: takes its arguments."""
-    (m, k), groups, (selected, *rest) = _static(lhs.shape), _static_groups(group_sizes), _static(rhs.shape)
+    """The GMM problem (plan arguments, cache key) of a ``_gmm_body`` call: takes its arguments.
+    For a batch of problems, one problem's (``m`` is its rows)."""
+    (m, k), groups, (selected, *rest) = _static(lhs.shape), _static_groups(group_sizes), _static(rhs.shape[-3:])
     n = rest[0] if transpose_rhs else rest[1]
-    return (m, k, n, groups, selected, transpose_rhs, dtype_name(lhs.dtype), dtype_name(out_dtype))
+    return (m // max(_batch(group_sizes), 1), k, n, groups, selected, transpose_rhs, dtype_name(lhs.dtype),
+            dtype_name(out_dtype))
 
 
 def _tgmm_problem(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, group_offset: torch.Tensor,
                   num_selected: int, lhs_mk: bool, out_dtype: torch.dtype, params: Optional[list[int]] = None) -> tuple:
-    """The TGMM problem of a ``_tgmm_body`` call: takes its arguments."""
-    m, k = _static(lhs.shape) if lhs_mk else _static(lhs.shape)[::-1]
+    """The TGMM problem of a ``_tgmm_body`` call: takes its arguments (one problem's of a batch:
+    lhs ``[batch * m, k]``, or ``[batch, k, m]`` unless ``lhs_mk``)."""
+    if lhs_mk:
+        m, k = _static(lhs.shape)
+        m //= max(_batch(group_sizes), 1)
+    else:
+        k, m = _static(lhs.shape[-2:])
     return (m, k, int(rhs.shape[1]), _static_groups(group_sizes), int(num_selected), lhs_mk, dtype_name(lhs.dtype),
             dtype_name(out_dtype))
 
 
 def _gmm_body(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, group_offset: torch.Tensor,
               transpose_rhs: bool, out_dtype: torch.dtype, params: Optional[list[int]]) -> torch.Tensor:
+    """One problem, or a batch of them (a 2-D ``group_sizes``: see ``_gmm_vmap``)."""
     problem = _gmm_problem(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype)
-    plan = gm.gmm_plan(*problem, device_facts(lhs.device), _tuning.resolve(GMM, problem, lhs.device, _decode(params)))
+    plan = gm.gmm_plan(*problem, device_facts(lhs.device), _tuning.resolve(GMM, problem, lhs.device, _decode(params)),
+                       batch=_batch(group_sizes), shared_rhs=rhs.dim() == 3)
     return launch_traceable(plan, lhs.contiguous(), rhs.contiguous(), group_sizes, group_offset)[0]
 
 
@@ -108,7 +123,8 @@ def _tgmm_body(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, 
                num_selected: int, lhs_mk: bool, out_dtype: torch.dtype, params: Optional[list[int]]) -> torch.Tensor:
     """``lhs`` is [k, m], or [m, k] when ``lhs_mk`` (the gmm backward's layout: no transpose copy)."""
     problem = _tgmm_problem(lhs, rhs, group_sizes, group_offset, num_selected, lhs_mk, out_dtype)
-    plan = gm.tgmm_plan(*problem, device_facts(lhs.device), _tuning.resolve(TGMM, problem, lhs.device, _decode(params)))
+    plan = gm.tgmm_plan(*problem, device_facts(lhs.device), _tuning.resolve(TGMM, problem, lhs.device, _decode(params)),
+                        batch=_batch(group_sizes))
     return launch_traceable(plan, lhs.contiguous(), rhs.contiguous(), group_sizes, group_offset)[0]
 
 
@@ -131,7 +147,7 @@ def _gmm_grad_calls(lhs, rhs, group_sizes, group_offset, transpose_rhs: bool, gr
         d_lhs = (GMM, (grad, rhs, group_sizes, group_offset, not transpose_rhs, lhs.dtype, None))
     if needs[1]:  # d_rhs[g] = lhs[rows_g]^T @ grad[rows_g] (or its transpose)
         a, b = (grad, lhs) if transpose_rhs else (lhs, grad)
-        d_rhs = (TGMM, (a, b, group_sizes, group_offset, rhs.shape[0], True, rhs.dtype, None))
+        d_rhs = (TGMM, (a, b, group_sizes, group_offset, rhs.shape[-3], True, rhs.dtype, None))
     return d_lhs, d_rhs
 
 
@@ -140,6 +156,10 @@ def _gmm_backward(ctx, grad):
     grad = grad.to(lhs.dtype).contiguous()  # a bf16 model keeps a bf16 backward
     calls = _gmm_grad_calls(lhs, rhs, group_sizes, group_offset, ctx.transpose_rhs, grad, ctx.needs_input_grad)
     d_lhs, d_rhs = map(_run, calls)
+    if d_rhs is not None and group_sizes.dim() == 2:  # a batch: [batch * selected, ...] per problem
+        d_rhs = d_rhs.unflatten(0, (group_sizes.shape[0], -1))
+        if rhs.dim() == 3:  # one rhs shared by the problems
+            d_rhs = d_rhs.sum(0)
     return d_lhs, d_rhs, None, None, None, None, None
 
 
@@ -155,12 +175,19 @@ def _tgmm_setup(ctx, inputs, output):
 def _tgmm_grad_calls(lhs, rhs, group_sizes, group_offset, lhs_mk: bool, grad, needs) -> tuple:
     """The tgmm backward's launches, as ``_gmm_grad_calls``; d_lhs is built as [m, k]."""
     d_lhs = d_rhs = None
+    if group_sizes.dim() == 2:  # a batch (see _tgmm_problem): grad [batch * selected, k, n] per problem
+        grad = grad.unflatten(0, (group_sizes.shape[0], -1))
     if needs[0]:  # d_lhs[:, rows_g] = grad[g] @ rhs[rows_g]^T
         d_lhs = (GMM, (rhs, grad, group_sizes, group_offset, True, lhs.dtype, None))
     if needs[1]:  # d_rhs[rows_g] = lhs[:, rows_g]^T @ grad[g]
         # a view: the op body makes it contiguous, so asking for the problem copies nothing
-        d_rhs = (GMM, (lhs if lhs_mk else lhs.t(), grad, group_sizes, group_offset, False, rhs.dtype, None))
+        d_rhs = (GMM, (lhs if lhs_mk else _rows_first(lhs), grad, group_sizes, group_offset, False, rhs.dtype, None))
     return d_lhs, d_rhs
+
+
+def _rows_first(lhs: torch.Tensor) -> torch.Tensor:
+    """tgmm's [k, m] lhs as [m, k]; a batch's [batch, k, m] as [batch * m, k]."""
+    return lhs.t() if lhs.dim() == 2 else lhs.transpose(1, 2).flatten(0, 1)
 
 
 def _tgmm_backward(ctx, grad):
@@ -168,12 +195,73 @@ def _tgmm_backward(ctx, grad):
     grad = grad.to(lhs.dtype).contiguous()  # [groups, k, n]
     calls = _tgmm_grad_calls(lhs, rhs, group_sizes, group_offset, ctx.lhs_mk, grad, ctx.needs_input_grad)
     d_lhs, d_rhs = map(_run, calls)
-    if d_lhs is not None and not ctx.lhs_mk:
-        d_lhs = d_lhs.t()
+    if d_lhs is not None and not ctx.lhs_mk:  # built as [m, k] (a batch's as [batch * m, k])
+        d_lhs = d_lhs.t() if lhs.dim() == 2 else d_lhs.unflatten(0, (lhs.shape[0], -1)).transpose(1, 2)
     return d_lhs, d_rhs, None, None, None, None, None, None
 
 
 _tgmm.register_autograd(_tgmm_backward, setup_context=_tgmm_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.func.vmap: the samples become one launch's batch of problems (a 2-D group_sizes, one
+# row per problem; see gmm_plan). Without these rules torch ran one launch per sample, with its
+# "performance drop" warning, and a mapped axis of size 0 raised. A nested vmap folds again:
+# the inner rule's problems are each sample's.
+
+
+def _sample_shape(x: torch.Tensor, dim: Optional[int]) -> tuple:
+    return tuple(x.shape) if dim is None else tuple(x.shape[:dim] + x.shape[dim + 1:])
+
+
+def _stacked(x: torch.Tensor, dim: Optional[int], n: int) -> torch.Tensor:
+    """``x`` as ``[n, ...]``: mapped over ``dim``, or the same for every sample."""
+    return x.expand(n, *x.shape) if dim is None else x.movedim(dim, 0)
+
+
+def _problems(group_sizes, group_offset, in_dims, n: int) -> tuple:
+    """(group_sizes ``[n * batch, groups]``, group_offset ``[n * batch]``, batch): the samples'
+    group arguments as one batch of problems, ``batch`` per sample (1, or an inner vmap's)."""
+    sizes = _stacked(group_sizes, in_dims[2], n)
+    batch = sizes.shape[1] if sizes.dim() == 3 else 1
+    offset = _stacked(group_offset, in_dims[3], n).expand(n, batch)
+    return sizes.reshape(n * batch, sizes.shape[-1]).contiguous(), offset.reshape(n * batch).contiguous(), batch
+
+
+@_gmm.register_vmap
+def _gmm_vmap(info, in_dims, lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, params):
+    n = info.batch_size
+    rows, k = _sample_shape(lhs, in_dims[0])
+    rhs_shape = _sample_shape(rhs, in_dims[1])
+    if n == 0:
+        return lhs.new_empty((0, rows, rhs_shape[-2 if transpose_rhs else -1]), dtype=out_dtype), 0
+    sizes, offset, batch = _problems(group_sizes, group_offset, in_dims, n)
+    if in_dims[1] is None and len(rhs_shape) == 3:  # one rhs for every problem: read in place, not copied
+        rhs_b = rhs
+    else:
+        rhs_b = _stacked(rhs, in_dims[1], n)
+        if len(rhs_shape) == 3:  # each sample's own rhs, shared by its inner problems
+            rhs_b = rhs_b.unsqueeze(1).expand(n, batch, *rhs_shape)
+        rhs_b = rhs_b.reshape(n * batch, *rhs_shape[-3:])
+    lhs_b = _stacked(lhs, in_dims[0], n).reshape(n * rows, k)
+    out = _gmm(lhs_b, rhs_b, sizes, offset, transpose_rhs, out_dtype, params)
+    return out.unflatten(0, (n, rows)), 0
+
+
+@_tgmm.register_vmap
+def _tgmm_vmap(info, in_dims, lhs, rhs, group_sizes, group_offset, num_selected, lhs_mk, out_dtype, params):
+    n = info.batch_size
+    lhs_shape, rhs_shape = _sample_shape(lhs, in_dims[0]), _sample_shape(rhs, in_dims[1])
+    sizes, offset, batch = _problems(group_sizes, group_offset, in_dims, n)
+    k = lhs_shape[-1] if lhs_mk else lhs_shape[-2]
+    if n == 0:
+        return lhs.new_empty((0, batch * num_selected, k, rhs_shape[-1]), dtype=out_dtype), 0
+    lhs_b = _stacked(lhs, in_dims[0], n)
+    # [n * rows, k] for lhs_mk, else [n * batch, k, m]: each problem's [k, m] block in place
+    lhs_b = lhs_b.flatten(0, 1) if lhs_mk else lhs_b.reshape(n * batch, *lhs_shape[-2:])
+    rhs_b = _stacked(rhs, in_dims[1], n).flatten(0, 1)
+    out = _tgmm(lhs_b, rhs_b, sizes, offset, num_selected, lhs_mk, out_dtype, params)
+    return out.unflatten(0, (n, batch * num_selected)), 0
 
 
 # --------------------------------------------------------------------------------------------
