@@ -35,7 +35,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
 
 from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch_traceable, plain_eager,
-                                   reject_forward_ad)
+                                   reject_forward_ad, vmap_only)
 from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import (autocast, autograd_function, clamp_to_int32, name_of, read_later,
                                         same_device, saved_tensors, tensor_arg, values_readable)
@@ -228,6 +228,16 @@ def _problems(group_sizes, group_offset, in_dims, n: int) -> tuple:
     return sizes.reshape(n * batch, sizes.shape[-1]).contiguous(), offset.reshape(n * batch).contiguous(), batch
 
 
+def _batched_call(op, body, *args) -> torch.Tensor:
+    """A vmap rule's call: the op body itself on plain tensors with nothing to differentiate
+    (the dispatcher's layers cost host time), else the op (an outer vmap's rule, or under
+    torch.compile the op's own derivative, where vmap's batched tensors hid requires_grad)."""
+    tensors = args[:4]
+    if plain_eager(*tensors) and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return body(*args)
+    return op(*args)
+
+
 @_gmm.register_vmap
 def _gmm_vmap(info, in_dims, lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, params):
     n = info.batch_size
@@ -244,7 +254,7 @@ def _gmm_vmap(info, in_dims, lhs, rhs, group_sizes, group_offset, transpose_rhs,
             rhs_b = rhs_b.unsqueeze(1).expand(n, batch, *rhs_shape)
         rhs_b = rhs_b.reshape(n * batch, *rhs_shape[-3:])
     lhs_b = _stacked(lhs, in_dims[0], n).reshape(n * rows, k)
-    out = _gmm(lhs_b, rhs_b, sizes, offset, transpose_rhs, out_dtype, params)
+    out = _batched_call(_gmm, _gmm_body, lhs_b, rhs_b, sizes, offset, transpose_rhs, out_dtype, params)
     return out.unflatten(0, (n, rows)), 0
 
 
@@ -260,7 +270,7 @@ def _tgmm_vmap(info, in_dims, lhs, rhs, group_sizes, group_offset, num_selected,
     # [n * rows, k] for lhs_mk, else [n * batch, k, m]: each problem's [k, m] block in place
     lhs_b = lhs_b.flatten(0, 1) if lhs_mk else lhs_b.reshape(n * batch, *lhs_shape[-2:])
     rhs_b = _stacked(rhs, in_dims[1], n).flatten(0, 1)
-    out = _tgmm(lhs_b, rhs_b, sizes, offset, num_selected, lhs_mk, out_dtype, params)
+    out = _batched_call(_tgmm, _tgmm_body, lhs_b, rhs_b, sizes, offset, num_selected, lhs_mk, out_dtype, params)
     return out.unflatten(0, (n, batch * num_selected)), 0
 
 
@@ -289,7 +299,9 @@ def _call(op, body, fn, transforms_fn, args):
     lhs, rhs, group_sizes, group_offset = args[:4]
     if not plain_eager(lhs, rhs, group_sizes, group_offset):
         reject_forward_ad(lhs, rhs)
-        return transforms_fn.apply(*args) if functorch_active() else op(*args)
+        if functorch_active() and not vmap_only(lhs, rhs):  # vmap alone: the ops' vmap rules serve
+            return transforms_fn.apply(*args)
+        return op(*args)
     if torch.is_grad_enabled() and (lhs.requires_grad or rhs.requires_grad):
         return fn.apply(*args)
     return body(*args)
