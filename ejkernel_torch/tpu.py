@@ -40,6 +40,7 @@ import torch
 
 from ejkernel_jax.pallas.tpu import blocksparse_attention as _bsa
 from ejkernel_jax.pallas.tpu import grouped_matmul as _gmm
+from ejkernel_jax.pallas.tpu._interpret import resolve_interpret
 from ejkernel_jax.pallas.tpu.blocksparse_attention import attention as _bsa_attention
 from ejkernel_jax.pallas.tpu.blocksparse_attention import info as _bsa_info
 from ejkernel_torch.ops._common import autocast, clamp_to_int32, ordered_int64, values_readable
@@ -199,7 +200,7 @@ def _interpret(interpret, device: torch.device):
     """``None``: Pallas interpret mode unless the data is on a TPU (decided by the tensors'
     device: cpu tensors run on jax's CPU even when jax's default backend is a TPU)."""
     if interpret is not None:
-        return interpret
+        return resolve_interpret(interpret)  # checked: "no" was truthy
     return not (device.type == "xla" and _xla_is_tpu(device))
 
 

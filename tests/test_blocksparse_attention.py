@@ -336,6 +336,15 @@ def test_jit_grad_and_default_interpret(rng):
         assert rel_err(got, want) < TOL["float32"]["grad"]
 
 
+def test_second_derivative_names_the_op(rng):
+    """grad of grad raised Pallas's bare NotImplementedError from inside the backward kernels."""
+    q, k, v, _, _ = make_inputs(rng, 1, 16, 16, 2, 2, 8)
+    loss = lambda q: jnp.sum(blocksparse_attention(q, k, v, causal=True, block_sizes=BlockSizes(8, 8)) ** 2)  # noqa: E731
+    jax.grad(loss)(q)
+    with pytest.raises(NotImplementedError, match="blocksparse_attention has no second derivative"):
+        jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) ** 2))(q)
+
+
 def test_matches_splash_attention(rng):
     """Extra oracle: JAX's own splash attention kernel (interpret mode)."""
     splash = pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention")
@@ -699,6 +708,8 @@ def test_argument_types_are_checked(rng):
     (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite, got nan"),  # all-NaN output
     (dict(softmax_scale=float("inf")), ValueError, "softmax_scale must be finite"),
     (dict(logits_soft_cap=float("inf")), ValueError, "logits_soft_cap must be finite"),
+    (dict(interpret="no"), TypeError, "interpret must be None, a bool or a pltpu.InterpretParams, got 'no'"),  # ran
+    (dict(interpret=0), TypeError, "interpret must be None, a bool or a pltpu.InterpretParams, got 0"),
 ])
 def test_scalar_options_are_checked(rng, kwargs, error, match):
     q, k, v, _, _ = make_inputs(rng, 1, 32, 32, 4, 2, 16)

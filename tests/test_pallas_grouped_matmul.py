@@ -525,6 +525,7 @@ def _gmm_bad_cases():
         (dict(preferred_element_type=jnp.int32), TypeError, "preferred_element_type"),
         (dict(preferred_element_type=None), TypeError, "preferred_element_type must be one of"),
         (dict(preferred_element_type=np.float64), TypeError, "preferred_element_type must be one of"),
+        (dict(interpret="no"), TypeError, "interpret must be None, a bool or a pltpu.InterpretParams"),  # ran it
     ], dict(lhs=lhs, rhs=rhs, group_sizes=gs)
 
 

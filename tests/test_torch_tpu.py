@@ -414,6 +414,8 @@ def test_interpret_follows_the_tensors_device():
     assert tpu._interpret(None, torch.device("cpu")) is True
     assert tpu._interpret(None, torch.device("cuda", 0)) is True
     assert tpu._interpret(False, torch.device("cpu")) is False  # an explicit value wins
+    with pytest.raises(TypeError, match="interpret must be None, a bool or a pltpu.InterpretParams, got 'no'"):
+        tpu._interpret("no", torch.device("cpu"))  # was truthy: interpret mode
     # An XLA device is native only when torch_xla says it is a TPU (no torch_xla here: interpret).
     assert tpu._interpret(None, torch.device("xla", 0)) is (not tpu._xla_is_tpu(torch.device("xla", 0)))
 

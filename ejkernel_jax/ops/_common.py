@@ -1,12 +1,11 @@
 """Small helpers the jax ops share: argument normalisation before any kernel runs."""
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ejkernel_jax._first_order import first_order  # noqa: F401 (the ops import it from here)
 from ejkernel_jax.utils.arrays import check_narrowing
 from triton_kernels import checks
 
@@ -69,28 +68,3 @@ def n_pad_arg(n_pad, batch: int, seq_len: int) -> jax.Array:
         values = np.asarray(n_pad)
         checks.n_pad_values(int(values.min()), int(values.max()), seq_len)
     return n_pad.astype(jnp.int32)
-
-
-def first_order(name: str, tree):
-    """``tree`` (a backward rule's residuals or cotangents) with its arrays passed through an
-    identity whose derivative raises, naming ``name``. The backward kernels have no derivative:
-    grad of grad failed inside them with "Pure callbacks do not support JVP" (or jax-triton's
-    error), naming no op. Other leaves (None, flags, symbolic zeros) pass untouched."""
-    leaves, treedef = jax.tree.flatten(tree)
-    at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-    for i, x in zip(at, _no_derivative(name)(tuple(leaves[i] for i in at))):
-        leaves[i] = x
-    return jax.tree.unflatten(treedef, leaves)
-
-
-@functools.cache
-def _no_derivative(name: str):
-    @jax.custom_jvp
-    def identity(arrays):
-        return arrays
-
-    @identity.defjvp
-    def _raise(primals, tangents):
-        raise NotImplementedError(f"{name} has no second derivative (its backward kernels are not differentiable)")
-
-    return identity

@@ -59,6 +59,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ..._vma import out_struct, vary_together
 from ._dot import dot as _dot
+from ._interpret import resolve_interpret
 from .blocksparse_attention.masks import check_flag
 from .blocksparse_attention.masks import check_int as _check_int
 
@@ -317,12 +318,6 @@ def _check_dtype_arg(dtype) -> jnp.dtype:
     if dtype.name not in _OUT_DTYPES:  # the kernels store float16/bfloat16/float32 only
         raise TypeError(f"preferred_element_type must be one of {', '.join(_OUT_DTYPES)}, got {dtype}")
     return dtype
-
-
-def _resolve_interpret(interpret) -> Any:
-    if interpret is None:
-        return jax.default_backend() != "tpu"
-    return interpret
 
 
 def _sanitize_sizes(group_sizes: jax.Array, m: int) -> jax.Array:
@@ -740,7 +735,7 @@ def grouped_matmul(
     # Typed as jax types a primitive's operands (shard_map: see _vma.vary_together).
     lhs, rhs, group_sizes, group_offset = vary_together((lhs, rhs, group_sizes, group_offset))
     return _gmm_jit(lhs, rhs, group_sizes, group_offset, out_dtype, tiling,
-                    input_buffer_count, transpose_rhs, _resolve_interpret(interpret))
+                    input_buffer_count, transpose_rhs, resolve_interpret(interpret))
 
 
 def transposed_grouped_matmul(
@@ -806,4 +801,4 @@ def transposed_grouped_matmul(
     input_buffer_count = _check_buffer_count(input_buffer_count)
     lhs, rhs, group_sizes, group_offset = vary_together((lhs, rhs, group_sizes, group_offset))
     return _tgmm_jit(lhs, rhs, group_sizes, group_offset, int(num_actual_groups), False, out_dtype,
-                     tiling, input_buffer_count, _resolve_interpret(interpret))
+                     tiling, input_buffer_count, resolve_interpret(interpret))

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...._vma import vary_together
+from .._interpret import resolve_interpret
 from . import info as info_lib
 from . import kernel as kernel_lib
 from . import masks as mask_lib
@@ -376,8 +377,7 @@ def blocksparse_attention(
     if logits_soft_cap is not None and not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
 
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+    interpret = resolve_interpret(interpret)
     if isinstance(block_sizes, dict):
         block_sizes = BlockSizes(**block_sizes)
     if not isinstance(block_sizes, (BlockSizes, type(None))):

@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ...._first_order import first_order
 from ...._vma import out_struct
 from .._dot import dot as _dot
 from .info import FULL, PARTIAL
@@ -523,6 +524,9 @@ def attention(cfg: Config, q, k, v, q_seg, kv_seg, fwd_info, dq_info, dkv_info):
 
 
 def _attention_fwd(cfg, q, k, v, q_seg, kv_seg, fwd_info, dq_info, dkv_info):
+    # grad of grad differentiates this rule and the next: their Pallas backward calls have no
+    # derivative (Pallas raised a bare NotImplementedError), so that raises naming the op.
+    q, k, v = first_order("blocksparse_attention", (q, k, v))
     out, lse = forward(cfg, q, k, v, q_seg, kv_seg, fwd_info)
     # Fully masked rows carry lse = +inf into the backward pass: exp(z - lse) is then
     # exactly 0 and their gradients vanish without extra selects.
@@ -531,8 +535,8 @@ def _attention_fwd(cfg, q, k, v, q_seg, kv_seg, fwd_info, dq_info, dkv_info):
 
 
 def _attention_bwd(cfg, res, cotangents):
-    q, k, v, q_seg, kv_seg, dq_info, dkv_info, out, lse = res
-    do, dlse = cotangents
+    (q, k, v, q_seg, kv_seg, dq_info, dkv_info, out, lse), (do, dlse) = first_order("blocksparse_attention",
+                                                                                   (res, cotangents))
     # d(lse)/d(logits) = p, so an lse cotangent just shifts di (the row term of dS).
     di = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1) - dlse.astype(jnp.float32)
     do = do.astype(q.dtype)
