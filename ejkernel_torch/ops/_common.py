@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, plain_eager, reject_forward_ad,
                                   vmap_only)
@@ -77,12 +78,13 @@ def values_readable(*tensors: torch.Tensor) -> bool:
     torch.compile traces (the values are unknown), nor while a CUDA graph is captured (a sync
     is illegal then), nor for ``tensors`` a ``torch.func`` transform wraps (vmap's batched ones
     have no storage: "Cannot access data pointer of Tensor that doesn't have storage"; autotuning
-    cannot launch candidates on them either). The kernels clamp what goes unchecked, as under
-    ``jax.jit``. ``None`` entries are skipped."""
-    if torch.compiler.is_compiling():
+    cannot launch candidates on them either), nor for fake tensors (FakeTensorMode, make_fx's
+    fake and symbolic tracing: reading raised DataDependentOutputException). The kernels clamp
+    what goes unchecked, as under ``jax.jit``. ``None`` entries are skipped."""
+    if torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
         return False
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    if any(t is not None and wrapped(t) for t in tensors):
+    if any(t is not None and (wrapped(t) or isinstance(t, FakeTensor)) for t in tensors):
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
