@@ -166,11 +166,12 @@ def test_negative_softmax_scale(fw, rng, dtype):
     _check(fw, rng, (1, 32, 32, 1, 1, 32), dtype, dict(softmax_scale=-0.5))
 
 
-@pytest.mark.parametrize("cap", [128.0, 1e4, 1e6])
+@pytest.mark.parametrize("cap", [128.0, 1e4, 1e6, 1e30, 1e36, 1e38])
 def test_large_soft_cap_keeps_float32_accuracy(fw, rng, cap):
     # tanh(s / cap) at small arguments: its exp2 form (1 - e) / (1 + e) cancels, an error of about
     # cap * 3e-8 in the logits (out 7e-5 off at cap 1e4, 7e-3 at 1e6). Caps above 128 take the
-    # precise form; 128 is the largest that keeps the fast one.
+    # precise form; 128 is the largest that keeps the fast one. From 1e30 times the scale a cap is
+    # no cap: scale / cap was subnormal, which jax's CPU callbacks flush to 0 (0.72 off at 1e38).
     _check(fw, rng, (1, 16, 16, 2, 2, 32), "float32", dict(logits_soft_cap=cap, causal=True))
 
 
@@ -183,7 +184,7 @@ def test_only_large_soft_caps_take_the_precise_tanh():
         plans = [fa.forward_plan(spec, HOPPER), *fa.backward_plans(spec, HOPPER, False, False)]
         return {dict(p.constexprs).get("USE_SOFTCAP") for p in plans} - {None}
 
-    assert [mode(c) for c in (None, 30.0, 128.0, 128.5, 1e6)] == [{0}, {1}, {1}, {2}, {2}]
+    assert [mode(c) for c in (None, 30.0, 128.0, 128.5, 1e6, 64**-0.5 * 1e30)] == [{0}, {1}, {1}, {2}, {2}, {0}]
 
 
 def test_lse_gradient(fw, rng):
@@ -587,9 +588,14 @@ def test_numpy_integer_dropout_seed_is_an_int(fw):
     # the Python int, not a TypeError (jax's said "must be a jax.Array").
     x = fw.asarray(np.random.default_rng(0).standard_normal((1, 16, 1, 16)), "float32")
     want = fw.to_numpy(fw.ops.flash_attention(x, x, x, dropout_p=0.5, dropout_seed=3_000_000_000))
-    for seed in (np.int64(3_000_000_000), np.uint32(3_000_000_000)):
+    # numpy arrays too, read on the host as ints (torch refused them; an int64 one past int32
+    # raised in jax but wrapped in torch)
+    for seed in (np.int64(3_000_000_000), np.uint32(3_000_000_000), np.array(3_000_000_000),
+                 np.array([3_000_000_000], np.uint32)):
         got = fw.to_numpy(fw.ops.flash_attention(x, x, x, dropout_p=0.5, dropout_seed=seed))
         np.testing.assert_array_equal(got, want)
+    with pytest.raises(TypeError, match=r"dropout_seed must be an integer array \(.*uint32\), got float64"):
+        fw.ops.flash_attention(x, x, x, dropout_p=0.5, dropout_seed=np.array(5.0))  # jax named float32
     mask = fw.to_numpy(fw.ops.flash_attention_dropout_mask(np.int32(5), 1, 1, 4, 4, 0.5))
     np.testing.assert_array_equal(mask, fw.to_numpy(fw.ops.flash_attention_dropout_mask(5, 1, 1, 4, 4, 0.5)))
     for bad in (5.0, np.bool_(True), "5"):

@@ -65,6 +65,28 @@ def _fresh_inductor_cache():
     return (getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache)()
 
 
+@pytest.mark.parametrize("tracing_mode", ["fake", "symbolic"])
+def test_value_checks_skip_fake_tensors(tracing_mode):
+    """make_fx's fake and symbolic tracing (and FakeTensorMode) of the ops whose checks read
+    values (cu_seqlens, n_pad, group_sizes) raised DataDependentOutputException / "guard on
+    data-dependent": fake tensors have no values. The checks are skipped there, as under
+    torch.compile; the traced graph holds the ops."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = torch.randn(5, 2, 16)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    sizes, n_pad = torch.tensor([2, 3], dtype=torch.int32), torch.tensor([1, 0, 0, 1, 0], dtype=torch.int32)
+    lhs, rhs = torch.randn(5, 16), torch.randn(2, 16, 8)
+
+    def fn(x, cu, lhs, rhs, sizes, n_pad):
+        return (ejk.flash_attention_varlen(x, x, x, cu, cu, 3, 3), ejk.grouped_matmul(lhs, rhs, sizes),
+                ejk.padded_attention(x, x, x, n_pad))
+
+    graph = make_fx(fn, tracing_mode=tracing_mode)(x, cu, lhs, rhs, sizes, n_pad)
+    names = str(graph.graph)
+    assert "flash_attention_fwd" in names and "grouped_matmul" in names and "padded_attention" in names
+
+
 def test_compile_fullgraph_matches_eager():
     torch.manual_seed(0)
     model = _TinyAttention()
@@ -163,6 +185,27 @@ def test_non_contiguous_inputs_and_tensor_seed():
     mask = ejk.flash_attention_dropout_mask(7, 2, 4, 9, 11, 0.3)
     expected = ref.flash_attention(*(x.double() for x in (q, k, v)), dropout_p=0.3, dropout_mask=mask)
     assert rel_error(out.numpy(), expected.numpy()) < 1e-5
+
+
+def test_tensor_options_changed_in_place_are_read_anew():
+    """A 0-d tensor sliding_window or max_seqlen hashed by identity in the spec cache: after an
+    in-place change the next call reused the spec of the old value (window 1 where 8 was asked,
+    tokens past the old max_seqlen dropped), with no error."""
+    q, k, v = (x.detach() for x in _qkv(batch=1, seq_q=12, seq_k=12, heads_q=1, heads_kv=1))
+    window = torch.tensor(1)
+    ejk.flash_attention(q, k, v, sliding_window=window)
+    window.fill_(8)
+    out = ejk.flash_attention(q, k, v, sliding_window=window)
+    want = ref.forward(ref.flash_attention, q.numpy(), k.numpy(), v.numpy(), sliding_window=8)
+    assert rel_error(out.numpy(), want) < 1e-5
+    x = q[0]
+    short, whole = torch.tensor([0, 4, 8, 12], dtype=torch.int32), torch.tensor([0, 12], dtype=torch.int32)
+    max_seqlen = torch.tensor(4)
+    ejk.flash_attention_varlen(x, x, x, short, short, max_seqlen, max_seqlen)
+    max_seqlen.fill_(12)
+    out = ejk.flash_attention_varlen(x, x, x, whole, whole, max_seqlen, max_seqlen)
+    want = ref.forward(ref.flash_attention, x[None].numpy(), x[None].numpy(), x[None].numpy())[0]
+    assert rel_error(out.numpy(), want) < 1e-5
 
 
 def test_bias_without_grad_gets_none():

@@ -163,7 +163,7 @@ def _seed(dropout_seed, dropout_p: float):
 
 
 def _seed_array(dropout_seed) -> jax.Array:
-    if not isinstance(dropout_seed, (jax.Array, np.ndarray)):  # ints (numpy's too), or refused as torch does
+    if not isinstance(dropout_seed, jax.Array):  # ints and numpy arrays, or refused as torch does
         return jnp.full((1,), fa.seed_value(dropout_seed), jnp.int32)
     seed = array_arg("dropout_seed", dropout_seed)
     fa.seed_array(tuple(seed.shape), name_of(seed))

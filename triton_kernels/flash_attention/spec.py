@@ -139,6 +139,23 @@ def _positive_float(name: str, value) -> float | None:
     return float(value)
 
 
+# A soft cap this far above the softmax scale changes no logit: cap * tanh(x / cap) differs from
+# x by x**3 / (3 cap**2), nothing for q.k products below 4e26. Computing it would put scale / cap
+# among float32's subnormals, which flush-to-zero reads as 0 (XLA's CPU threads, where jax runs
+# the interpreter; torch.set_flush_denormal): the logits collapsed to 0, a 0.72 relative error
+# at a cap of 1e38. Such caps (the usual way to say "no cap") are no cap.
+NO_CAP_ABOVE_SCALE_TIMES = 1e30
+
+
+def _scale_and_cap(softmax_scale, logits_soft_cap, head_dim: int) -> dict:
+    """FlashSpec's softmax_scale and softcap, checked."""
+    scale = checks.softmax_scale(softmax_scale, head_dim)
+    cap = _positive_float("logits_soft_cap", logits_soft_cap)
+    if cap is not None and abs(scale) * NO_CAP_ABOVE_SCALE_TIMES <= cap:
+        cap = None
+    return dict(softmax_scale=scale, softcap=cap)
+
+
 def layer_options(head_dim: int, causal, sliding_window, logits_soft_cap, softmax_scale) -> None:
     """A ``MultiHeadAttention`` layer's attention options, checked when the layer is built (not
     at its first call) with the messages ``flash_attention`` gives."""
@@ -174,8 +191,12 @@ def dropout(dropout_p) -> float:
 
 
 def seed_value(seed) -> int:
-    """A Python or numpy int seed as the int32 the kernels read (taken modulo 2**32). numpy ints
-    are what numpy's generators draw; bools are refused."""
+    """A Python or numpy int seed, or a numpy integer array of one, as the int32 the kernels read
+    (taken modulo 2**32, as the fronts' int64 tensors are cast). numpy ints are what numpy's
+    generators draw; bools are refused."""
+    if isinstance(seed, np.ndarray):  # host values: read as an int in both fronts
+        seed_array(seed.shape, seed.dtype.name)
+        seed = seed.reshape(-1)[0]
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"dropout_seed must be an int or an integer array, got {seed!r}")
     seed = int(seed) % 2**32
@@ -193,8 +214,9 @@ def dropout_mask_sizes(batch, heads, seq_q, seq_k) -> tuple[int, int, int, int]:
 
 
 def seed_array(shape: Sequence[int], dtype: str) -> None:
-    if dtype != "uint32":  # what jax.random.bits gives; the kernels read its bits as int32
-        checks.int_input("dropout_seed", dtype)
+    # uint32: what jax.random.bits gives; the kernels read its bits as int32
+    if dtype not in (*checks.INT_DTYPES, "uint32"):
+        raise TypeError(f"dropout_seed must be an integer array ({', '.join(checks.INT_DTYPES)}, uint32), got {dtype}")
     if tuple(shape) not in ((), (1,)):
         raise ValueError(f"dropout_seed must be a scalar or have shape (1,), got {tuple(shape)}")
 
@@ -221,22 +243,27 @@ def _qkv_dtypes(dtypes: Sequence[str]) -> str:
 
 
 def _spec_cache(fn):
-    """``fn`` behind an lru_cache, called uncached when an argument cannot be hashed (a numpy or
-    jax array, a traced jax value, a list): the checks then name the argument, where the cache
-    failed first with "unhashable type". typed: 1 == True == 1.0 hash alike, and an untyped hit
-    would skip the checks of a bad type."""
+    """``fn`` behind an lru_cache, for calls whose arguments are all plain values (numbers,
+    strings, None, tuples of them); others are called uncached: an array or a list (unhashable,
+    the checks then name the argument), and a torch tensor, which hashes by identity, so a 0-d
+    ``sliding_window`` changed in place hit the entry of its old value. typed: 1 == True == 1.0
+    hash alike, and an untyped hit would skip the checks of a bad type."""
     cached = functools.lru_cache(maxsize=1024, typed=True)(fn)
 
     @functools.wraps(fn)
     def spec(*args, **kwargs):
-        try:
-            hash((args, tuple(kwargs.values())))
-        except TypeError:
-            return fn(*args, **kwargs)
-        return cached(*args, **kwargs)
+        if all(map(_plain, args)) and all(map(_plain, kwargs.values())):
+            return cached(*args, **kwargs)
+        return fn(*args, **kwargs)
 
     spec.cache_info, spec.cache_clear = cached.cache_info, cached.cache_clear
     return spec
+
+
+def _plain(value) -> bool:
+    if isinstance(value, tuple):
+        return all(map(_plain, value))
+    return value is None or isinstance(value, (int, float, str, np.generic))
 
 
 @_spec_cache
@@ -272,9 +299,9 @@ def dense_spec(q_shape: tuple, k_shape: tuple, v_shape: tuple, dtypes: tuple, *,
                               batch, seq_q, seq_k)
     return FlashSpec(
         batch=batch, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
-        dtype=dtype, softmax_scale=checks.softmax_scale(softmax_scale, head_dim),
+        dtype=dtype, **_scale_and_cap(softmax_scale, logits_soft_cap, head_dim),
         window=_clamped_window(_window(causal, sliding_window), seq_q, seq_k),
-        softcap=_positive_float("logits_soft_cap", logits_soft_cap), bias=bias, bias_dtype=bias_dtype if bias else None,
+        bias=bias, bias_dtype=bias_dtype if bias else None,
         segments=segment_dtype is not None, segment_dtype=segment_dtype or "int32", dropout_p=dropout(dropout_p),
     )
 
@@ -323,10 +350,9 @@ def varlen_spec(q_shape: tuple, k_shape: tuple, v_shape: tuple, dtypes: tuple,
     max_seqlen_q, max_seqlen_k = _max_seqlen("max_seqlen_q", max_seqlen_q), _max_seqlen("max_seqlen_k", max_seqlen_k)
     return FlashSpec(
         batch=cu_q_shape[0] - 1, seq_q=max_seqlen_q, seq_k=max_seqlen_k, heads_q=heads_q, heads_kv=heads_kv,
-        head_dim=head_dim, dtype=dtype, softmax_scale=checks.softmax_scale(softmax_scale, head_dim),
+        head_dim=head_dim, dtype=dtype, **_scale_and_cap(softmax_scale, logits_soft_cap, head_dim),
         window=_clamped_window(_window(causal, sliding_window), max_seqlen_q, max_seqlen_k),
-        softcap=_positive_float("logits_soft_cap", logits_soft_cap), dropout_p=dropout(dropout_p),
-        varlen=True, total_q=total_q, total_k=total_k,
+        dropout_p=dropout(dropout_p), varlen=True, total_q=total_q, total_k=total_k,
     )
 
 
