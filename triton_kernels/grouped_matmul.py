@@ -170,13 +170,12 @@ def _after_segment(tile, done, start, end, N: tl.constexpr, BLOCK_M: tl.constexp
     return _next_tile(tile, done + count), done + count
 
 
-@triton.jit(do_not_specialize_on_alignment=["m"])
-def gmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
-               out_ptr,
-               K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
-               TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               BATCH: tl.constexpr, SHARED_RHS: tl.constexpr):
+@triton.jit
+def _gmm_problem_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out_ptr,
+                       K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
+                       TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       BATCH: tl.constexpr):
     # Global tile order, per problem of the batch in turn: the selected groups' tiles, then the
     # zero rows before them, then the zero rows after them. Every program walks the groups
     # (scalar loads only) and does the tiles congruent to its id.
@@ -188,7 +187,7 @@ def gmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
         rows = tl.cast(b, tl.int64) * m
         lhs_b = lhs_ptr + rows * K
         out_b = out_ptr + rows * N
-        rhs_b = rhs_ptr if SHARED_RHS else rhs_ptr + tl.cast(b, tl.int64) * (NUM_SELECTED * K * N)
+        rhs_b = rhs_ptr + tl.cast(b, tl.int64) * (NUM_SELECTED * K * N)
         sizes_b = group_sizes_ptr + b * NUM_GROUPS
         offset_b = group_offset_ptr + b
         g0, first_row = _first_selected(sizes_b, offset_b, m, NUM_GROUPS, NUM_SELECTED)
@@ -206,6 +205,72 @@ def gmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
         _gmm_segment(lhs_b, rhs_b, out_b, tile, done, row, m, zero, K, N, TRANSPOSE_RHS,
                      True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
         tile, done = _after_segment(tile, done, row, m, N, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _pick(values, b, BATCH_P2: tl.constexpr):
+    """Problem ``b``'s entry of a [BATCH_P2] vector, as a scalar."""
+    return tl.sum(tl.where(tl.arange(0, BATCH_P2) == b, values, 0))
+
+
+@triton.jit
+def _gmm_group_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out_ptr,
+                     K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
+                     TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     BATCH: tl.constexpr, BATCH_P2: tl.constexpr):
+    """A batch of problems sharing one rhs, walked group-major: group i's rows of every problem in
+    turn, then the zero rows. The programs working at one time then read one expert's weights,
+    from L2, where a problem-major walk read them from memory once per problem. Each problem's
+    row cursor is an entry of a [BATCH_P2] vector; its tiles are the problem-major walk's."""
+    probs = tl.arange(0, BATCH_P2)
+    valid = probs < BATCH
+    sizes_ptrs = group_sizes_ptr + probs * NUM_GROUPS
+    g0 = tl.load(group_offset_ptr + probs, mask=valid, other=0)
+    g0 = tl.minimum(tl.maximum(g0, 0), NUM_GROUPS - NUM_SELECTED)  # clamped, as _first_selected
+    first = tl.zeros([BATCH_P2], tl.int32)
+    for g in range(0, tl.max(g0)):  # rows before each problem's first selected group
+        size = tl.load(sizes_ptrs + g, mask=valid & (g < g0), other=0)
+        first += tl.minimum(tl.maximum(size, 0), m - first)
+    tile = tl.program_id(0)
+    done = tl.zeros([], tl.int32)
+    row = first
+    for i in range(0, NUM_SELECTED):
+        size = tl.load(sizes_ptrs + g0 + i, mask=valid, other=0)
+        end = row + tl.minimum(tl.maximum(size, 0), m - row)  # _group_end's clamps
+        for b in range(0, BATCH):
+            start_b, end_b = _pick(row, b, BATCH_P2), _pick(end, b, BATCH_P2)
+            rows = tl.cast(b, tl.int64) * m  # problem b's operands inline (see gmm_kernel)
+            _gmm_segment(lhs_ptr + rows * K, rhs_ptr, out_ptr + rows * N, tile, done, start_b, end_b, i, K, N,
+                         TRANSPOSE_RHS, False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+            tile, done = _after_segment(tile, done, start_b, end_b, N, BLOCK_M, BLOCK_N)
+        row = end
+    zero = tl.zeros([], tl.int32)
+    for b in range(0, BATCH):
+        first_b, last_b = _pick(first, b, BATCH_P2), _pick(row, b, BATCH_P2)
+        rows = tl.cast(b, tl.int64) * m
+        _gmm_segment(lhs_ptr + rows * K, rhs_ptr, out_ptr + rows * N, tile, done, zero, first_b, zero, K, N,
+                     TRANSPOSE_RHS, True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+        tile, done = _after_segment(tile, done, zero, first_b, N, BLOCK_M, BLOCK_N)
+        _gmm_segment(lhs_ptr + rows * K, rhs_ptr, out_ptr + rows * N, tile, done, last_b, m, zero, K, N,
+                     TRANSPOSE_RHS, True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+        tile, done = _after_segment(tile, done, last_b, m, N, BLOCK_M, BLOCK_N)
+
+
+@triton.jit(do_not_specialize_on_alignment=["m"])
+def gmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
+               out_ptr,
+               K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
+               TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               BATCH: tl.constexpr, SHARED_RHS: tl.constexpr, BATCH_P2: tl.constexpr):
+    if SHARED_RHS:
+        _gmm_group_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out_ptr, K, N, NUM_GROUPS,
+                         NUM_SELECTED, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, BATCH,
+                         BATCH_P2)
+    else:
+        _gmm_problem_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out_ptr, K, N, NUM_GROUPS,
+                           NUM_SELECTED, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, BATCH)
 
 
 # --------------------------------------------------------------------------------------------
@@ -493,7 +558,7 @@ def gmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, transpo
         constexprs=(("K", k), ("N", n), ("NUM_GROUPS", num_groups), ("NUM_SELECTED", num_selected),
                     ("TRANSPOSE_RHS", bool(transpose_rhs)), ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk),
                     ("GROUP_M", 8), ("DOT_PRECISION", _dot_precision(dtype, facts)), ("BATCH", batch),
-                    ("SHARED_RHS", bool(shared_rhs) and batch > 1)),
+                    ("SHARED_RHS", bool(shared_rhs) and batch > 1), ("BATCH_P2", triton.next_power_of_2(batch))),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=True,
     )
 
