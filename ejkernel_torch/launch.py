@@ -353,16 +353,28 @@ def plan_text(plan: LaunchPlan) -> str:
 def plan_from_text(text: str) -> LaunchPlan:
     doc = json.loads(text)
     module, name = doc.pop("kernel").split(":")
+    kernel = getattr(importlib.import_module(module), name)
     tuples = lambda rows: tuple(tuple(r) for r in rows)  # noqa: E731
     return LaunchPlan(
-        kernel=getattr(importlib.import_module(module), name), grid=tuple(doc["grid"]), inputs=tuple(doc["inputs"]),
+        kernel=kernel, grid=tuple(doc["grid"]), inputs=tuple(doc["inputs"]),
         input_dtypes=tuple(doc["input_dtypes"]),
         # (an output's "returned" flag is absent from the texts in graphs cached before it existed)
         outputs=tuple(Output(n, tuple(shape), dtype, *flags) for n, shape, dtype, *flags in doc["outputs"]),
-        scalars=tuples(doc["scalars"]), constexprs=tuples(doc["constexprs"]), num_warps=doc["num_warps"],
+        scalars=tuples(doc["scalars"]), constexprs=_with_defaults(kernel, tuples(doc["constexprs"])),
+        num_warps=doc["num_warps"],
         num_stages=doc["num_stages"], enable_fp_fusion=doc["enable_fp_fusion"], aliases=tuples(doc["aliases"]),
         maxnreg=doc.get("maxnreg"),  # absent from the texts in graphs cached before it existed
     )
+
+
+def _with_defaults(kernel, constexprs: tuple) -> tuple:
+    """``constexprs`` plus the kernel's defaults for those it lacks. torch.compile's on-disk caches
+    key a graph before the op bodies in it are traced, so a graph cached by an older version of
+    a kernel carries that version's plan text: a constexpr added since (with a default that keeps
+    the old behavior, as the grouped matmuls' BATCH) failed the plan's binding check."""
+    bound = {name for name, _ in constexprs}
+    return constexprs + tuple((p.name, p.default) for p in kernel.params
+                              if p.is_constexpr and p.has_default and p.name not in bound)
 
 
 @torch.library.custom_op("ejkernel::interpret_plan", mutates_args=(), device_types=("cpu", "cuda"))

@@ -382,3 +382,22 @@ def test_grids_past_cuda_limits_are_errors_before_launch():
         with pytest.raises(ValueError, match="exceeds CUDA's limits"):
             make()
     attention_fwd_plan((65_535, 128, 64), "float16", 0.125, HOPPER)  # the limit itself is fine
+
+
+def test_plan_text_cached_by_an_older_kernel_version(torch_fw, rng):
+    """torch.compile's on-disk caches key a graph before its op bodies are traced, so a cached
+    graph carries the plan text of the kernel version that compiled it. A text without the
+    grouped matmul's later BATCH/SHARED_RHS/BATCH_P2 constexprs failed the plan's binding check
+    ("plan for gmm_kernel binds [...], kernel takes [...]"); they take the kernel's defaults,
+    which compute what that version did."""
+    from ejkernel_torch.launch import device_facts, launch, plan_from_text, plan_text
+    from triton_kernels import grouped_matmul as gm
+
+    plan = gm.gmm_plan(37, 16, 24, 3, 3, False, "float32", "float32", device_facts(torch.device(torch_fw.device)))
+    doc = json.loads(plan_text(plan))
+    doc["constexprs"] = [c for c in doc["constexprs"] if c[0] not in ("BATCH", "SHARED_RHS", "BATCH_P2")]
+    old = plan_from_text(json.dumps(doc))
+    lhs, rhs = (torch_fw.asarray(rng.standard_normal(s), "float32") for s in ((37, 16), (3, 16, 24)))
+    sizes, offset = torch_fw.asarray(np.array([10, 0, 20], np.int32)), torch_fw.asarray(np.zeros(1, np.int32))
+    np.testing.assert_array_equal(torch_fw.to_numpy(launch(old, lhs, rhs, sizes, offset)[0]),
+                                  torch_fw.to_numpy(launch(plan, lhs, rhs, sizes, offset)[0]))

@@ -263,7 +263,9 @@ def gmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
                K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
                TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               BATCH: tl.constexpr, SHARED_RHS: tl.constexpr, BATCH_P2: tl.constexpr):
+               BATCH: tl.constexpr = 1, SHARED_RHS: tl.constexpr = False, BATCH_P2: tl.constexpr = 1):
+    # The batch's constexprs have defaults (one problem): a graph torch.compile cached before
+    # they existed launches without them (see ejkernel_torch.launch.plan_from_text).
     if SHARED_RHS:
         _gmm_group_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out_ptr, K, N, NUM_GROUPS,
                          NUM_SELECTED, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, BATCH,
@@ -319,7 +321,7 @@ def tgmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
                 out_ptr,
                 K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
                 LHS_MK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, BATCH: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, BATCH: tl.constexpr = 1):  # default: as gmm_kernel's
     # Tiles are ordered problem-major, then group-major, so a program's tiles visit groups in
     # increasing order and the group's row range follows from a running cumsum (one pass over
     # each problem's groups in total).
