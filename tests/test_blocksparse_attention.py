@@ -696,6 +696,10 @@ def test_argument_types_are_checked(rng):
         call(k=k.tolist())
     with pytest.raises(TypeError, match="block_sizes must be a BlockSizes"):
         call(block_sizes=(16, 16))  # once an AttributeError
+    with pytest.raises(TypeError, match="mask must be boolean, got dtype int32"):
+        call(mask=np.ones((32, 32), np.int32))  # was NumpyMask's ValueError "array must be boolean"
+    with pytest.raises(TypeError, match="mask must be boolean, got dtype float32"):
+        call(mask=jnp.ones((32, 32)))
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

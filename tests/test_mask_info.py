@@ -333,7 +333,7 @@ def test_invalid_inputs_raise():
         I.process_mask(mask, (32, 16), q_seq_shards=4)  # 2 q blocks cannot split 4 ways
     with pytest.raises(ValueError, match="mask"):
         I.process_dynamic_mask(jnp.ones((64, 64), bool), (16, 16))
-    with pytest.raises(ValueError, match="bool"):
+    with pytest.raises(TypeError, match="mask must be boolean, got dtype int32"):  # a dtype: was a ValueError
         I.process_dynamic_mask(jnp.ones((2, 64, 64), jnp.int32), (16, 16))
     with pytest.raises(TypeError, match="use process_mask"):  # was an AttributeError on .dtype
         I.process_dynamic_mask(M.MultiHeadMask([M.CausalMask((64, 64))]), (16, 16))

@@ -217,8 +217,10 @@ def test_multi_head_mask():
 
 def test_invalid_masks_raise():
     shape = (16, 16)
-    with pytest.raises(ValueError, match="array"):
+    with pytest.raises(TypeError, match="array must be boolean, got dtype int32"):  # a dtype: was a ValueError
         M.NumpyMask(np.zeros((4, 4), np.int32))
+    with pytest.raises(TypeError, match="both operands must be Masks, got CausalMask and ndarray"):
+        M.CausalMask(shape) & np.ones(shape, bool)  # was a ValueError
     with pytest.raises(ValueError, match="array"):
         M.NumpyMask(np.zeros((2, 4, 4), bool))
     for empty in ((0, 4), (4, 0)):  # process_mask failed inside numpy on these
@@ -248,7 +250,7 @@ def test_invalid_masks_raise():
         M.MultiHeadMask([M.CausalMask(shape), M.CausalMask((16, 8))])
     with pytest.raises(ValueError, match="nested"):
         M.MultiHeadMask([M.MultiHeadMask([M.CausalMask(shape)])])
-    with pytest.raises(ValueError, match="Mask"):
+    with pytest.raises(TypeError, match="masks must be Mask objects, got ndarray"):  # was a ValueError
         M.MultiHeadMask([np.ones(shape, bool)])
     with pytest.raises(ValueError, match="sparsity"):
         M.make_random_mask(shape, 1.5, 0)

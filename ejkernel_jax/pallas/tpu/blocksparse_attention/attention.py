@@ -193,6 +193,8 @@ def _resolve_mask(mask, causal, sliding_window, chunk_size, heads, q_len, kv_len
     if causal or sliding_window is not None or chunk_size is not None:
         raise ValueError("pass either mask or causal/sliding_window/chunk_size, not both")
     if isinstance(mask, np.ndarray):
+        if mask.dtype != np.bool_:  # named here: NumpyMask's own error names its "array"
+            raise TypeError(f"mask must be boolean, got dtype {mask.dtype}")
         if mask.ndim == 2:
             mask = mask_lib.NumpyMask(mask)
         elif mask.ndim == 3:

@@ -367,7 +367,7 @@ def process_dynamic_mask(
     if len(shape) != 3:
         raise ValueError(f"mask must be 3-D [heads, q_len, kv_len], got shape {shape}")
     if jnp.dtype(mask.dtype) != jnp.bool_:
-        raise ValueError(f"mask must be boolean, got dtype {mask.dtype}")
+        raise TypeError(f"mask must be boolean, got dtype {mask.dtype}")
     # Python ints: the shard loops below range over them.
     head_shards = mask_lib.check_int("head_shards", head_shards)
     q_seq_shards = mask_lib.check_int("q_seq_shards", q_seq_shards)

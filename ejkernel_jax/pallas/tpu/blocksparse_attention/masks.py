@@ -448,8 +448,8 @@ class _Binary(Mask):
     _np_op: Callable
 
     def __init__(self, left: Mask, right: Mask):
-        if not isinstance(left, Mask) or not isinstance(right, Mask):
-            raise ValueError(
+        if not isinstance(left, Mask) or not isinstance(right, Mask):  # e.g. mask & ndarray: wrap it in NumpyMask
+            raise TypeError(
                 f"both operands must be Masks, got {type(left).__name__} and {type(right).__name__}"
             )
         if left.shape != right.shape:
@@ -499,7 +499,7 @@ class NumpyMask(Mask):
         if array.ndim != 2:
             raise ValueError(f"array must be 2-D (q_len, kv_len), got shape {array.shape}")
         if array.dtype != np.bool_:
-            raise ValueError(f"array must be boolean, got dtype {array.dtype}")
+            raise TypeError(f"array must be boolean, got dtype {array.dtype}")
         _check_shape(array.shape)  # a zero-length axis, as the computed masks refuse
         self.array = np.array(array, copy=True)
         self.array.flags.writeable = False
@@ -537,7 +537,7 @@ class MultiHeadMask(Mask):
             raise ValueError("masks must hold at least one mask")
         for m in masks:
             if not isinstance(m, Mask):
-                raise ValueError(f"masks must be Mask objects, got {type(m).__name__}")
+                raise TypeError(f"masks must be Mask objects, got {type(m).__name__}")
             if isinstance(m, MultiHeadMask):
                 raise ValueError("masks must be 2-D; MultiHeadMask cannot be nested")
             if m.shape != masks[0].shape:
