@@ -339,7 +339,8 @@ def test_jit_grad_and_default_interpret(rng):
 def test_second_derivative_names_the_op(rng):
     """grad of grad raised Pallas's bare NotImplementedError from inside the backward kernels."""
     q, k, v, _, _ = make_inputs(rng, 1, 16, 16, 2, 2, 8)
-    loss = lambda q: jnp.sum(blocksparse_attention(q, k, v, causal=True, block_sizes=BlockSizes(8, 8)) ** 2)  # noqa: E731
+    blocks = BlockSizes(8, 8)
+    loss = lambda q: jnp.sum(blocksparse_attention(q, k, v, causal=True, block_sizes=blocks) ** 2)  # noqa: E731
     jax.grad(loss)(q)
     with pytest.raises(NotImplementedError, match="blocksparse_attention has no second derivative"):
         jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) ** 2))(q)
