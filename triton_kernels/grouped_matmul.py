@@ -171,6 +171,28 @@ def _after_segment(tile, done, start, end, N: tl.constexpr, BLOCK_M: tl.constexp
 
 
 @triton.jit
+def _gmm_zero_rows(lhs_ptr, rhs_ptr, out_ptr, tile, done, first, last, m,
+                   K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Zeros for a problem's rows outside its selected groups: ``[0, first)``, then ``[last, m)``.
+    Returns nothing, as ``_gmm_segment``; ``_after_zero_rows`` advances the walk."""
+    zero = tl.zeros([], tl.int32)
+    _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, zero, first, zero, K, N, TRANSPOSE_RHS,
+                 True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+    tile, done = _after_segment(tile, done, zero, first, N, BLOCK_M, BLOCK_N)
+    _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, last, m, zero, K, N, TRANSPOSE_RHS,
+                 True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+
+
+@triton.jit
+def _after_zero_rows(tile, done, first, last, m, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(tile, done) after ``_gmm_zero_rows``."""
+    tile, done = _after_segment(tile, done, tl.zeros([], tl.int32), first, N, BLOCK_M, BLOCK_N)
+    return _after_segment(tile, done, last, m, N, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
 def _gmm_problem_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out_ptr,
                        K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
                        TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -198,13 +220,9 @@ def _gmm_problem_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, o
                          False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
             tile, done = _after_segment(tile, done, row, end, N, BLOCK_M, BLOCK_N)
             row = end
-        zero = tl.zeros([], tl.int32)
-        _gmm_segment(lhs_b, rhs_b, out_b, tile, done, zero, first_row, zero, K, N, TRANSPOSE_RHS,
-                     True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
-        tile, done = _after_segment(tile, done, zero, first_row, N, BLOCK_M, BLOCK_N)
-        _gmm_segment(lhs_b, rhs_b, out_b, tile, done, row, m, zero, K, N, TRANSPOSE_RHS,
-                     True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
-        tile, done = _after_segment(tile, done, row, m, N, BLOCK_M, BLOCK_N)
+        _gmm_zero_rows(lhs_b, rhs_b, out_b, tile, done, first_row, row, m, K, N, TRANSPOSE_RHS,
+                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+        tile, done = _after_zero_rows(tile, done, first_row, row, m, N, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -245,16 +263,12 @@ def _gmm_group_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out
                          TRANSPOSE_RHS, False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
             tile, done = _after_segment(tile, done, start_b, end_b, N, BLOCK_M, BLOCK_N)
         row = end
-    zero = tl.zeros([], tl.int32)
     for b in range(0, BATCH):
         first_b, last_b = _pick(first, b, BATCH_P2), _pick(row, b, BATCH_P2)
         rows = tl.cast(b, tl.int64) * m
-        _gmm_segment(lhs_ptr + rows * K, rhs_ptr, out_ptr + rows * N, tile, done, zero, first_b, zero, K, N,
-                     TRANSPOSE_RHS, True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
-        tile, done = _after_segment(tile, done, zero, first_b, N, BLOCK_M, BLOCK_N)
-        _gmm_segment(lhs_ptr + rows * K, rhs_ptr, out_ptr + rows * N, tile, done, last_b, m, zero, K, N,
-                     TRANSPOSE_RHS, True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
-        tile, done = _after_segment(tile, done, last_b, m, N, BLOCK_M, BLOCK_N)
+        _gmm_zero_rows(lhs_ptr + rows * K, rhs_ptr, out_ptr + rows * N, tile, done, first_b, last_b, m, K, N,
+                       TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+        tile, done = _after_zero_rows(tile, done, first_b, last_b, m, N, BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize_on_alignment=["m"])
@@ -445,6 +459,35 @@ def check_tgmm(lhs_shape, lhs_dtype: str, rhs_shape, rhs_dtype: str, gs_shape, g
     if not 0 <= selected <= num_groups:
         raise ValueError(f"num_actual_groups must be in [0, {num_groups}], got {selected}")
     return m, k, rhs_shape[1], num_groups, selected
+
+
+# --------------------------------------------------------------------------------------------
+# a launch's problem, from its operands' shapes (both fronts: plan arguments and tuning cache key)
+
+
+def problem_batch(sizes_shape) -> int:
+    """Problems in one launch: 1, or the rows of a 2-D ``group_sizes`` (a vmap's folded batch)."""
+    return int(sizes_shape[0]) if len(sizes_shape) == 2 else 1
+
+
+def gmm_problem(lhs_shape, rhs_shape, sizes_shape, transpose_rhs: bool, dtype: str, out_dtype: str) -> tuple:
+    """``gmm_plan``'s problem arguments for a launch on lhs ``[batch * m, k]``, rhs ``[.., selected,
+    k, n]`` (``[.., n, k]`` if ``transpose_rhs``) and group_sizes ``[.., groups]``: one problem's."""
+    (m, k), (selected, *rest) = lhs_shape, rhs_shape[-3:]
+    n = rest[0] if transpose_rhs else rest[1]
+    return (m // max(problem_batch(sizes_shape), 1), k, n, sizes_shape[-1], selected, transpose_rhs, dtype,
+            out_dtype)
+
+
+def tgmm_problem(lhs_shape, rhs_shape, sizes_shape, num_selected: int, lhs_mk: bool, dtype: str,
+                 out_dtype: str) -> tuple:
+    """``tgmm_plan``'s problem arguments for a launch on lhs ``[batch * m, k]`` (``lhs_mk``) or
+    ``[.., k, m]``, and rhs ``[batch * m, n]``: one problem's."""
+    if lhs_mk:
+        m, k = lhs_shape[0] // max(problem_batch(sizes_shape), 1), lhs_shape[1]
+    else:
+        k, m = lhs_shape[-2:]
+    return (m, k, rhs_shape[1], sizes_shape[-1], num_selected, lhs_mk, dtype, out_dtype)
 
 
 # --------------------------------------------------------------------------------------------

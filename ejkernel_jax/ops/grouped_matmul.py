@@ -37,21 +37,13 @@ PLATFORMS = ("tpu", "gpu", "cuda", "cpu")
 
 
 def _gmm_problem(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype, params=None) -> tuple:
-    """The GMM problem (plan arguments, cache key) of a ``_gmm_launch`` call: takes its arguments.
-    For a batch of problems (``_gmm_kernels``), one problem's."""
-    m, k = lhs.shape
-    n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
-    return (m // max(_batch(group_sizes), 1), k, n, group_sizes.shape[-1], rhs.shape[-3], transpose_rhs,
-            name_of(lhs), out_dtype)
+    """The GMM problem (plan arguments, cache key) of a ``_gmm_launch`` call: takes its arguments."""
+    return gm.gmm_problem(lhs.shape, rhs.shape, group_sizes.shape, transpose_rhs, name_of(lhs), out_dtype)
 
 
 def _tgmm_problem(lhs, rhs, group_sizes, offset, num_selected, lhs_mk, out_dtype, params=None) -> tuple:
-    """The TGMM problem of a ``_tgmm_launch`` call: takes its arguments (one problem's of a batch)."""
-    if lhs_mk:
-        m, k = lhs.shape[0] // max(_batch(group_sizes), 1), lhs.shape[1]
-    else:
-        k, m = lhs.shape[-2:]
-    return (m, k, rhs.shape[1], group_sizes.shape[-1], num_selected, lhs_mk, name_of(lhs), out_dtype)
+    """The TGMM problem of a ``_tgmm_launch`` call: takes its arguments."""
+    return gm.tgmm_problem(lhs.shape, rhs.shape, group_sizes.shape, num_selected, lhs_mk, name_of(lhs), out_dtype)
 
 
 def _gmm_launch(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype, params):
@@ -66,24 +58,20 @@ def _tgmm_launch(lhs, rhs, group_sizes, offset, num_selected, lhs_mk, out_dtype,
     return _tgmm_batching(num_selected, lhs_mk, out_dtype, params)(lhs, rhs, group_sizes, offset)
 
 
-def _batch(group_sizes) -> int:
-    """Problems in a launch: 1, or the rows of a 2-D ``group_sizes`` (a vmap's batch)."""
-    return group_sizes.shape[0] if group_sizes.ndim == 2 else 1
-
-
 def _gmm_kernels(transpose_rhs, out_dtype, params, lhs, rhs, group_sizes, offset):
     """One problem, or a batch of them (see ``gm.gmm_plan``): lhs [batch * m, k], rhs [batch,
     selected, ..] or shared, group_sizes [batch, groups], offset [batch]."""
     problem = _gmm_problem(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype)
-    plan = gm.gmm_plan(*problem, device_facts(), _tuning.resolve(GMM, problem, params), batch=_batch(group_sizes),
-                       shared_rhs=rhs.ndim == 3)
+    plan = gm.gmm_plan(*problem, device_facts(), _tuning.resolve(GMM, problem, params),
+                       batch=gm.problem_batch(group_sizes.shape), shared_rhs=rhs.ndim == 3)
     return launch(plan, lhs, rhs, group_sizes, offset)[0]
 
 
 def _tgmm_kernels(num_selected, lhs_mk, out_dtype, params, lhs, rhs, group_sizes, offset):
     """One problem, or a batch: lhs [batch * m, k] (lhs_mk) or [batch, k, m], rhs [batch * m, n]."""
     problem = _tgmm_problem(lhs, rhs, group_sizes, offset, num_selected, lhs_mk, out_dtype)
-    plan = gm.tgmm_plan(*problem, device_facts(), _tuning.resolve(TGMM, problem, params), batch=_batch(group_sizes))
+    plan = gm.tgmm_plan(*problem, device_facts(), _tuning.resolve(TGMM, problem, params),
+                        batch=gm.problem_batch(group_sizes.shape))
     return launch(plan, lhs, rhs, group_sizes, offset)[0]
 
 

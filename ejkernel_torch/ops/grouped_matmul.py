@@ -81,33 +81,24 @@ def _static_groups(group_sizes: torch.Tensor) -> int:
     return int(length)
 
 
-def _batch(group_sizes: torch.Tensor) -> int:
-    """How many problems a registered op's call holds: 1, or the rows of a 2-D ``group_sizes``
-    (the vmap rules' folded calls: ``_gmm_vmap``)."""
-    return int(group_sizes.shape[0]) if group_sizes.dim() == 2 else 1
+def _sizes_shape(group_sizes: torch.Tensor) -> tuple[int, ...]:
+    """``group_sizes``'s shape for ``gm.gmm_problem``: ``[groups]``, or ``[batch, groups]`` in the
+    vmap rules' folded calls (``_gmm_vmap``)."""
+    return (*_static(group_sizes.shape[:-1]), _static_groups(group_sizes))
 
 
 def _gmm_problem(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, group_offset: torch.Tensor,
                  transpose_rhs: bool, out_dtype: torch.dtype, params: Optional[list[int]] = None) -> tuple:
-    """The GMM problem (plan arguments, cache key) of a ``_gmm_body`` call: takes its arguments.
-    For a batch of problems, one problem's (``m`` is its rows)."""
-    (m, k), groups, (selected, *rest) = _static(lhs.shape), _static_groups(group_sizes), _static(rhs.shape[-3:])
-    n = rest[0] if transpose_rhs else rest[1]
-    return (m // max(_batch(group_sizes), 1), k, n, groups, selected, transpose_rhs, dtype_name(lhs.dtype),
-            dtype_name(out_dtype))
+    """The GMM problem (plan arguments, cache key) of a ``_gmm_body`` call: takes its arguments."""
+    return gm.gmm_problem(_static(lhs.shape), _static(rhs.shape), _sizes_shape(group_sizes), transpose_rhs,
+                          dtype_name(lhs.dtype), dtype_name(out_dtype))
 
 
 def _tgmm_problem(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, group_offset: torch.Tensor,
                   num_selected: int, lhs_mk: bool, out_dtype: torch.dtype, params: Optional[list[int]] = None) -> tuple:
-    """The TGMM problem of a ``_tgmm_body`` call: takes its arguments (one problem's of a batch:
-    lhs ``[batch * m, k]``, or ``[batch, k, m]`` unless ``lhs_mk``)."""
-    if lhs_mk:
-        m, k = _static(lhs.shape)
-        m //= max(_batch(group_sizes), 1)
-    else:
-        k, m = _static(lhs.shape[-2:])
-    return (m, k, int(rhs.shape[1]), _static_groups(group_sizes), int(num_selected), lhs_mk, dtype_name(lhs.dtype),
-            dtype_name(out_dtype))
+    """The TGMM problem of a ``_tgmm_body`` call: takes its arguments."""
+    return gm.tgmm_problem(_static(lhs.shape), _static(rhs.shape), _sizes_shape(group_sizes), int(num_selected),
+                           lhs_mk, dtype_name(lhs.dtype), dtype_name(out_dtype))
 
 
 def _gmm_body(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, group_offset: torch.Tensor,
@@ -115,7 +106,7 @@ def _gmm_body(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, g
     """One problem, or a batch of them (a 2-D ``group_sizes``: see ``_gmm_vmap``)."""
     problem = _gmm_problem(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype)
     plan = gm.gmm_plan(*problem, device_facts(lhs.device), _tuning.resolve(GMM, problem, lhs.device, _decode(params)),
-                       batch=_batch(group_sizes), shared_rhs=rhs.dim() == 3)
+                       batch=gm.problem_batch(group_sizes.shape), shared_rhs=rhs.dim() == 3)
     return launch_traceable(plan, lhs.contiguous(), rhs.contiguous(), group_sizes, group_offset)[0]
 
 
@@ -124,7 +115,7 @@ def _tgmm_body(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, 
     """``lhs`` is [k, m], or [m, k] when ``lhs_mk`` (the gmm backward's layout: no transpose copy)."""
     problem = _tgmm_problem(lhs, rhs, group_sizes, group_offset, num_selected, lhs_mk, out_dtype)
     plan = gm.tgmm_plan(*problem, device_facts(lhs.device), _tuning.resolve(TGMM, problem, lhs.device, _decode(params)),
-                        batch=_batch(group_sizes))
+                        batch=gm.problem_batch(group_sizes.shape))
     return launch_traceable(plan, lhs.contiguous(), rhs.contiguous(), group_sizes, group_offset)[0]
 
 
