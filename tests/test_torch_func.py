@@ -181,6 +181,20 @@ def test_second_derivative_names_the_op(torch_fw, rng, op):
         torch.func.grad(lambda x: torch.func.grad(loss)(x).sum())(primals[0])
 
 
+@pytest.mark.parametrize("op", OPS[:6])
+def test_create_graph_second_derivative_names_the_op(torch_fw, rng, op):
+    """The same through create_graph=True: flash attention's raised torch's generic "no autograd
+    formula ... ejkernel.flash_attention_bwd", naming an internal op."""
+    import torch
+
+    fn, _, primals = _case(torch_fw, rng, op, seq=5, dim=8)
+    x = primals[0].detach().clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad((fn(x, *primals[1:]) ** 2).sum(), x, create_graph=True)
+    name = "flash_attention" if op.startswith("flash") else op
+    with pytest.raises(NotImplementedError, match=f"{name} has no second derivative"):
+        torch.autograd.grad(grad.sum(), x)
+
+
 @pytest.mark.parametrize("op", OPS[6:])
 def test_grouped_matmul_second_derivative(torch_fw, rng, op):
     """The grouped matmuls' backward is made of the ops: grad of grad equals create_graph's."""

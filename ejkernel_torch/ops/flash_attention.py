@@ -32,7 +32,7 @@ from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, l
                                    launch_traceable, plain_eager, reject_forward_ad, torch_dtype, vmap_only)
 from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import (KernelOp, autocast, autograd_function, first_order, name_of, no_grad_op,
-                                        same_device, saved_tensors, tensor_arg, under_torch_func, values_readable)
+                                        same_device, saved_tensors, tensor_arg, values_readable)
 from ejkernel_torch.ops._folding import fold, unfold
 from triton_kernels import checks, flash_attention as fa, tuning
 from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
@@ -246,9 +246,8 @@ def _backward(ctx, dout, dlse):
         dq, dk, dv, ds = no_grad_op(torch.ops.ejkernel.flash_attention_bwd, *args)
     dbias = _sum_to(ds, bias.shape).to(bias.dtype) if bias_grad else None
     grads = (dq, dk, dv, dbias) + (None,) * (ctx.n_inputs - 4)
-    if under_torch_func(ctx):  # torch.func.grad records the backward: a second derivative must raise
-        grads = first_order("flash_attention", grads, (q, k, v, bias, out, dout, dlse))
-    return grads
+    # Recorded backward (create_graph=True, torch.func.grad): a second derivative must raise by name.
+    return first_order("flash_attention", grads, (q, k, v, bias, out, dout, dlse))
 
 
 def _sum_to(ds: Tensor, shape) -> Tensor:
