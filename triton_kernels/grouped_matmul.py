@@ -94,13 +94,24 @@ def _gmm_tile(lhs_ptr, rhs_ptr, out_ptr, start, rows, rhs_index, pm, pn,
     """One [BLOCK_M, BLOCK_N] output tile of the segment whose ``rows`` rows start at ``start``."""
     first_row = (start + pm * BLOCK_M).to(tl.int64)  # int64: a big group times K passes 2**31
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < rows - pm * BLOCK_M
+    _gmm_rows_tile(lhs_ptr, rhs_ptr, out_ptr, first_row, offs_m, m_mask, rhs_index, pn, K, N, TRANSPOSE_RHS,
+                   IS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+
+
+@triton.jit
+def _gmm_rows_tile(lhs_ptr, rhs_ptr, out_ptr, row_base, row_offs, m_mask, rhs_index, pn,
+                   K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, IS_ZERO: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """The output tile of lhs rows ``row_base + row_offs`` (those in ``m_mask``) and n-tile ``pn``.
+    Row offsets that may pass 2**31 / K must be int64."""
+    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if not IS_ZERO:
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = lhs_ptr + first_row * K + offs_m[:, None] * K + offs_k[None, :]
+        a_ptrs = lhs_ptr + row_base * K + row_offs[:, None] * K + offs_k[None, :]
         rhs_base = rhs_ptr + tl.cast(rhs_index, tl.int64) * (K * N)
         if TRANSPOSE_RHS:  # rhs[g] is [N, K]: read a [BLOCK_N, BLOCK_K] tile, transpose in registers
             b_ptrs = rhs_base + offs_n[:, None] * K + offs_k[None, :]
@@ -126,7 +137,7 @@ def _gmm_tile(lhs_ptr, rhs_ptr, out_ptr, start, rows, rhs_index, pm, pn,
                 b_ptrs += BLOCK_K
             else:
                 b_ptrs += BLOCK_K * N
-    out_ptrs = out_ptr + first_row * N + offs_m[:, None] * N + offs_n[None, :]
+    out_ptrs = out_ptr + row_base * N + row_offs[:, None] * N + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -232,15 +243,41 @@ def _pick(values, b, BATCH_P2: tl.constexpr):
 
 
 @triton.jit
+def _gmm_gathered_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, starts, counts, m, rhs_index,
+                          K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, BATCH_P2: tl.constexpr):
+    """``_gmm_segment`` of one group's rows in every problem, taken in turn as one run of rows:
+    problem b's ``counts[b]`` rows from ``starts[b]`` (``[BATCH_P2]`` vectors, 0 rows past the
+    batch). A tile's rows may come from several problems; each row's place in lhs and out is
+    found from the run's offsets. Returns nothing (see ``_gmm_segment``)."""
+    total = tl.sum(counts)
+    before = tl.cumsum(counts, 0) - counts  # the run's rows ahead of problem b's
+    first = tl.arange(0, BATCH_P2).to(tl.int64) * m + starts  # problem b's first row in lhs and out
+    tiles_m, count = _segment_tiles(0, total, N, BLOCK_M, BLOCK_N)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    while tile < done + count:
+        pm, pn = _swizzle(tile - done, tiles_m, tiles_n, GROUP_M)
+        run = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+        inside = (run[:, None] >= before[None, :]) & (run[:, None] < before[None, :] + counts[None, :])
+        rows_at = tl.sum(tl.where(inside, first[None, :] + (run[:, None] - before[None, :]), 0), axis=1)
+        _gmm_rows_tile(lhs_ptr, rhs_ptr, out_ptr, tl.zeros([], tl.int64), rows_at, run < total, rhs_index, pn,
+                       K, N, TRANSPOSE_RHS, False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        tile += tl.num_programs(0)
+
+
+@triton.jit
 def _gmm_group_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out_ptr,
                      K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
                      TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
                      BATCH: tl.constexpr, BATCH_P2: tl.constexpr):
-    """A batch of problems sharing one rhs, walked group-major: group i's rows of every problem in
-    turn, then the zero rows. The programs working at one time then read one expert's weights,
-    from L2, where a problem-major walk read them from memory once per problem. Each problem's
-    row cursor is an entry of a [BATCH_P2] vector; its tiles are the problem-major walk's."""
+    """A batch of problems sharing one rhs, walked group-major: group i's rows of every problem
+    as one segment (``_gmm_gathered_segment``), then the zero rows. The programs working at one
+    time then read one expert's weights, from L2, where a problem-major walk read them from memory
+    once per problem; and the tiles are those of one call on all the problems' rows (the plan
+    sizes them so), where tiles cut per problem were often partly empty. Each problem's row
+    cursor is an entry of a [BATCH_P2] vector."""
     probs = tl.arange(0, BATCH_P2)
     valid = probs < BATCH
     sizes_ptrs = group_sizes_ptr + probs * NUM_GROUPS
@@ -256,12 +293,9 @@ def _gmm_group_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out
     for i in range(0, NUM_SELECTED):
         size = tl.load(sizes_ptrs + g0 + i, mask=valid, other=0)
         end = row + tl.minimum(tl.maximum(size, 0), m - row)  # _group_end's clamps
-        for b in range(0, BATCH):
-            start_b, end_b = _pick(row, b, BATCH_P2), _pick(end, b, BATCH_P2)
-            rows = tl.cast(b, tl.int64) * m  # problem b's operands inline (see gmm_kernel)
-            _gmm_segment(lhs_ptr + rows * K, rhs_ptr, out_ptr + rows * N, tile, done, start_b, end_b, i, K, N,
-                         TRANSPOSE_RHS, False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
-            tile, done = _after_segment(tile, done, start_b, end_b, N, BLOCK_M, BLOCK_N)
+        _gmm_gathered_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, row, end - row, m, i, K, N, TRANSPOSE_RHS,
+                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, BATCH_P2)
+        tile, done = _after_segment(tile, done, 0, tl.sum(end - row), N, BLOCK_M, BLOCK_N)
         row = end
     for b in range(0, BATCH):
         first_b, last_b = _pick(first, b, BATCH_P2), _pick(row, b, BATCH_P2)
@@ -589,7 +623,9 @@ def gmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, transpo
     ``[batch * m, n]``."""
     check_float_dtype("lhs", dtype)
     check_out_dtype(out_dtype)
-    cfg = _gmm_config(m, k, n, num_selected, dtype, facts, params)
+    shared_rhs = bool(shared_rhs) and batch > 1
+    # A shared rhs's tiles run over every problem's rows of a group (_gmm_group_major).
+    cfg = _gmm_config(m * batch if shared_rhs else m, k, n, num_selected, dtype, facts, params)
     bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
     # Upper bound on the tiles: each group adds at most one partial row tile, and so does each
     # of the two zero segments.
@@ -603,7 +639,7 @@ def gmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, transpo
         constexprs=(("K", k), ("N", n), ("NUM_GROUPS", num_groups), ("NUM_SELECTED", num_selected),
                     ("TRANSPOSE_RHS", bool(transpose_rhs)), ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk),
                     ("GROUP_M", 8), ("DOT_PRECISION", _dot_precision(dtype, facts)), ("BATCH", batch),
-                    ("SHARED_RHS", bool(shared_rhs) and batch > 1), ("BATCH_P2", triton.next_power_of_2(batch))),
+                    ("SHARED_RHS", shared_rhs), ("BATCH_P2", triton.next_power_of_2(batch))),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=True,
     )
 
