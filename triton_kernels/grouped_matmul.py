@@ -246,23 +246,36 @@ def _pick(values, b, BATCH_P2: tl.constexpr):
 def _gmm_gathered_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, starts, counts, m, rhs_index,
                           K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, BATCH_P2: tl.constexpr):
+                          GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                          BATCH: tl.constexpr, BATCH_P2: tl.constexpr):
     """``_gmm_segment`` of one group's rows in every problem, taken in turn as one run of rows:
     problem b's ``counts[b]`` rows from ``starts[b]`` (``[BATCH_P2]`` vectors, 0 rows past the
-    batch). A tile's rows may come from several problems; each row's place in lhs and out is
-    found from the run's offsets. Returns nothing (see ``_gmm_segment``)."""
+    batch). A tile's rows may come from several problems; a tile within one problem is addressed
+    as ``_gmm_tile``'s. Returns nothing (see ``_gmm_segment``)."""
     total = tl.sum(counts)
     before = tl.cumsum(counts, 0) - counts  # the run's rows ahead of problem b's
-    first = tl.arange(0, BATCH_P2).to(tl.int64) * m + starts  # problem b's first row in lhs and out
+    # Run row r is row r + shift[b] of lhs and out, for the last problem b with before[b] <= r.
+    shift = tl.arange(0, BATCH_P2).to(tl.int64) * m + starts - before
     tiles_m, count = _segment_tiles(0, total, N, BLOCK_M, BLOCK_N)
     tiles_n = tl.cdiv(N, BLOCK_N)
     while tile < done + count:
         pm, pn = _swizzle(tile - done, tiles_m, tiles_n, GROUP_M)
         run = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-        inside = (run[:, None] >= before[None, :]) & (run[:, None] < before[None, :] + counts[None, :])
-        rows_at = tl.sum(tl.where(inside, first[None, :] + (run[:, None] - before[None, :]), 0), axis=1)
-        _gmm_rows_tile(lhs_ptr, rhs_ptr, out_ptr, tl.zeros([], tl.int64), rows_at, run < total, rhs_index, pn,
-                       K, N, TRANSPOSE_RHS, False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        # The tile's first problem b (never an empty one: the next problem's before[] is the same).
+        b = tl.sum((before <= pm * BLOCK_M).to(tl.int32)) - 1
+        here = _pick(shift, b, BATCH_P2)
+        if tl.minimum(pm * BLOCK_M + BLOCK_M, total) <= _pick(before, b, BATCH_P2) + _pick(counts, b, BATCH_P2):
+            # All rows in problem b: consecutive rows, addressed as _gmm_tile does. Addressed
+            # row by row they took 11-14% longer at 1024 rows an expert (H200): the k loop then
+            # steps a pointer per row (benchmarks/README.md, "vmap: one launch for all samples").
+            offs = tl.arange(0, BLOCK_M)
+            _gmm_rows_tile(lhs_ptr, rhs_ptr, out_ptr, here + pm * BLOCK_M, offs, offs < total - pm * BLOCK_M,
+                           rhs_index, pn, K, N, TRANSPOSE_RHS, False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        else:  # rows of several problems: each row's own problem's shift
+            inside = (run[:, None] >= before[None, :]) & (run[:, None] < before[None, :] + counts[None, :])
+            rows_at = run.to(tl.int64) + tl.sum(tl.where(inside, shift[None, :], 0), axis=1)
+            _gmm_rows_tile(lhs_ptr, rhs_ptr, out_ptr, tl.zeros([], tl.int64), rows_at, run < total, rhs_index, pn,
+                           K, N, TRANSPOSE_RHS, False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         tile += tl.num_programs(0)
 
 
@@ -294,7 +307,7 @@ def _gmm_group_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out
         size = tl.load(sizes_ptrs + g0 + i, mask=valid, other=0)
         end = row + tl.minimum(tl.maximum(size, 0), m - row)  # _group_end's clamps
         _gmm_gathered_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, row, end - row, m, i, K, N, TRANSPOSE_RHS,
-                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, BATCH_P2)
+                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, BATCH, BATCH_P2)
         tile, done = _after_segment(tile, done, 0, tl.sum(end - row), N, BLOCK_M, BLOCK_N)
         row = end
     for b in range(0, BATCH):
