@@ -177,16 +177,50 @@ def prepare_chunk_indices(cu_seqlens, chunk_size: int, total_chunks: int | None 
 # -- gradients ------------------------------------------------------------------------------------------
 
 
+@torch.library.custom_op("ejkernel::round_through", mutates_args=())
+def _round_through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to ``dtype`` and back. An op of its own because inductor drops a
+    ``.to(low).to(high)`` pair (``emulate_precision_casts`` is off by default): under
+    torch.compile the gradient came back unrounded."""
+    return x.to(dtype).to(x.dtype)
+
+
+@_round_through.register_fake
+def _(x, dtype):
+    return torch.empty_like(x)
+
+
+def _round_through_vmap(info, in_dims, x, dtype):
+    return _round_through(x, dtype), in_dims[0]
+
+
+def _round_through_backward(ctx, grad):
+    return _round_through(grad, ctx.dtype), None  # as torch's own casts: the gradient cast both ways
+
+
+def _round_through_setup(ctx, inputs, output):
+    ctx.dtype = inputs[1]
+
+
+_round_through.register_vmap(_round_through_vmap)
+_round_through.register_autograd(_round_through_backward, setup_context=_round_through_setup)
+
+
 class _IdentityGradCast(torch.autograd.Function):
+    generate_vmap_rule = True  # with setup_context below: what torch.func transforms require
+
     @staticmethod
-    def forward(ctx, x, dtype):
-        ctx.dtype = dtype
+    def forward(x, dtype):
         return x.view_as(x)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.dtype = inputs[1]
+
+    @staticmethod
     def backward(ctx, grad):
-        # Back in grad's (= the input's) dtype explicitly, as the jax version does.
-        return grad.to(ctx.dtype).to(grad.dtype), None
+        # Back in grad's (= the input's) dtype, as the jax version does.
+        return _round_through(grad, ctx.dtype), None
 
 
 def identity_dtype_convert(dtype):

@@ -267,6 +267,27 @@ def test_identity_dtype_convert_is_an_autograd_function():
     assert isinstance(y.grad_fn, torch.autograd.function.BackwardCFunction)
 
 
+def test_identity_dtype_convert_under_torch_compile_and_func():
+    """The gradient is rounded under torch.compile (inductor dropped the fp32 -> bf16 -> fp32 casts
+    of the backward, so the rounding vanished) and under torch.func's grad and vmap (the autograd
+    function lacked setup_context, which they require)."""
+    import torch
+
+    from ejkernel_torch import xla_utils
+
+    identity = xla_utils.identity_dtype_convert(torch.bfloat16)
+    cot = torch.tensor([1 + 2 ** -10, 3.14159, 0.1, -2.71828])
+    rounded = cot.to(torch.bfloat16).float()
+    assert not torch.equal(rounded, cot)
+    for fn in (identity, torch.compile(identity, fullgraph=True)):
+        x = torch.ones(4, requires_grad=True)
+        fn(x).backward(cot)
+        assert torch.equal(x.grad, rounded)
+    assert torch.equal(torch.func.grad(lambda x: (identity(x) * cot).sum())(torch.ones(4)), rounded)
+    per_row = torch.func.vmap(torch.func.grad(lambda x, c: (identity(x) * c).sum()))(torch.ones(2, 4), cot.repeat(2, 1))
+    assert torch.equal(per_row, rounded.repeat(2, 1))
+
+
 # -- torch vs jax ----------------------------------------------------------------------------------------
 
 
