@@ -48,6 +48,25 @@ def test_padded_softmax_gradient(fw, rng, dtype):
     assert rel_error(ds, ds_ref) < GRAD_TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("garbage", [np.nan, np.inf])
+def test_padded_softmax_gradient_never_reads_constant_outputs(fw, rng, garbage):
+    """Outside each row's window (padding rows and columns, keys after the query) the output is
+    a constant 0, so the cotangent there does not matter: a NaN/inf there made the gradient of
+    the whole row NaN (0 * NaN inside the row's sum), where the float64 reference gives 0."""
+    batch, seq = 3, 23
+    n_pad = np.array([0, 4, seq], np.int32)
+    scores, dy = rng.standard_normal((2, batch, seq, seq))
+    constant = np.triu(np.ones((seq, seq), bool), 1)[None] | np.zeros((batch, 1, 1), bool)
+    for b, pad in enumerate(n_pad):
+        constant[b, :pad] = constant[b, :, :pad] = True
+    dirty = np.where(constant, garbage, dy)
+    clean = np.where(constant, 0.0, dy)
+    s_in, gs = fw.asarray(scores, "float32"), fw.asarray(n_pad)
+    (got,) = fw.vjp(lambda s: fw.ops.padded_softmax(s, gs), [s_in], fw.asarray(dirty, "float32"))
+    (want,) = ref.vjp(ref.padded_softmax, [scores, n_pad], clean, n_diff=1)
+    assert not np.isnan(got).any() and rel_error(got, want) < GRAD_TOLERANCE["float32"]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch, seq, head_dim", [(1, 1, 16), (3, 17, 24), (2, 127, 64), (2, 200, 3)])
 def test_padded_softmax_v_matches_float64(fw, rng, batch, seq, head_dim, dtype):

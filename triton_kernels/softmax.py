@@ -73,6 +73,16 @@ def _softmax_fwd_rows(x_ptr, y_ptr, rows, row_ok, lo, hi, n_cols,
 
 
 @triton.jit
+def _load_y_dy(y_ptr, dy_ptr, offs, keep):
+    """(y, dy) in float32, dy zeroed where y is 0: the outputs outside each row's window (whole
+    padding rows too) are constants, so a NaN/inf cotangent there must not reach dx as 0 * NaN,
+    within the row's sum or at its own place. (Elsewhere y = 0 is an underflow whose term is 0.)"""
+    y = tl.load(y_ptr + offs, mask=keep, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=keep, other=0.0).to(tl.float32)
+    return y, tl.where(y == 0, 0.0, dy)
+
+
+@triton.jit
 def _softmax_bwd_rows(y_ptr, dy_ptr, dx_ptr, rows, row_ok, n_cols,
                       BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
     # dx = y * (dy - sum(y * dy)); y is 0 outside the window, so dx is too.
@@ -81,8 +91,7 @@ def _softmax_bwd_rows(y_ptr, dy_ptr, dx_ptr, rows, row_ok, n_cols,
     if ONE_PASS:
         c = cols[None, :]
         keep = row_ok[:, None] & (c < n_cols)
-        y = tl.load(y_ptr + base + c, mask=keep, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + base + c, mask=keep, other=0.0).to(tl.float32)
+        y, dy = _load_y_dy(y_ptr, dy_ptr, base + c, keep)
         dot = tl.sum(y * dy, axis=1)
         tl.store(dx_ptr + base + c, (y * (dy - dot[:, None])).to(dx_ptr.dtype.element_ty), mask=keep)
     else:
@@ -90,15 +99,13 @@ def _softmax_bwd_rows(y_ptr, dy_ptr, dx_ptr, rows, row_ok, n_cols,
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols[None, :]
             keep = row_ok[:, None] & (c < n_cols)
-            y = tl.load(y_ptr + base + c, mask=keep, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + base + c, mask=keep, other=0.0).to(tl.float32)
+            y, dy = _load_y_dy(y_ptr, dy_ptr, base + c, keep)
             acc += y * dy
         dot = tl.sum(acc, axis=1)
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols[None, :]
             keep = row_ok[:, None] & (c < n_cols)
-            y = tl.load(y_ptr + base + c, mask=keep, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + base + c, mask=keep, other=0.0).to(tl.float32)
+            y, dy = _load_y_dy(y_ptr, dy_ptr, base + c, keep)
             tl.store(dx_ptr + base + c, (y * (dy - dot[:, None])).to(dx_ptr.dtype.element_ty), mask=keep)
 
 
