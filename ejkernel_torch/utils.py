@@ -199,6 +199,9 @@ def log_sum_exp(x: torch.Tensor, axis: int | tuple[int, ...] | None = None, keep
     # Checked as jax checks them (torch raised IndexError for a bad axis, jax ValueError, and jax
     # read axis=True as 1).
     axes = checks.axes("axis", axis, x.ndim)
+    dtype = x.dtype
+    if dtype in (torch.float16, torch.bfloat16):  # summed in float32: 70,000 fp16 ones sum to inf
+        x = x.float()
     if not axes:  # torch reads dim=() as every axis; numpy and jax reduce none
         m, reduce = x, lambda y: y
     else:
@@ -207,7 +210,7 @@ def log_sum_exp(x: torch.Tensor, axis: int | tuple[int, ...] | None = None, keep
         empty = any(x.shape[a] == 0 for a in axes)
         m = reduce(torch.zeros_like(x)) if empty else torch.amax(x, dim=axes, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # -inf/inf max: shift by 0 instead
-    out = torch.log(reduce(torch.exp(x - m))) + m
+    out = (torch.log(reduce(torch.exp(x - m))) + m).to(dtype)
     return out if keepdims or not axes else out.squeeze(axes)
 
 

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.frameworks import x64
+from tests.frameworks import TOLERANCE, rel_error, x64
 from triton_kernels.config_cache import cpu_fingerprint
 from triton_kernels.params import (
     BwdParams,
@@ -329,6 +329,18 @@ def test_log_sum_exp(fw):
     assert fw.to_numpy(u.log_sum_exp(fw.asarray(x), axis=1, keepdims=True)).shape == (3, 1)
     whole = fw.to_numpy(u.log_sum_exp(fw.asarray(x[::2])))
     assert whole.shape == () and np.isclose(whole, np.log(np.exp(x[::2] - 1002).sum()) + 1002, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_log_sum_exp_of_a_long_half_precision_row(fw, dtype):
+    """The exponentials are summed in float32: 70,000 fp16 ones summed to inf (fp16 tops out at
+    65,504), so a row of zeros gave inf for log(70,000) = 11.16. The result keeps x's dtype."""
+    x = np.zeros((2, 70000))
+    x[1, ::7] = -3.0
+    got = utils(fw).log_sum_exp(fw.asarray(x, dtype), axis=1)
+    assert str(got.dtype).endswith(dtype)
+    want = np.log(np.exp(x).sum(axis=1))
+    assert rel_error(fw.to_numpy(got).astype(np.float64), want) < TOLERANCE[dtype]
 
 
 def test_log_sum_exp_keepdims_must_be_a_bool(fw):

@@ -70,12 +70,15 @@ def log_sum_exp(x: jax.Array, axis: int | tuple[int, ...] | None = None, keepdim
     """``log(sum(exp(x)))`` without overflow; an all ``-inf`` slice gives ``-inf``, not NaN."""
     keepdims = checks.flag("keepdims", keepdims)  # "no" was truthy
     axis = checks.axes("axis", axis, jnp.ndim(x))  # as torch checks it (True was axis 1)
+    dtype = jnp.result_type(x)
+    if dtype in (jnp.float16, jnp.bfloat16):  # summed in float32: 70,000 fp16 ones sum to inf
+        x = jnp.asarray(x, jnp.float32)
     if any(jnp.shape(x)[a] == 0 for a in axis):  # max of nothing fails; the empty sum is 0, its log -inf
         m = jnp.zeros_like(jnp.sum(x, axis=axis, keepdims=True))
     else:
         m = jnp.max(x, axis=axis, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))  # -inf/inf max: shift by 0 instead
-    out = jnp.log(jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True)) + m
+    out = (jnp.log(jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True)) + m).astype(dtype)
     return out if keepdims else jnp.squeeze(out, axis=axis)
 
 
