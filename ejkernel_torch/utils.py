@@ -173,7 +173,7 @@ def chunk_array(x: torch.Tensor, chunk_size: int, axis: int = 0, pad_value: floa
     """Split ``axis`` into ``[num_chunks, chunk_size]``, padding its end with ``pad_value``."""
     x = _as_tensor(x, "x")
     axis, num_chunks, chunk_size, pad = checks.chunking(tuple(x.shape), chunk_size, axis)
-    checks.pad_value(pad_value, dtype_name(x.dtype))
+    pad_value = checks.pad_value(pad_value, dtype_name(x.dtype))
     if pad:
         fill = x.new_full(x.shape[:axis] + (pad,) + x.shape[axis + 1:], pad_value)
         x = torch.cat([x, fill], dim=axis)

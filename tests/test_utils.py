@@ -319,6 +319,28 @@ def test_chunk_array_pad_value_is_checked(fw):
             u.chunk_array(fw.asarray(np.ones(3, bool)), 2, pad_value=bad)
 
 
+def test_chunk_array_numpy_pad_value(fw):
+    """A numpy scalar or 0-d numpy array pad_value skipped the checks (it has a shape): for uint8
+    np.int64(300) padded 44 in jax and failed inside torch's new_full, NaN and 2**40 padded 0 in
+    jax, np.float32(1.5) padded 1 where 1.5 is refused, and torch's new_full took no np.array(7).
+    Each is now taken as the Python number it holds."""
+    u = utils(fw)
+    ints, small = fw.asarray(np.arange(3, dtype=np.int32)), fw.asarray(np.arange(3, dtype=np.uint8))
+    with pytest.raises(ValueError, match=r"pad_value must be an integer in \[0, 255\] for uint8 arrays, got 300$"):
+        u.chunk_array(small, 2, pad_value=np.int64(300))
+    for bad in (np.float64("nan"), np.float32(1.5), np.int64(2**40), np.array(1.5)):
+        with pytest.raises(ValueError, match=r"pad_value must be an integer in \[-2147483648, 2147483647\]"):
+            u.chunk_array(ints, 2, pad_value=bad)
+    for bad in (np.array("1"), np.complex64(1), np.bool_(True), np.array(True)):  # a bool only for bool arrays
+        with pytest.raises(TypeError, match="pad_value must be a"):
+            u.chunk_array(ints, 2, pad_value=bad)
+    for good in (np.array(7), np.uint8(7), np.float64(7.0), np.array(7.0, np.float32)):
+        assert fw.to_numpy(u.chunk_array(ints, 2, pad_value=good)).ravel().tolist() == [0, 1, 2, 7]
+    assert fw.to_numpy(u.chunk_array(fw.asarray(np.arange(3.0)), 2, pad_value=np.array(-0.5))).ravel()[-1] == -0.5
+    flags = u.chunk_array(fw.asarray(np.ones(3, bool)), 2, pad_value=np.array(False))
+    assert fw.to_numpy(flags).ravel().tolist() == [True, True, True, False]
+
+
 def test_log_sum_exp(fw):
     u = utils(fw)
     x = np.array([[1000.0, 1001.0, 1002.0], [-np.inf, -np.inf, -np.inf], [0.5, -np.inf, 2.0]])

@@ -189,11 +189,15 @@ def chunking(shape: Sequence[int], size, axis_value) -> tuple[int, int, int, int
 
 
 def pad_value(value, dtype: str):
-    """``chunk_array``'s ``pad_value`` for an array of dtype name ``dtype``, returned as given: a
-    real number (numpy's too; a bool only for a bool array, which takes only bools, 0 and 1),
-    or a 0-d real array/tensor (a traced jax scalar too). For an integer array, an integer the
+    """``chunk_array``'s ``pad_value`` for an array of dtype name ``dtype``: a real number (a bool
+    only for a bool array, which takes only bools, 0 and 1), or a 0-d real tensor/jax array (a
+    traced jax scalar too), returned as given. A numpy scalar or 0-d numpy array is checked and
+    returned as the Python number it holds: it skipped the checks (uint8 np.int64(300) padded 44
+    in jax) and torch's new_full takes no numpy array. For an integer array, an integer the
     dtype holds: jax padded with 0 for NaN where torch raised, and the two failed differently
     past the range. A string failed deep inside torch's new_full or jax's pad."""
+    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.shape == ()):
+        value = value.item()
     shape = getattr(value, "shape", None)
     if shape is not None:  # an array or tensor of either framework
         kind = str(getattr(value, "dtype", "")).removeprefix("torch.")

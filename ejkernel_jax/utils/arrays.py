@@ -47,7 +47,7 @@ def chunk_array(x: jax.Array, chunk_size: int, axis: int = 0, pad_value: float =
     """Split ``axis`` into ``[num_chunks, chunk_size]``, padding its end with ``pad_value``."""
     x = _to_jax(x, "x")
     axis, num_chunks, chunk_size, padding = checks.chunking(x.shape, chunk_size, axis)
-    checks.pad_value(pad_value, dtype_name(x.dtype))
+    pad_value = checks.pad_value(pad_value, dtype_name(x.dtype))
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, padding)
     x = jnp.pad(x, pad, constant_values=pad_value)
