@@ -4,7 +4,8 @@ The torch twin of ``ejkernel_jax.xla_utils``: same names, arguments and results 
 module for the conventions). Outputs live on the input's device; int64 inputs give int64
 results (jax without x64 gives int32). ``total_tokens=`` / ``total_chunks=`` avoid the host
 sync that reading ``cu_seqlens[-1]`` costs, and keep shapes static under ``torch.compile``;
-value checks are skipped while compiling.
+value checks are skipped where values cannot be read (compiling, ``torch.func`` transforms, fake
+tensors, CUDA graph capture), as jax skips them for tracers.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from triton_kernels import checks
 
+from .ops._common import values_readable
 from .utils import _as_tensor, _dtype
 
 __all__ = [
@@ -28,10 +30,6 @@ def cdiv(a, b):
 
 
 # -- validation --------------------------------------------------------------------------------
-
-
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
 
 
 def _is_int(x: torch.Tensor) -> bool:
@@ -67,7 +65,9 @@ def _cu_seqlens(cu_seqlens) -> torch.Tensor:
     cu = _int_tensor(cu_seqlens, "cu_seqlens", ndim=1, offsets=True)
     if cu.shape[0] < 1:
         raise ValueError("cu_seqlens must hold at least one boundary, got an empty array")
-    if not _compiling():
+    # Not values_readable(cu): torch.func.vmap's batched tensors have no values to read (.item()
+    # raised), as neither do compiled, fake or CUDA-graph-captured ones.
+    if values_readable(cu):
         if int(cu[0]) != 0:
             raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
         lens = torch.diff(cu)
@@ -79,13 +79,18 @@ def _cu_seqlens(cu_seqlens) -> torch.Tensor:
 def _static_size(size, bounds: torch.Tensor, arg: str, fn: str) -> int:
     """The output length: ``size`` if given (checked when possible), else ``bounds[-1]``."""
     if size is None:
+        # Unreadable values leave no length (torch.func.vmap failed inside .item()): name the
+        # argument that gives it, as jax does for tracers. torch.compile reads it (a graph break).
+        if not (values_readable(bounds) or torch.compiler.is_compiling()):
+            raise ValueError(f"{fn}: the output length depends on the values of cu_seqlens, which cannot be read "
+                             f"here (a torch.func transform, fake tensors or CUDA graph capture); pass {arg}=<int>")
         return checks.layout_length(fn, arg, int(bounds[-1]), given=False)
     if isinstance(size, torch.Tensor):
         raise TypeError(f"{fn}: {arg} must be a Python int, got a tensor")
     size = checks.int_arg(f"{fn}: {arg}", size)
     if size < 0:
         raise ValueError(f"{fn}: {arg} must be >= 0, got {size}")
-    if not _compiling() and size < int(bounds[-1]):
+    if values_readable(bounds) and size < int(bounds[-1]):
         raise ValueError(f"{fn}: {arg}={size} is smaller than the {int(bounds[-1])} cu_seqlens needs")
     return checks.layout_length(fn, arg, size, given=True)
 

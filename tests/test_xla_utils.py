@@ -346,6 +346,31 @@ def test_jit_fixed_size_functions():
             assert np.array_equal(eager, jitted)
 
 
+def test_vmap_over_cu_seqlens(fw):
+    """torch.func.vmap failed in every cu_seqlens helper: the value checks read batched values
+    (.item()), which jax.vmap skips for tracers. Mapped results equal per-sample calls; the output
+    length must be given, as under jit; eager calls still check the values."""
+    x = xu(fw)
+    cus = np.array([[0, 3, 3, 8], [0, 1, 5, 6]], np.int32)
+    calls = [x.prepare_lens, lambda c: x.prepare_chunk_offsets(c, 2),
+             lambda c: x.prepare_position_ids(c, total_tokens=9), lambda c: x.prepare_sequence_ids(c, total_tokens=9),
+             lambda c: x.prepare_token_indices(c, total_tokens=9),
+             lambda c: x.prepare_chunk_indices(c, 2, total_chunks=6)]
+    for call in calls:
+        mapped = np_of(fw, fw.vmap(call, (0,))(ints(fw, cus)))
+        assert mapped.shape[0] == len(cus)
+        for row, cu in zip(mapped, cus, strict=True):
+            np.testing.assert_array_equal(row, np_of(fw, call(ints(fw, cu))))
+    with pytest.raises(ValueError, match="total_tokens"):
+        fw.vmap(x.prepare_position_ids, (0,))(ints(fw, cus))
+    with pytest.raises(ValueError, match="total_chunks"):
+        fw.vmap(lambda c: x.prepare_chunk_indices(c, 2), (0,))(ints(fw, cus))
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+        x.prepare_lens(ints(fw, [1, 3]))
+    with pytest.raises(ValueError, match="total_tokens=7 is smaller than the 8 cu_seqlens needs"):
+        x.prepare_position_ids(ints(fw, cus[0]), total_tokens=7)
+
+
 # -- bad input ------------------------------------------------------------------------------------------------
 
 
