@@ -247,6 +247,15 @@ def identity_dtype_convert(dtype):
 # -- segment ids <-> masks ------------------------------------------------------------------------------
 
 
+def _segment_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids to compare, ids > 0)``. torch has no ``>`` for uint16/32/64 ("gt_cpu" not implemented
+    for 'UInt32') nor ``==`` with another dtype, which jax takes: such ids are valid when nonzero
+    and compared as int64 (uint64 past 2**63 wraps to negatives, equal to no valid signed id)."""
+    if ids.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        return ids.to(torch.int64), ids != 0
+    return ids, ids > 0
+
+
 def segment_ids_to_mask(segment_ids, dtype=torch.bool, return_separate_masks: bool = False):
     """Attention mask ``[..., Q, K]`` from segment ids ``[..., L]`` or a tuple ``(q_ids, kv_ids)``.
 
@@ -268,7 +277,7 @@ def segment_ids_to_mask(segment_ids, dtype=torch.bool, return_separate_masks: bo
     if q.shape[:-1] != kv.shape[:-1]:
         raise ValueError(f"q and kv segment ids need the same batch dims, got {tuple(q.shape)} and {tuple(kv.shape)}")
     dtype = _dtype(dtype)
-    q_valid, kv_valid = q > 0, kv > 0
+    (q, q_valid), (kv, kv_valid) = _segment_ids(q), _segment_ids(kv)
     mask = (q[..., :, None] == kv[..., None, :]) & q_valid[..., :, None] & kv_valid[..., None, :]
     if return_separate_masks:
         return q_valid.to(dtype), kv_valid.to(dtype), mask.to(dtype)

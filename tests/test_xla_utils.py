@@ -209,6 +209,28 @@ def test_segment_ids_to_mask_dtype_and_self_attention(fw):
     assert np_of(fw, mask).tolist() == np.array(expected, dtype=float).tolist()
 
 
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "uint32", "uint64"])
+def test_segment_ids_to_mask_unsigned_ids(fw, dtype):
+    """torch has no > for uint16/32/64 (NotImplementedError "gt_cpu" not implemented for 'UInt32',
+    naming no argument) nor == with another dtype; jax takes them: the mask of the same values,
+    signed or not, with 0 as padding."""
+    x = xu(fw)
+    rows = [[1, 1, 2, 0], [3, 0, 3, 2]]
+    want = np.array([ref_segment_mask(r, r) for r in rows])
+    ids = ints(fw, rows, dtype)
+    assert np_of(fw, x.segment_ids_to_mask(ids)).tolist() == want.tolist()
+    assert np_of(fw, x.segment_ids_to_mask((ids, ints(fw, rows)))).tolist() == want.tolist()
+    q_valid, _, mask = x.segment_ids_to_mask((ids, ids), dtype=fw.dtype("int32"), return_separate_masks=True)
+    assert np_of(fw, q_valid).tolist() == [[1, 1, 1, 0], [1, 0, 1, 1]]
+    assert np_of(fw, mask).tolist() == want.astype(int).tolist()
+    if dtype == "uint64":
+        with x64(fw):  # past 2**63: still positive ids, told apart
+            big = np.array([2**63 + 1, 2**63 + 1, 2**64 - 1, 0], np.uint64)
+            expected = [[True, True, False, False], [True, True, False, False], [False, False, True, False],
+                        [False] * 4]
+            assert np_of(fw, x.segment_ids_to_mask(big)).tolist() == expected
+
+
 def test_flags_must_be_bools(fw):
     # read by truthiness: return_separate_masks="no" returned the three masks, per_head="no"
     # asked for per-head ids (and then refused a 3-D mask)
