@@ -277,6 +277,8 @@ def _static_mask(fn: str, mask):
             raise TypeError(f"{fn}: argument 'mask' must be a bool tensor (dynamic mask), got {mask.dtype}")
         return None, mask
     if isinstance(mask, np.ndarray):
+        if mask.dtype != np.bool_:  # checked here, as the jax version does: NumpyMask's error names its "array"
+            raise TypeError(f"{fn}: argument 'mask' must be boolean, got dtype {mask.dtype}")
         # Static like a Mask: wrapped so it hashes by value (the jax version wraps it too).
         if mask.ndim == 2:
             return NumpyMask(mask), None

@@ -410,6 +410,17 @@ def test_numpy_mask_of_wrong_rank(fw, shape):
         ops.blocksparse_attention(q, q, q, mask=np.ones(shape, bool))
 
 
+@pytest.mark.parametrize("mask", [np.ones((8, 8), np.int32), np.ones((1, 8, 8), np.float32)])
+def test_numpy_mask_of_wrong_dtype(fw, mask):
+    """Both fronts name the argument: torch wrapped the array in NumpyMask first, whose error
+    said 'array must be boolean'."""
+    ops = tpu if fw.name == "torch" else jb
+    q = fw.asarray(np.zeros((1, 8, 1, 8)), "float32")
+    with pytest.raises(TypeError, match=rf"^(blocksparse_attention: argument )?'?mask'? must be boolean, got dtype "
+                                        rf"{mask.dtype}$"):
+        ops.blocksparse_attention(q, q, q, mask=mask)
+
+
 def test_interpret_follows_the_tensors_device():
     assert tpu._interpret(None, torch.device("cpu")) is True
     assert tpu._interpret(None, torch.device("cuda", 0)) is True
