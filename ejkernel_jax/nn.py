@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ejkernel_jax.ops._common import array_arg, name_of
 from ejkernel_jax.ops.flash_attention import flash_attention
 from triton_kernels import checks, flash_attention as fa
 
@@ -104,6 +105,9 @@ class MultiHeadAttention(nn.Module):
             fa.layer_head_dim(self.embed_dim, self.num_heads, self.head_dim, head_dim)
             compute = self.dtype if self.dtype is not None else x.dtype  # as TorchLinear's
             fa.layer_dtype(jnp.dtype(compute).name, "dtype" if self.dtype is not None else "x's dtype, dtype=None")
+        if segment_ids is not None:  # checked here: flash_attention named them q_segment_ids, not an argument here
+            segment_ids = array_arg("segment_ids", segment_ids)
+            checks.attention_layer_segment_ids(tuple(segment_ids.shape), name_of(segment_ids), tuple(x.shape))
         deterministic = _static_flag("deterministic", deterministic)
         batch, seq, _ = x.shape
         linear = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)

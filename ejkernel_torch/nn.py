@@ -52,6 +52,10 @@ class MultiHeadAttention(nn.Module):
         if self.attention_fn is flash_attention and self.qkv.weight.dtype not in _FLASH_DTYPES:
             # (a float64 layer may still be built: to hold or convert weights)
             fa.layer_dtype(name_of(self.qkv.weight), "the layer's dtype")
+        if segment_ids is not None:  # checked here: flash_attention named them q_segment_ids, not an argument here
+            if not isinstance(segment_ids, torch.Tensor):
+                raise TypeError(f"segment_ids must be a torch.Tensor, got {type(segment_ids).__name__}")
+            checks.attention_layer_segment_ids(tuple(segment_ids.shape), name_of(segment_ids), tuple(x.shape))
         batch, seq, _ = x.shape
         qkv = self.qkv(x).view(batch, seq, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)

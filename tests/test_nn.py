@@ -201,6 +201,44 @@ def test_bad_layer_inputs():
         flax_layer.init(jax.random.PRNGKey(0), jnp.zeros((1, 5, 32), jnp.int32))
 
 
+def _layer_output(fw, x: np.ndarray, segment_ids):
+    """MultiHeadAttention(32, 4) of ``fw`` applied to ``x`` (a fresh layer)."""
+    if fw.name == "torch":
+        from ejkernel_torch.nn import MultiHeadAttention
+
+        return MultiHeadAttention(32, 4)(fw.asarray(x), segment_ids)
+    import jax
+
+    from ejkernel_jax.nn import MultiHeadAttention
+
+    return MultiHeadAttention(32, 4).init_with_output(jax.random.PRNGKey(0), fw.asarray(x), segment_ids)[0]
+
+
+@pytest.mark.parametrize("ids, error, match", [
+    (np.ones((2, 5), np.float32), TypeError,
+     r"segment_ids must be an integer array \(int8, int16, int32, int64, uint8\), got float32"),
+    (np.ones((2, 5), bool), TypeError, r"segment_ids must be an integer array \(.*\), got bool"),
+    (np.ones((2, 6), np.int32), ValueError,
+     r"segment_ids must have shape \(2, 5\) \[batch, seq\] \(as x\), got \(2, 6\)"),
+    (np.ones((5,), np.int32), ValueError, r"segment_ids must have shape \(2, 5\) \[batch, seq\] \(as x\), got \(5,\)"),
+    ([[1] * 5] * 2, TypeError, r"segment_ids must be a (torch\.Tensor|jax\.Array), got list"),
+], ids=["float32", "bool", "longer seq", "1-D", "list"])
+def test_bad_segment_ids_are_named_as_the_layers_argument(fw, ids, error, match):
+    """Both layers named them q_segment_ids (flash_attention's argument), which the layer does not have."""
+    x = np.zeros((2, 5, 32), np.float32)
+    with pytest.raises(error, match=f"^{match}"):  # (jax appends a note on its filtered traceback)
+        _layer_output(fw, x, fw.asarray(ids) if isinstance(ids, np.ndarray) else ids)
+    if fw.name == "torch":  # (numpy ids are arrays to the Flax layer, as to flash_attention)
+        with pytest.raises(TypeError, match="^segment_ids must be a torch.Tensor, got ndarray$"):
+            _layer_output(fw, x, np.asarray(ids))
+
+
+def test_layer_segment_ids_of_any_integer_dtype_run(fw):
+    x = np.zeros((2, 5, 32), np.float32)
+    for dtype in (np.int64, np.uint8):
+        assert tuple(_layer_output(fw, x, fw.asarray(np.ones((2, 5), dtype))).shape) == (2, 5, 32)
+
+
 def test_layer_dtype_flash_attention_cannot_take_is_named():
     """float64 layers failed at every call naming q, which the user never passed. (A float64 torch
     layer may still be built: to hold or convert weights, test_params_from_torch_keeps_dtypes.)"""

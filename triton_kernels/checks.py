@@ -298,3 +298,11 @@ def attention_layer(embed_dim, num_heads, num_kv_heads, head_dim, dropout) -> tu
 def attention_layer_input(shape: Sequence[int], embed_dim: int) -> None:
     if len(shape) != 3 or shape[-1] != embed_dim:
         raise ValueError(f"x must be [batch, seq, embed_dim={embed_dim}], got shape {tuple(shape)}")
+
+
+def attention_layer_segment_ids(shape: Sequence[int], dtype: str, x_shape: Sequence[int]) -> None:
+    """The layer's ``segment_ids`` (after ``attention_layer_input``): named as the layer's argument,
+    where flash_attention, which gets them twice, named them q_segment_ids."""
+    int_input("segment_ids", dtype)
+    if tuple(shape) != tuple(x_shape[:2]):
+        raise ValueError(f"segment_ids must have shape {tuple(x_shape[:2])} [batch, seq] (as x), got {tuple(shape)}")
