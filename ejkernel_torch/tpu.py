@@ -574,8 +574,11 @@ def make_group_metadata(
     start_value = None  # known value of start_group: jax checks a concrete one, but here it is traced
     if isinstance(start_group, torch.Tensor):
         start_group = _tensor(fn, "start_group", start_group, _INT_DTYPES, "an integer tensor")
+        if start_group.ndim != 0:  # as the jax version's message; checked inside the bridge, it showed jax's tracer
+            raise TypeError(f"{fn}: argument 'start_group' must be an int or an integer scalar, "
+                            f"got a tensor of shape {tuple(start_group.shape)}")
         _device(fn, group_sizes=group_sizes, start_group=start_group)
-        if start_group.ndim == 0 and values_readable(start_group):  # read (one host sync)
+        if values_readable(start_group):  # read (one host sync)
             start_value = start_group.tolist()  # exact: int() raised on a uint64 past 2**63
     elif isinstance(start_group, bool) or not isinstance(start_group, numbers.Integral):
         raise TypeError(f"{fn}: argument 'start_group' must be an int or an integer tensor, got {start_group!r}")

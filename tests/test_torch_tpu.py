@@ -507,6 +507,15 @@ BAD = {
     "negative start_group tensor": (lambda: tpu.make_group_metadata(group_sizes=_gs, m=8, tm=4,
                                                                     start_group=torch.tensor(-1), num_nonzero_groups=1),
                                     ValueError, r"'start_group' must be a non-negative int, got -1"),
+    # checked only when 0-d: jax's check in the bridge's trace named its tracer, "got JitTracer(int32[1])"
+    "start_group tensor of shape [1]": (lambda: tpu.make_group_metadata(group_sizes=_gs, m=8, tm=4,
+                                                                        start_group=torch.tensor([1]),
+                                                                        num_nonzero_groups=1), TypeError,
+                                        r"'start_group' must be an int or an integer scalar, got a tensor of shape "
+                                        r"\(1,\)$"),
+    "start_group tensor of shape [1, 1]": (lambda: tpu.make_group_metadata(
+        group_sizes=_gs, m=8, tm=4, start_group=torch.tensor([[1]], dtype=torch.int32), num_nonzero_groups=1),
+        TypeError, r"'start_group' must be an int or an integer scalar, got a tensor of shape \(1, 1\)$"),
     "float m": (lambda: tpu.make_group_metadata(group_sizes=_gs, m=8.0, tm=4, start_group=0, num_nonzero_groups=2),
                 TypeError, r"'m' must be an int, got float 8.0"),
     "string visit_empty_groups": (lambda: tpu.make_group_metadata(group_sizes=_gs, m=8, tm=4, start_group=0,
