@@ -266,7 +266,7 @@ def _gmm_gathered_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, starts, counts,
         here = _pick(shift, b, BATCH_P2)
         if tl.minimum(pm * BLOCK_M + BLOCK_M, total) <= _pick(before, b, BATCH_P2) + _pick(counts, b, BATCH_P2):
             # All rows in problem b: consecutive rows, addressed as _gmm_tile does. Addressed
-            # row by row they took 11-14% longer at 1024 rows an expert (H200): the k loop then
+            # row by row they took 11-15% longer at 1024 rows an expert (H200): the k loop then
             # steps a pointer per row (benchmarks/README.md, "vmap: one launch for all samples").
             offs = tl.arange(0, BLOCK_M)
             _gmm_rows_tile(lhs_ptr, rhs_ptr, out_ptr, here + pm * BLOCK_M, offs, offs < total - pm * BLOCK_M,
