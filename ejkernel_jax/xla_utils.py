@@ -243,6 +243,8 @@ def segment_ids_to_mask(segment_ids, dtype=jnp.bool_, return_separate_masks: boo
     else:
         q = kv = _int_array(segment_ids, "segment_ids")
     return_separate_masks = checks.flag("return_separate_masks", return_separate_masks)  # "no" was truthy
+    if dtype is None:  # astype(None) gave float masks; torch refuses None
+        raise TypeError("dtype must be a dtype, got None")
     if q.ndim < 1 or kv.ndim < 1:
         raise ValueError("segment_ids must have a sequence axis (ndim >= 1)")
     if q.shape[:-1] != kv.shape[:-1]:

@@ -207,6 +207,8 @@ def test_segment_ids_to_mask_dtype_and_self_attention(fw):
     assert str(mask.dtype).endswith("float32")
     expected = [ref_segment_mask(r, r) for r in [[1, 1, 2, 0], [1, 2, 0, -1]]]
     assert np_of(fw, mask).tolist() == np.array(expected, dtype=float).tolist()
+    with pytest.raises(TypeError, match="dtype must be a dtype, got None"):  # jax's astype(None) made floats
+        x.segment_ids_to_mask(ids, dtype=None)
 
 
 @pytest.mark.parametrize("dtype", ["uint8", "uint16", "uint32", "uint64"])
