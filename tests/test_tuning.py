@@ -318,7 +318,8 @@ def test_vmap_reads_the_cache_and_never_tunes(fw, rng, cache_path, monkeypatch):
     gmm = fw.ops.grouped_matmul
     got = fw.vmap(lambda g: gmm(lhs, rhs, g, autotune=True), (0,))(fw.asarray(sizes))
     want = np.stack([fw.to_numpy(gmm(lhs, rhs, fw.asarray(s), autotune=False)) for s in sizes])
-    np.testing.assert_array_equal(fw.to_numpy(got), want)
+    # To rounding: the vmapped call tiles both samples' rows of an expert together.
+    np.testing.assert_allclose(fw.to_numpy(got), want, rtol=1e-5, atol=1e-5)
     assert not asked[tuning.GMM] and not cache_path.exists()
 
 
