@@ -323,6 +323,25 @@ def test_vmap_reads_the_cache_and_never_tunes(fw, rng, cache_path, monkeypatch):
     assert not asked[tuning.GMM] and not cache_path.exists()
 
 
+def test_vmap_with_shared_weights_reads_the_plain_calls_entry(fw, rng, cache_path, monkeypatch):
+    """vmap with the expert weights shared tiles an expert's rows of all samples together, as
+    one call on all the tokens: it reads that call's tuned config, not the one tuned for one
+    sample's rows (which sized the tiles for a sample)."""
+    from triton_kernels import grouped_matmul as gm
+
+    lhs, rhs = (fw.asarray(rng.standard_normal(s), "float32") for s in ((2, 40, 32), (3, 32, 24)))
+    sizes = fw.asarray(np.array([[10, 0, 25], [3, 30, 2]], np.int32))
+    one_sample = (40, 32, 24, 3, 3, False, "float32", "float32")
+    plain, config = (80, *one_sample[1:]), dict(blocksize_m=16, blocksize_n=32, blocksize_k=16)
+    ConfigCache(cache_path).store(tuning.GMM.cache_key(plain, fingerprint(fw)), config)
+    plans = spy_launches(monkeypatch, fw, CASES["gmm"])
+    got = fw.vmap(lambda x, g: fw.ops.grouped_matmul(x, rhs, g), (0, 0))(lhs, sizes)
+    assert gm.gmm_plan(*one_sample, CPU, FwdParams(**config), batch=2, shared_rhs=True) in plans
+    for i in range(2):
+        one = fw.ops.grouped_matmul(lhs[i], rhs, sizes[i])
+        np.testing.assert_allclose(fw.to_numpy(got)[i], fw.to_numpy(one), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_jit_over_closed_over_arrays_never_tunes(jax_fw, case, rng, cache_path, monkeypatch):
     """Arrays a jitted function closes over are concrete: autotuning ran at trace time, where

@@ -526,6 +526,13 @@ def gmm_problem(lhs_shape, rhs_shape, sizes_shape, transpose_rhs: bool, dtype: s
             out_dtype)
 
 
+def tuning_problem(problem: tuple, batch: int, shared_rhs: bool) -> tuple:
+    """The problem whose tuned config a gmm launch reads: its own, except that a batch with a
+    shared rhs is tiled as one call on all its problems' rows would be (``gmm_plan``), so it
+    reads that call's (one problem's entry sized the tiles for one problem's rows)."""
+    return (problem[0] * batch, *problem[1:]) if shared_rhs and batch > 1 else problem
+
+
 def tgmm_problem(lhs_shape, rhs_shape, sizes_shape, num_selected: int, lhs_mk: bool, dtype: str,
                  out_dtype: str) -> tuple:
     """``tgmm_plan``'s problem arguments for a launch on lhs ``[batch * m, k]`` (``lhs_mk``) or

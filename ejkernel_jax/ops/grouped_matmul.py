@@ -62,8 +62,9 @@ def _gmm_kernels(transpose_rhs, out_dtype, params, lhs, rhs, group_sizes, offset
     """One problem, or a batch of them (see ``gm.gmm_plan``): lhs [batch * m, k], rhs [batch,
     selected, ..] or shared, group_sizes [batch, groups], offset [batch]."""
     problem = _gmm_problem(lhs, rhs, group_sizes, offset, transpose_rhs, out_dtype)
-    plan = gm.gmm_plan(*problem, device_facts(), _tuning.resolve(GMM, problem, params),
-                       batch=gm.problem_batch(group_sizes.shape), shared_rhs=rhs.ndim == 3)
+    batch, shared = gm.problem_batch(group_sizes.shape), rhs.ndim == 3
+    tuned = _tuning.resolve(GMM, gm.tuning_problem(problem, batch, shared), params)
+    plan = gm.gmm_plan(*problem, device_facts(), tuned, batch=batch, shared_rhs=shared)
     return launch(plan, lhs, rhs, group_sizes, offset)[0]
 
 

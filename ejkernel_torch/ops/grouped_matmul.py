@@ -105,8 +105,9 @@ def _gmm_body(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, g
               transpose_rhs: bool, out_dtype: torch.dtype, params: Optional[list[int]]) -> torch.Tensor:
     """One problem, or a batch of them (a 2-D ``group_sizes``: see ``_gmm_vmap``)."""
     problem = _gmm_problem(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype)
-    plan = gm.gmm_plan(*problem, device_facts(lhs.device), _tuning.resolve(GMM, problem, lhs.device, _decode(params)),
-                       batch=gm.problem_batch(group_sizes.shape), shared_rhs=rhs.dim() == 3)
+    batch, shared = gm.problem_batch(group_sizes.shape), rhs.dim() == 3
+    tuned = _tuning.resolve(GMM, gm.tuning_problem(problem, batch, shared), lhs.device, _decode(params))
+    plan = gm.gmm_plan(*problem, device_facts(lhs.device), tuned, batch=batch, shared_rhs=shared)
     return launch_traceable(plan, lhs.contiguous(), rhs.contiguous(), group_sizes, group_offset)[0]
 
 
