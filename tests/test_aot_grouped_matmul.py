@@ -35,6 +35,7 @@ def _plans():
     # torch.func.vmap's batches of problems
     yield gmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER, batch=8)
     yield gmm_plan(m, k, n, g, g, True, "bfloat16", "bfloat16", HOPPER, batch=8, shared_rhs=True)
+    yield gmm_plan(64, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER, batch=16385, shared_rhs=True)  # jacrev's
     yield tgmm_plan(m, k, n, g, g, True, "bfloat16", "bfloat16", HOPPER, batch=8)
     yield tgmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER, batch=8)
     for params in SWEEP_CONFIGS:  # what benchmarks/grouped_matmul.py --sweep tries
@@ -47,7 +48,8 @@ PLANS = distinct_plans(_plans())
 def _id(plan):
     c = plan.constexpr_dict
     layout = f"T{int(c['TRANSPOSE_RHS'])}" if "TRANSPOSE_RHS" in c else f"MK{int(c['LHS_MK'])}"
-    batch = f"-b{c['BATCH']}" + "-shared" * c.get("SHARED_RHS", False) if c["BATCH"] > 1 else ""
+    batch = (f"-b{c['BATCH']}" + "-shared" * c.get("SHARED_RHS", False) + "-groupmajor" * c.get("GROUP_MAJOR", False)
+             if c["BATCH"] > 1 else "")
     return (f"{plan.name}-{plan.input_dtypes[0]}-{plan.outputs[0].dtype}-K{c['K']}-N{c['N']}-G{c['NUM_GROUPS']}"
             f"-S{c['NUM_SELECTED']}-{layout}-{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}-w{plan.num_warps}"
             f"-s{plan.num_stages}{batch}")

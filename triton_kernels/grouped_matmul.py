@@ -208,10 +208,11 @@ def _gmm_problem_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, o
                        K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
                        TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       BATCH: tl.constexpr):
+                       BATCH: tl.constexpr, SHARED_RHS: tl.constexpr):
     # Global tile order, per problem of the batch in turn: the selected groups' tiles, then the
     # zero rows before them, then the zero rows after them. Every program walks the groups
-    # (scalar loads only) and does the tiles congruent to its id.
+    # (scalar loads only) and does the tiles congruent to its id. SHARED_RHS: one rhs for all
+    # problems (a batch too large for the group-major walk's per-problem vectors).
     tile = tl.program_id(0)
     done = tl.zeros([], tl.int32)
     for b in range(0, BATCH):  # a batch of 1 is no loop: the compiled code is the unbatched one's
@@ -220,7 +221,7 @@ def _gmm_problem_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, o
         rows = tl.cast(b, tl.int64) * m
         lhs_b = lhs_ptr + rows * K
         out_b = out_ptr + rows * N
-        rhs_b = rhs_ptr + tl.cast(b, tl.int64) * (NUM_SELECTED * K * N)
+        rhs_b = rhs_ptr + (0 if SHARED_RHS else tl.cast(b, tl.int64) * (NUM_SELECTED * K * N))
         sizes_b = group_sizes_ptr + b * NUM_GROUPS
         offset_b = group_offset_ptr + b
         g0, first_row = _first_selected(sizes_b, offset_b, m, NUM_GROUPS, NUM_SELECTED)
@@ -324,16 +325,18 @@ def gmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
                K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
                TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               BATCH: tl.constexpr = 1, SHARED_RHS: tl.constexpr = False, BATCH_P2: tl.constexpr = 1):
+               BATCH: tl.constexpr = 1, SHARED_RHS: tl.constexpr = False, BATCH_P2: tl.constexpr = 1,
+               GROUP_MAJOR: tl.constexpr = False):
     # The batch's constexprs have defaults (one problem): a graph torch.compile cached before
     # they existed launches without them (see ejkernel_torch.launch.plan_from_text).
-    if SHARED_RHS:
+    if GROUP_MAJOR:
         _gmm_group_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out_ptr, K, N, NUM_GROUPS,
                          NUM_SELECTED, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, BATCH,
                          BATCH_P2)
     else:
         _gmm_problem_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out_ptr, K, N, NUM_GROUPS,
-                           NUM_SELECTED, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, BATCH)
+                           NUM_SELECTED, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, BATCH,
+                           SHARED_RHS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -526,11 +529,23 @@ def gmm_problem(lhs_shape, rhs_shape, sizes_shape, transpose_rhs: bool, dtype: s
             out_dtype)
 
 
+# Most problems a shared-rhs batch walks group-major: its tiles work out each row's problem from
+# [BLOCK_M, next_pow2(batch)] tensors, which spill registers past 128 on sm_90 (and pass
+# Triton's 2**20 elements past 8192: jacrev of a vmapped layer's output failed to compile).
+MAX_GROUP_MAJOR_BATCH = 128
+
+
+def group_major(batch: int, shared_rhs: bool) -> bool:
+    """Whether a batch of problems with one rhs (``shared_rhs``) is walked group-major, tiling
+    each group's rows of all problems together (``_gmm_group_major``)."""
+    return bool(shared_rhs) and 1 < batch <= MAX_GROUP_MAJOR_BATCH
+
+
 def tuning_problem(problem: tuple, batch: int, shared_rhs: bool) -> tuple:
-    """The problem whose tuned config a gmm launch reads: its own, except that a batch with a
-    shared rhs is tiled as one call on all its problems' rows would be (``gmm_plan``), so it
+    """The problem whose tuned config a gmm launch reads: its own, except that a batch walked
+    group-major is tiled as one call on all its problems' rows would be (``gmm_plan``), so it
     reads that call's (one problem's entry sized the tiles for one problem's rows)."""
-    return (problem[0] * batch, *problem[1:]) if shared_rhs and batch > 1 else problem
+    return (problem[0] * batch, *problem[1:]) if group_major(batch, shared_rhs) else problem
 
 
 def tgmm_problem(lhs_shape, rhs_shape, sizes_shape, num_selected: int, lhs_mk: bool, dtype: str,
@@ -639,13 +654,13 @@ def gmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, transpo
 
     ``batch`` independent problems in one launch (what torch.func.vmap folds): lhs ``[batch * m,
     k]``, group_sizes ``[batch, num_groups]``, group_offset ``[batch]``, rhs ``[batch,
-    num_selected, ...]`` or, with ``shared_rhs``, one ``[num_selected, ...]`` for all; out
-    ``[batch * m, n]``."""
+    num_selected, ...]`` or, with ``shared_rhs``, one ``[num_selected, ...]`` for all (walked
+    group-major up to ``MAX_GROUP_MAJOR_BATCH`` problems); out ``[batch * m, n]``."""
     check_float_dtype("lhs", dtype)
     check_out_dtype(out_dtype)
-    shared_rhs = bool(shared_rhs) and batch > 1
-    # A shared rhs's tiles run over every problem's rows of a group (_gmm_group_major).
-    cfg = _gmm_config(m * batch if shared_rhs else m, k, n, num_selected, dtype, facts, params)
+    shared_rhs, by_group = bool(shared_rhs) and batch > 1, group_major(batch, shared_rhs)
+    # Group-major tiles run over every problem's rows of a group (_gmm_group_major).
+    cfg = _gmm_config(m * batch if by_group else m, k, n, num_selected, dtype, facts, params)
     bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
     # Upper bound on the tiles: each group adds at most one partial row tile, and so does each
     # of the two zero segments.
@@ -659,7 +674,8 @@ def gmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, transpo
         constexprs=(("K", k), ("N", n), ("NUM_GROUPS", num_groups), ("NUM_SELECTED", num_selected),
                     ("TRANSPOSE_RHS", bool(transpose_rhs)), ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk),
                     ("GROUP_M", 8), ("DOT_PRECISION", _dot_precision(dtype, facts)), ("BATCH", batch),
-                    ("SHARED_RHS", shared_rhs), ("BATCH_P2", triton.next_power_of_2(batch))),
+                    ("SHARED_RHS", shared_rhs), ("BATCH_P2", triton.next_power_of_2(batch)),
+                    ("GROUP_MAJOR", by_group)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=True,
     )
 
