@@ -247,8 +247,7 @@ def _pick(values, b, BATCH_P2: tl.constexpr):
 def _gmm_gathered_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, starts, counts, m, rhs_index,
                           K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                          BATCH: tl.constexpr, BATCH_P2: tl.constexpr):
+                          GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, BATCH_P2: tl.constexpr):
     """``_gmm_segment`` of one group's rows in every problem, taken in turn as one run of rows:
     problem b's ``counts[b]`` rows from ``starts[b]`` (``[BATCH_P2]`` vectors, 0 rows past the
     batch). A tile's rows may come from several problems; a tile within one problem is addressed
@@ -308,7 +307,7 @@ def _gmm_group_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out
         size = tl.load(sizes_ptrs + g0 + i, mask=valid, other=0)
         end = row + tl.minimum(tl.maximum(size, 0), m - row)  # _group_end's clamps
         _gmm_gathered_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, row, end - row, m, i, K, N, TRANSPOSE_RHS,
-                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, BATCH, BATCH_P2)
+                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, BATCH_P2)
         tile, done = _after_segment(tile, done, 0, tl.sum(end - row), N, BLOCK_M, BLOCK_N)
         row = end
     for b in range(0, BATCH):
