@@ -590,36 +590,27 @@ def test_vmap_gmm_matches_each_sample(fw, rng, shared_rhs):
         assert _err(out[i], want, "float32"), i
 
 
-def test_vmap_shared_rhs_tiles_span_samples(fw, rng):
-    """With shared weights a group's rows of all samples are tiled as one run, so one tile holds
-    rows of several samples (two samples' rows meet inside a 64-row interpreter tile here, and
-    a run takes several tiles); every row lands in its own sample's output."""
-    n, m, k, width, groups = 4, 50, 9, 7, 3
-    sizes = np.stack([ragged_sizes(rng, m, groups, spare=spare) for spare in (0, 5, 1, 11)])
-    offsets = np.array([0, 1, 0, 1], np.int32)
-    (lhs, rhs), (lhs_np, rhs_np) = _arrays(fw, rng, "float32", (n, m, k), (2, k, width))
-    fn = lambda x, g, o: fw.ops.grouped_matmul(x, rhs, g, group_offset=o)  # noqa: E731
-    out = fw.to_numpy(fw.vmap(fn, (0, 0, 0))(lhs, fw.asarray(sizes), fw.asarray(offsets)))
-    for i in range(n):
-        want = ref.forward(ref.grouped_matmul, lhs_np[i], rhs_np, sizes[i], group_offset=int(offsets[i]))
-        assert _err(out[i], want, "float32"), i
-
-
-def test_vmap_shared_rhs_past_the_group_major_batch(fw, rng, monkeypatch):
-    """More samples than the group-major walk takes run problem-major with the one rhs: 16,385
-    samples (jacrev of a vmapped layer's 129 x 127 outputs, say) made a [64, 32768] tensor per
-    tile, past Triton's 2**20 elements, and failed to compile (test_aot_grouped_matmul compiles
-    that plan). Here the limit is lowered, as the interpreter takes seconds per sample."""
+@pytest.mark.parametrize("limit", [None, 2], ids=["group-major", "past the group-major batch"])
+def test_vmap_shared_rhs_matches_each_sample(fw, rng, monkeypatch, limit):
+    """With shared weights a group's rows of all samples are tiled as one run: one tile holds
+    rows of several samples (they meet inside the interpreter's 64-row tiles here, and a run
+    takes several tiles), and every row must land in its own sample's output. Batches past
+    gm.MAX_GROUP_MAJOR_BATCH run problem-major with the one rhs: 16,385 samples (jacrev of a
+    vmapped layer's 129 x 127 outputs, say) made a [64, 32768] tensor per tile, past Triton's
+    2**20 elements, and failed to compile (test_aot_grouped_matmul compiles that plan). That
+    limit is lowered here, as the interpreter takes seconds per sample."""
     from triton_kernels import grouped_matmul as gm
     from triton_kernels.plan import DeviceFacts
 
-    monkeypatch.setattr(gm, "MAX_GROUP_MAJOR_BATCH", 2)
-    n, m, k, width, groups = 5, 7, 6, 5, 3  # shapes of no other test: gmm_plan's cache holds no plan of them
-    sizes = np.stack([ragged_sizes(rng, m, groups, spare=spare) for spare in (0, 2, 7, 1, 3)])
+    n, m, k, width, groups = 5, 50, 9, 7, 3
+    if limit is not None:
+        monkeypatch.setattr(gm, "MAX_GROUP_MAJOR_BATCH", limit)
+        m = 47  # shapes of no other test: gmm_plan's cache holds no plan of them
+    plan = gm.gmm_plan(m, k, width, groups, 2, False, "float32", "float32", DeviceFacts.cpu(), batch=n, shared_rhs=True)
+    assert plan.constexpr_dict["GROUP_MAJOR"] == (limit is None)
+    sizes = np.stack([ragged_sizes(rng, m, groups, spare=spare) for spare in (0, 5, 1, 11, 3)])
     offsets = rng.integers(0, 2, size=n).astype(np.int32)
     (lhs, rhs), (lhs_np, rhs_np) = _arrays(fw, rng, "float32", (n, m, k), (2, k, width))
-    assert not gm.gmm_plan(m, k, width, groups, 2, False, "float32", "float32", DeviceFacts.cpu(), batch=n,
-                           shared_rhs=True).constexpr_dict["GROUP_MAJOR"]
     fn = lambda x, g, o: fw.ops.grouped_matmul(x, rhs, g, group_offset=o)  # noqa: E731
     out = fw.to_numpy(fw.vmap(fn, (0, 0, 0))(lhs, fw.asarray(sizes), fw.asarray(offsets)))
     for i in range(n):
