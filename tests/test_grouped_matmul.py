@@ -590,24 +590,24 @@ def test_vmap_gmm_matches_each_sample(fw, rng, shared_rhs):
         assert _err(out[i], want, "float32"), i
 
 
-@pytest.mark.parametrize("limit", [None, 2], ids=["group-major", "past the group-major batch"])
-def test_vmap_shared_rhs_matches_each_sample(fw, rng, monkeypatch, limit):
+@pytest.mark.parametrize("chunk", [None, 2], ids=["one chunk", "chunks of 2 samples"])
+def test_vmap_shared_rhs_matches_each_sample(fw, rng, monkeypatch, chunk):
     """With shared weights a group's rows of all samples are tiled as one run: one tile holds
     rows of several samples (they meet inside the interpreter's 64-row tiles here, and a run
     takes several tiles), and every row must land in its own sample's output. Batches past
-    gm.MAX_GROUP_MAJOR_BATCH run problem-major with the one rhs: 16,385 samples (jacrev of a
+    gm.GROUP_MAJOR_CHUNK samples run a chunk of them at a time: 16,385 samples (jacrev of a
     vmapped layer's 129 x 127 outputs, say) made a [64, 32768] tensor per tile, past Triton's
-    2**20 elements, and failed to compile (test_aot_grouped_matmul compiles that plan). That
-    limit is lowered here, as the interpreter takes seconds per sample."""
+    2**20 elements, and failed to compile (test_aot_grouped_matmul compiles that plan). The
+    chunk is lowered here, as the interpreter takes seconds per sample: 5 samples, 3 chunks."""
     from triton_kernels import grouped_matmul as gm
     from triton_kernels.plan import DeviceFacts
 
     n, m, k, width, groups = 5, 50, 9, 7, 3
-    if limit is not None:
-        monkeypatch.setattr(gm, "MAX_GROUP_MAJOR_BATCH", limit)
+    if chunk is not None:
+        monkeypatch.setattr(gm, "GROUP_MAJOR_CHUNK", chunk)
         m = 47  # shapes of no other test: gmm_plan's cache holds no plan of them
     plan = gm.gmm_plan(m, k, width, groups, 2, False, "float32", "float32", DeviceFacts.cpu(), batch=n, shared_rhs=True)
-    assert plan.constexpr_dict["GROUP_MAJOR"] == (limit is None)
+    assert plan.constexpr_dict["GROUP_MAJOR"] and plan.constexpr_dict["BATCH_P2"] == (chunk or 8)
     sizes = np.stack([ragged_sizes(rng, m, groups, spare=spare) for spare in (0, 5, 1, 11, 3)])
     offsets = rng.integers(0, 2, size=n).astype(np.int32)
     (lhs, rhs), (lhs_np, rhs_np) = _arrays(fw, rng, "float32", (n, m, k), (2, k, width))

@@ -212,7 +212,7 @@ def _gmm_problem_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, o
     # Global tile order, per problem of the batch in turn: the selected groups' tiles, then the
     # zero rows before them, then the zero rows after them. Every program walks the groups
     # (scalar loads only) and does the tiles congruent to its id. SHARED_RHS: one rhs for all
-    # problems (a batch too large for the group-major walk's per-problem vectors).
+    # problems (plans walk those group-major; a plan text cached before GROUP_MAJOR existed runs here).
     tile = tl.program_id(0)
     done = tl.zeros([], tl.int32)
     for b in range(0, BATCH):  # a batch of 1 is no loop: the compiled code is the unbatched one's
@@ -285,37 +285,44 @@ def _gmm_group_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out
                      TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
                      BATCH: tl.constexpr, BATCH_P2: tl.constexpr):
-    """A batch of problems sharing one rhs, walked group-major: group i's rows of every problem
-    as one segment (``_gmm_gathered_segment``), then the zero rows. The programs working at one
-    time then read one expert's weights, from L2, where a problem-major walk read them from memory
-    once per problem; and the tiles are those of one call on all the problems' rows (the plan
-    sizes them so), where tiles cut per problem were often partly empty. Each problem's row
-    cursor is an entry of a [BATCH_P2] vector."""
+    """A batch of problems sharing one rhs, walked group-major in chunks of ``BATCH_P2`` problems:
+    group i's rows of every problem of the chunk as one segment (``_gmm_gathered_segment``), then
+    the chunk's zero rows. The programs working at one time then read one expert's weights, from
+    L2, where a problem-major walk read them from memory once per problem; and the tiles are
+    those of one call on all the chunk's rows (the plan sizes them so), where tiles cut per
+    problem were often partly empty. Each problem's row cursor is an entry of a [BATCH_P2]
+    vector; the chunks keep those vectors (and the tiles' [BLOCK_M, BATCH_P2] row lookup) within
+    registers at any batch (``GROUP_MAJOR_CHUNK``)."""
     probs = tl.arange(0, BATCH_P2)
-    valid = probs < BATCH
-    sizes_ptrs = group_sizes_ptr + probs * NUM_GROUPS
-    g0 = tl.load(group_offset_ptr + probs, mask=valid, other=0)
-    g0 = tl.minimum(tl.maximum(g0, 0), NUM_GROUPS - NUM_SELECTED)  # clamped, as _first_selected
-    first = tl.zeros([BATCH_P2], tl.int32)
-    for g in range(0, tl.max(g0)):  # rows before each problem's first selected group
-        size = tl.load(sizes_ptrs + g, mask=valid & (g < g0), other=0)
-        first += tl.minimum(tl.maximum(size, 0), m - first)
     tile = tl.program_id(0)
     done = tl.zeros([], tl.int32)
-    row = first
-    for i in range(0, NUM_SELECTED):
-        size = tl.load(sizes_ptrs + g0 + i, mask=valid, other=0)
-        end = row + tl.minimum(tl.maximum(size, 0), m - row)  # _group_end's clamps
-        _gmm_gathered_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, row, end - row, m, i, K, N, TRANSPOSE_RHS,
-                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, BATCH_P2)
-        tile, done = _after_segment(tile, done, 0, tl.sum(end - row), N, BLOCK_M, BLOCK_N)
-        row = end
-    for b in range(0, BATCH):
-        first_b, last_b = _pick(first, b, BATCH_P2), _pick(row, b, BATCH_P2)
-        rows = tl.cast(b, tl.int64) * m
-        _gmm_zero_rows(lhs_ptr + rows * K, rhs_ptr, out_ptr + rows * N, tile, done, first_b, last_b, m, K, N,
-                       TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
-        tile, done = _after_zero_rows(tile, done, first_b, last_b, m, N, BLOCK_M, BLOCK_N)
+    for c0 in range(0, BATCH, BATCH_P2):
+        valid = probs < BATCH - c0
+        sizes_ptrs = group_sizes_ptr + (c0 + probs) * NUM_GROUPS
+        g0 = tl.load(group_offset_ptr + c0 + probs, mask=valid, other=0)
+        g0 = tl.minimum(tl.maximum(g0, 0), NUM_GROUPS - NUM_SELECTED)  # clamped, as _first_selected
+        first = tl.zeros([BATCH_P2], tl.int32)
+        for g in range(0, tl.max(g0)):  # rows before each problem's first selected group
+            size = tl.load(sizes_ptrs + g, mask=valid & (g < g0), other=0)
+            first += tl.minimum(tl.maximum(size, 0), m - first)
+        # The chunk's operands, inline (see _gmm_problem_major): its rows follow the last chunk's.
+        chunk_rows = tl.cast(c0, tl.int64) * m
+        lhs_c = lhs_ptr + chunk_rows * K
+        out_c = out_ptr + chunk_rows * N
+        row = first
+        for i in range(0, NUM_SELECTED):
+            size = tl.load(sizes_ptrs + g0 + i, mask=valid, other=0)
+            end = row + tl.minimum(tl.maximum(size, 0), m - row)  # _group_end's clamps
+            _gmm_gathered_segment(lhs_c, rhs_ptr, out_c, tile, done, row, end - row, m, i, K, N, TRANSPOSE_RHS,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, BATCH_P2)
+            tile, done = _after_segment(tile, done, 0, tl.sum(end - row), N, BLOCK_M, BLOCK_N)
+            row = end
+        for b in range(0, tl.minimum(BATCH - c0, BATCH_P2)):
+            first_b, last_b = _pick(first, b, BATCH_P2), _pick(row, b, BATCH_P2)
+            rows = chunk_rows + tl.cast(b, tl.int64) * m
+            _gmm_zero_rows(lhs_ptr + rows * K, rhs_ptr, out_ptr + rows * N, tile, done, first_b, last_b, m, K, N,
+                           TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+            tile, done = _after_zero_rows(tile, done, first_b, last_b, m, N, BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize_on_alignment=["m"])
@@ -528,23 +535,29 @@ def gmm_problem(lhs_shape, rhs_shape, sizes_shape, transpose_rhs: bool, dtype: s
             out_dtype)
 
 
-# Most problems a shared-rhs batch walks group-major: its tiles work out each row's problem from
-# [BLOCK_M, next_pow2(batch)] tensors, which spill registers past 128 on sm_90 (and pass
-# Triton's 2**20 elements past 8192: jacrev of a vmapped layer's output failed to compile).
-MAX_GROUP_MAJOR_BATCH = 128
+# Problems a shared-rhs batch walks group-major at a time: its tiles work out each row's
+# problem from [BLOCK_M, next_pow2(chunk)] tensors, which spill registers past 128 on sm_90 (and
+# pass Triton's 2**20 elements past 8192). Larger batches go chunk by chunk; walked problem by
+# problem instead, 256 samples of 128 tokens took 52x the time of one call on their tokens.
+GROUP_MAJOR_CHUNK = 128
 
 
 def group_major(batch: int, shared_rhs: bool) -> bool:
     """Whether a batch of problems with one rhs (``shared_rhs``) is walked group-major, tiling
-    each group's rows of all problems together (``_gmm_group_major``)."""
-    return bool(shared_rhs) and 1 < batch <= MAX_GROUP_MAJOR_BATCH
+    each group's rows of a chunk of problems together (``_gmm_group_major``)."""
+    return bool(shared_rhs) and batch > 1
+
+
+def group_major_rows(m: int, batch: int) -> int:
+    """Rows of one group-major segment's problems: ``m`` rows each, a chunk of them."""
+    return m * min(batch, GROUP_MAJOR_CHUNK)
 
 
 def tuning_problem(problem: tuple, batch: int, shared_rhs: bool) -> tuple:
     """The problem whose tuned config a gmm launch reads: its own, except that a batch walked
-    group-major is tiled as one call on all its problems' rows would be (``gmm_plan``), so it
-    reads that call's (one problem's entry sized the tiles for one problem's rows)."""
-    return (problem[0] * batch, *problem[1:]) if group_major(batch, shared_rhs) else problem
+    group-major is tiled as one call on a chunk of its problems' rows would be (``gmm_plan``), so
+    it reads that call's (one problem's entry sized the tiles for one problem's rows)."""
+    return (group_major_rows(problem[0], batch), *problem[1:]) if group_major(batch, shared_rhs) else problem
 
 
 def tgmm_problem(lhs_shape, rhs_shape, sizes_shape, num_selected: int, lhs_mk: bool, dtype: str,
@@ -654,12 +667,12 @@ def gmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, transpo
     ``batch`` independent problems in one launch (what torch.func.vmap folds): lhs ``[batch * m,
     k]``, group_sizes ``[batch, num_groups]``, group_offset ``[batch]``, rhs ``[batch,
     num_selected, ...]`` or, with ``shared_rhs``, one ``[num_selected, ...]`` for all (walked
-    group-major up to ``MAX_GROUP_MAJOR_BATCH`` problems); out ``[batch * m, n]``."""
+    group-major, ``GROUP_MAJOR_CHUNK`` problems at a time); out ``[batch * m, n]``."""
     check_float_dtype("lhs", dtype)
     check_out_dtype(out_dtype)
     shared_rhs, by_group = bool(shared_rhs) and batch > 1, group_major(batch, shared_rhs)
-    # Group-major tiles run over every problem's rows of a group (_gmm_group_major).
-    cfg = _gmm_config(m * batch if by_group else m, k, n, num_selected, dtype, facts, params)
+    # Group-major tiles run over a chunk of problems' rows of a group (_gmm_group_major).
+    cfg = _gmm_config(group_major_rows(m, batch) if by_group else m, k, n, num_selected, dtype, facts, params)
     bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
     # Upper bound on the tiles: each group adds at most one partial row tile, and so does each
     # of the two zero segments.
@@ -673,7 +686,7 @@ def gmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, transpo
         constexprs=(("K", k), ("N", n), ("NUM_GROUPS", num_groups), ("NUM_SELECTED", num_selected),
                     ("TRANSPOSE_RHS", bool(transpose_rhs)), ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk),
                     ("GROUP_M", 8), ("DOT_PRECISION", _dot_precision(dtype, facts)), ("BATCH", batch),
-                    ("SHARED_RHS", shared_rhs), ("BATCH_P2", triton.next_power_of_2(batch)),
+                    ("SHARED_RHS", shared_rhs), ("BATCH_P2", triton.next_power_of_2(min(batch, GROUP_MAJOR_CHUNK))),
                     ("GROUP_MAJOR", by_group)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=True,
     )
