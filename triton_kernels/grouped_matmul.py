@@ -254,30 +254,31 @@ def _gmm_gathered_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, starts, counts,
     as ``_gmm_tile``'s. ``IS_ZERO``: rows outside the selected groups, written as zeros. Returns
     nothing (see ``_gmm_segment``)."""
     total = tl.sum(counts)
-    before = tl.cumsum(counts, 0) - counts  # the run's rows ahead of problem b's
-    # Run row r is row r + shift[b] of lhs and out, for the last problem b with before[b] <= r.
-    shift = tl.arange(0, BATCH_P2).to(tl.int64) * m + starts - before
     tiles_m, count = _segment_tiles(0, total, N, BLOCK_M, BLOCK_N)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    while tile < done + count:
-        pm, pn = _swizzle(tile - done, tiles_m, tiles_n, GROUP_M)
-        run = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-        # The tile's first problem b (never an empty one: the next problem's before[] is the same).
-        b = tl.sum((before <= pm * BLOCK_M).to(tl.int32)) - 1
-        here = _pick(shift, b, BATCH_P2)
-        if tl.minimum(pm * BLOCK_M + BLOCK_M, total) <= _pick(before, b, BATCH_P2) + _pick(counts, b, BATCH_P2):
-            # All rows in problem b: consecutive rows, addressed as _gmm_tile does. Addressed
-            # row by row they took 11-15% longer at 1024 rows an expert (H200): the k loop then
-            # steps a pointer per row (benchmarks/README.md, "vmap: one launch for all samples").
-            offs = tl.arange(0, BLOCK_M)
-            _gmm_rows_tile(lhs_ptr, rhs_ptr, out_ptr, here + pm * BLOCK_M, offs, offs < total - pm * BLOCK_M,
-                           rhs_index, pn, K, N, TRANSPOSE_RHS, IS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-        else:  # rows of several problems: each row's own problem's shift
-            inside = (run[:, None] >= before[None, :]) & (run[:, None] < before[None, :] + counts[None, :])
-            rows_at = run.to(tl.int64) + tl.sum(tl.where(inside, shift[None, :], 0), axis=1)
-            _gmm_rows_tile(lhs_ptr, rhs_ptr, out_ptr, tl.zeros([], tl.int64), rows_at, run < total, rhs_index, pn,
-                           K, N, TRANSPOSE_RHS, IS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-        tile += tl.num_programs(0)
+    if tile < done + count:  # most programs have no tile here: skip the set-up (a scan)
+        before = tl.cumsum(counts, 0) - counts  # the run's rows ahead of problem b's
+        # Run row r is row r + shift[b] of lhs and out, for the last problem b with before[b] <= r.
+        shift = tl.arange(0, BATCH_P2).to(tl.int64) * m + starts - before
+        while tile < done + count:
+            pm, pn = _swizzle(tile - done, tiles_m, tiles_n, GROUP_M)
+            run = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+            # The tile's first problem b (never an empty one: the next problem's before[] is the same).
+            b = tl.sum((before <= pm * BLOCK_M).to(tl.int32)) - 1
+            here = _pick(shift, b, BATCH_P2)
+            if tl.minimum(pm * BLOCK_M + BLOCK_M, total) <= _pick(before, b, BATCH_P2) + _pick(counts, b, BATCH_P2):
+                # All rows in problem b: consecutive rows, addressed as _gmm_tile does. Addressed
+                # row by row they took 11-15% longer at 1024 rows an expert (H200): the k loop then
+                # steps a pointer per row (benchmarks/README.md, "vmap: one launch for all samples").
+                offs = tl.arange(0, BLOCK_M)
+                _gmm_rows_tile(lhs_ptr, rhs_ptr, out_ptr, here + pm * BLOCK_M, offs, offs < total - pm * BLOCK_M,
+                               rhs_index, pn, K, N, TRANSPOSE_RHS, IS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+            else:  # rows of several problems: each row's own problem's shift
+                inside = (run[:, None] >= before[None, :]) & (run[:, None] < before[None, :] + counts[None, :])
+                rows_at = run.to(tl.int64) + tl.sum(tl.where(inside, shift[None, :], 0), axis=1)
+                _gmm_rows_tile(lhs_ptr, rhs_ptr, out_ptr, tl.zeros([], tl.int64), rows_at, run < total, rhs_index, pn,
+                               K, N, TRANSPOSE_RHS, IS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+            tile += tl.num_programs(0)
 
 
 @triton.jit
