@@ -319,6 +319,21 @@ def test_chunk_array_pad_value_is_checked(fw):
             u.chunk_array(fw.asarray(np.ones(3, bool)), 2, pad_value=bad)
 
 
+def test_chunk_array_big_int_pad_value_on_floats(fw):
+    """An int pad_value past int32 for a float array raised OverflowError in jax (its pad parsed
+    the int as an int32) where torch padded with its float value, and one past int64 failed in
+    torch too. Both pad with the float now; an int past float64 is a ValueError."""
+    u = utils(fw)
+    for value in (2**40, -(2**40), 2**70):
+        for dtype in ("float32", "bfloat16"):
+            padded = fw.to_numpy(u.chunk_array(fw.asarray(np.arange(3.0), dtype), 2, pad_value=value))
+            assert padded.ravel()[-1] == np.float32(value)
+    half = fw.to_numpy(u.chunk_array(fw.asarray(np.arange(3.0), "float16"), 2, pad_value=2**40))
+    assert half.ravel()[-1] == np.inf  # as a float past float16's range pads
+    with pytest.raises(ValueError, match="pad_value must fit in a float64 for float32 arrays"):
+        u.chunk_array(fw.asarray(np.arange(3.0)), 2, pad_value=10**400)
+
+
 def test_chunk_array_numpy_pad_value(fw):
     """A numpy scalar or 0-d numpy array pad_value skipped the checks (it has a shape): for uint8
     np.int64(300) padded 44 in jax and failed inside torch's new_full, NaN and 2**40 padded 0 in

@@ -219,7 +219,20 @@ def pad_value(value, dtype: str):
         if not (whole and info.min <= int(value) <= info.max):
             raise ValueError(f"pad_value must be an integer in [{info.min}, {info.max}] for {dtype} "
                              f"arrays, got {value!r}")
+    elif dtype != "bool" and isinstance(value, numbers.Integral):
+        return _float_pad_value(value, dtype)
     return value
+
+
+def _float_pad_value(value: int, dtype: str) -> float:
+    """An integer ``pad_value`` for a float (or complex) array, as the float it stands for: jax's
+    pad parsed a Python int past int32 as an int32 argument (OverflowError) where torch padded
+    with its float value, and torch's new_full failed past int64."""
+    try:
+        return float(value)
+    except OverflowError:  # past float64: no float array holds it
+        raise ValueError(f"pad_value must fit in a float64 for {dtype} arrays, got an integer of "
+                         f"{value.bit_length()} bits") from None
 
 
 def unchunking(shape: Sequence[int], original_length, axis_value) -> tuple[int, int]:
