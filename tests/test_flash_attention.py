@@ -166,6 +166,25 @@ def test_negative_softmax_scale(fw, rng, dtype):
     _check(fw, rng, (1, 32, 32, 1, 1, 32), dtype, dict(softmax_scale=-0.5))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_huge_softmax_scale(fw, rng, dtype):
+    # 1e38 (its scale * log2(e) fits float32) overflowed the float32 logits for any |q.k| > 2.4: the
+    # online softmax took inf - inf, a NaN output. Such scales are refused before any kernel runs;
+    # the largest taken gives float64's forward, and a soft cap (which bounds the logits) takes 1e38.
+    # Forward only: an lse-based backward loses the logits' low bits far below these scales.
+    q = fw.asarray(rng.standard_normal((1, 16, 1, 32)), dtype)
+    for scale in (1e38, -1e38, 1.8e27):
+        with pytest.raises(ValueError, match=r"\|softmax_scale\| must be <= 1.718e\+27 for head_dim 32, got"):
+            fw.ops.flash_attention(q, q, q, softmax_scale=scale)
+    for options in (dict(softmax_scale=1.7e27), dict(softmax_scale=-1.7e27),
+                    dict(softmax_scale=1e38, logits_soft_cap=1.0)):
+        arrays, values, _, _ = _make(fw, rng, 1, 16, 16, 1, 1, 32, dtype)
+        out, lse = (fw.to_numpy(a) for a in _op(fw, options, {})(*arrays, return_lse=True))
+        want_out, want_lse = (t.numpy() for t in _ref(options, {})(*map(ref._t, values), return_lse=True))
+        assert rel_error(out, want_out) < TOLERANCE[dtype], options
+        assert lse_error(lse, want_lse) < 1e-5, options
+
+
 @pytest.mark.parametrize("cap", [128.0, 1e4, 1e6, 1e30, 1e36, 1e38])
 def test_large_soft_cap_keeps_float32_accuracy(fw, rng, cap):
     # tanh(s / cap) at small arguments: its exp2 form (1 - e) / (1 + e) cancels, an error of about

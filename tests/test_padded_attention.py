@@ -251,3 +251,15 @@ def test_padding_is_never_read(fw, rng, garbage):
         assert not np.isnan(got).any()
         for b, pad in enumerate(n_pad):
             assert not got[b, :pad].any()
+
+
+def test_huge_softmax_scale(fw, rng):
+    # 1e38 (its scale * log2(e) fits float32) overflowed the float32 logits for any |q.k| > 2.4: a
+    # NaN output. Refused before any kernel runs; the largest scale taken gives float64's output.
+    qkv, qkv_np, n_pad, n_pad_np = _case(fw, rng, 2, 17, 8, "float32")
+    for scale in (1e38, -1e38, 6.9e27):
+        with pytest.raises(ValueError, match=r"\|softmax_scale\| must be <= 6.871e\+27 for head_dim 8, got"):
+            fw.ops.padded_attention(*qkv, n_pad, softmax_scale=scale)
+    out = fw.to_numpy(fw.ops.padded_attention(*qkv, n_pad, softmax_scale=6.8e27))
+    expected = ref.forward(ref.padded_attention, *qkv_np, n_pad_np, softmax_scale=6.8e27)
+    assert rel_error(out, expected) < TOLERANCE["float32"]

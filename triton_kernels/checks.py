@@ -16,6 +16,7 @@ from .plan import FLOAT_DTYPES
 
 INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8")
 FLOAT32_MAX = 3.4028234663852886e38
+FLOAT16_MAX = 65504.0
 INT32_MAX = 2**31 - 1
 _LOG2E = 1.4426950408889634  # kernels fold it into the scale for exp2
 
@@ -127,6 +128,19 @@ def softmax_scale(value, d: int) -> float:
         raise ValueError(f"softmax_scale must be finite with |softmax_scale| <= {FLOAT32_MAX / _LOG2E:.4g} "
                          f"(float32), got {value}")
     return scale
+
+
+def uncapped_softmax_scale(scale: float, d: int) -> None:
+    """``softmax_scale`` where nothing caps the logits: the kernels' float32 logits
+    q.k * scale * log2(e) must not overflow, or the online softmax takes inf - inf and the output
+    is NaN, silently (1e38 did so for any |q.k| > 2.4). q.k itself can overflow in float32, so no
+    bound holds for every input; this one keeps the logits finite for every q and k in float16's
+    range (|q.k| <= d * 65504**2). Past it softmax is a hard max for all practical inputs."""
+    limit = FLOAT32_MAX / (_LOG2E * d * FLOAT16_MAX**2)
+    if not abs(scale) <= limit:
+        raise ValueError(f"|softmax_scale| must be <= {limit:.4g} for head_dim {d}, got {scale}: beyond it the "
+                         "kernels' float32 logits q.k * softmax_scale overflow (NaN output) for inputs within "
+                         "float16's range")
 
 
 def int_arg(name: str, value) -> int:

@@ -81,6 +81,7 @@ def padded_attention(q: jax.Array, k: jax.Array, v: jax.Array, n_pad: jax.Array,
         [tuple(t.shape) for t in (q, k, v)], [name_of(t) for t in (q, k, v)]
     )
     scale = checks.softmax_scale(softmax_scale, head_dim)
+    checks.uncapped_softmax_scale(scale, head_dim)
     fwd, bwd = op_params(FwdParams, fwd_params, "fwd_params"), op_params(BwdParams, bwd_params, "bwd_params")
     if fwd is not None or bwd is not None:  # bad overrides fail here, before any kernel runs
         key = (tuple(q.shape), name_of(q), scale)

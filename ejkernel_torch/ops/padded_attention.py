@@ -81,6 +81,7 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_pad: t
         [tuple(t.shape) for t in (q, k, v)], [name_of(t) for t in (q, k, v)]
     )
     scale = checks.softmax_scale(softmax_scale, head_dim)
+    checks.uncapped_softmax_scale(scale, head_dim)
     device = same_device(q=q, k=k, v=v)
     fwd, bwd = op_params(FwdParams, fwd_params, "fwd_params"), op_params(BwdParams, bwd_params, "bwd_params")
     # Bad overrides fail here, before any kernel runs (torch.compile cannot trace the plan code).

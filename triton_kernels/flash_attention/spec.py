@@ -153,6 +153,8 @@ def _scale_and_cap(softmax_scale, logits_soft_cap, head_dim: int) -> dict:
     cap = _positive_float("logits_soft_cap", logits_soft_cap)
     if cap is not None and abs(scale) * NO_CAP_ABOVE_SCALE_TIMES <= cap:
         cap = None
+    if cap is None:  # a cap bounds the logits by itself: |cap * tanh(.)| <= cap
+        checks.uncapped_softmax_scale(scale, head_dim)
     return dict(softmax_scale=scale, softcap=cap)
 
 
