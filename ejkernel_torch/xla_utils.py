@@ -97,7 +97,12 @@ def _static_size(size, bounds: torch.Tensor, arg: str, fn: str) -> int:
 
 def _layout(bounds: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For slots 0..size-1: the segment of ``bounds`` holding each slot and the offset in it."""
-    slot = torch.arange(size, dtype=bounds.dtype, device=bounds.device)
+    # Under torch.func.vmap searchsorted copied (and warned about) non-contiguous inputs: a mapped
+    # bounds can be a strided or expanded view, and an unmapped slot was expanded over the batch
+    # (stride 0). So bounds is copied (a few boundaries; .contiguous() looks only at the mapped
+    # view, which is contiguous) and slot mapped as bounds is (adding zeros_like keeps the map).
+    bounds = bounds.clone(memory_format=torch.contiguous_format)
+    slot = torch.arange(size, dtype=bounds.dtype, device=bounds.device) + torch.zeros_like(bounds[:1])
     # Last boundary <= slot; right=True skips empty segments (repeated boundaries).
     owner = torch.searchsorted(bounds, slot, right=True).to(bounds.dtype) - 1
     valid = (slot >= bounds[0]) & (slot < bounds[-1])

@@ -1,6 +1,8 @@
 """xla_utils in both fronts: seed examples, loop references, torch-vs-jax parity, jit, bad input."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -394,6 +396,33 @@ def test_vmap_over_cu_seqlens(fw):
     with pytest.raises(ValueError, match="total_tokens=7 is smaller than the 8 cu_seqlens needs"):
         x.prepare_position_ids(ints(fw, cus[0]), total_tokens=7)
 
+
+
+def test_torch_vmap_gives_searchsorted_contiguous_inputs():
+    """Under torch.func.vmap, torch.searchsorted warned (and copied) in every helper that lays out
+    tokens or chunks: the unmapped slots were expanded over the batch (stride 0), and a mapped
+    cu_seqlens can be an expanded view. No warning now, and the results are the per-sample ones."""
+    import torch
+
+    from ejkernel_torch import xla_utils as x
+
+    cus = torch.tensor([[0, 3, 3, 8], [0, 1, 5, 6]], dtype=torch.int32)
+    calls = [lambda c: x.prepare_position_ids(c, total_tokens=9), lambda c: x.prepare_sequence_ids(c, total_tokens=9),
+             lambda c: x.prepare_token_indices(c, total_tokens=9),
+             lambda c: x.prepare_chunk_indices(c, 2, total_chunks=6)]
+    warn_always = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)  # else torch warns once per process, maybe in an earlier test
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for call in calls:
+                per_sample = torch.stack([call(cu) for cu in cus])
+                assert torch.equal(torch.func.vmap(call)(cus), per_sample)
+                assert torch.equal(torch.func.vmap(call, in_dims=1)(cus.T.contiguous()), per_sample)
+                assert torch.equal(torch.func.vmap(call)(cus[:1].expand(3, 4)), per_sample[[0, 0, 0]])
+    finally:
+        torch.set_warn_always(warn_always)
+    assert [str(w.message) for w in caught if "searchsorted" in str(w.message)] == []
 
 # -- bad input ------------------------------------------------------------------------------------------------
 
