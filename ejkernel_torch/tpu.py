@@ -223,15 +223,29 @@ def _graph_break(fn):
     return _compiler_disable(fn, f"ejkernel_torch.tpu.{fn.__name__} runs a JAX/Pallas computation")
 
 
-def _checked(fn: str, check: Callable, value):
-    """``check(value)``, the jax version's own check, run on every call (error prefixed with ``fn``).
+def _checked(fn: str, check: Callable, value, *args):
+    """``check(value, *args)``, the jax version's own check, run on every call (error prefixed with ``fn``).
 
     For static tuples handed to the bridge: checked here, before any trace, they are refused as
     jax refuses them ((1.0, 8) was accepted), and what reaches the bridge holds plain ints."""
     try:
-        return check(value)
+        return check(value, *args)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{fn}: {e}") from None
+
+
+def _call(fn: str, bridge, *args, **kwargs):
+    """``bridge(*args, **kwargs)``, with the jax version's own argument errors (raised while it is
+    traced, before any kernel runs) prefixed with ``fn`` as the checks here are: "q heads (3) must
+    be a multiple of kv heads (2)" or "tiling must be 3 positive ints" named no torch op. Only
+    plain TypeError/ValueError: jax's subclasses (tracer errors) take other arguments."""
+    try:
+        return bridge(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        if type(e) not in (TypeError, ValueError) or str(e).startswith(f"{fn}:"):
+            raise
+        # The original frames are kept: where in the jax version the check (or a bug) was.
+        raise type(e)(f"{fn}: {e}").with_traceback(e.__traceback__) from None
 
 
 def _hashable(fn: str, name: str, value):
@@ -323,10 +337,10 @@ def blocksparse_attention(
     q_seg, kv_seg = _segment_ids(fn, q_segment_ids, kv_segment_ids)
     static_mask, dynamic_mask = _static_mask(fn, mask)
     device = _device(fn, q=q, k=k, v=v, mask=dynamic_mask, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
-    if isinstance(block_sizes, dict):
-        block_sizes = BlockSizes(**block_sizes)
-    return _attention(
-        q, k, v, dynamic_mask, q_seg, kv_seg,
+    if isinstance(block_sizes, dict):  # a misspelt key is BlockSizes' TypeError, named with fn
+        block_sizes = _checked(fn, lambda sizes: BlockSizes(**sizes), block_sizes)
+    return _call(
+        fn, _attention, q, k, v, dynamic_mask, q_seg, kv_seg,
         mask=static_mask,
         causal=_gmm.check_flag(f"{fn}: argument 'causal'", causal),  # 1 == True for the bridge's cache
         sliding_window=None if sliding_window is None else _checked(
@@ -335,7 +349,7 @@ def blocksparse_attention(
         softmax_scale=_scalar(fn, "softmax_scale", softmax_scale),
         logits_soft_cap=_scalar(fn, "logits_soft_cap", logits_soft_cap),
         block_sizes=_hashable(fn, "block_sizes", block_sizes),
-        interpret=_hashable(fn, "interpret", _interpret(interpret, device)),
+        interpret=_hashable(fn, "interpret", _checked(fn, _interpret, interpret, device)),
         return_lse=_gmm.check_flag(f"{fn}: argument 'return_lse'", return_lse),  # "no" was truthy
     )
 
@@ -370,8 +384,8 @@ def process_dynamic_mask(
     ``[heads, q_len, kv_len]``; see ``ejkernel_jax``'s ``process_dynamic_mask``."""
     fn = "process_dynamic_mask"
     mask = _tensor(fn, "mask", mask, (torch.bool,), "a bool tensor")
-    arrays = _mask_info(
-        mask,
+    arrays = _call(
+        fn, _mask_info, mask,
         block_shape=_checked(fn, _bsa_info._check_block_shape, block_shape),
         is_dkv=_gmm.check_flag(f"{fn}: argument 'is_dkv'", is_dkv),  # bool("no") is True
         downcast_smem_data=_gmm.check_flag(f"{fn}: argument 'downcast_smem_data'", downcast_smem_data),  # bool("no") is True
@@ -498,14 +512,14 @@ def grouped_matmul(
     lhs, rhs, group_sizes, offset, static_offset, device = _group_args(
         fn, lhs, rhs, group_sizes, group_offset, 0, rhs_groups
     )
-    return _gmm_bridge(
-        lhs, rhs, group_sizes, offset,
+    return _call(
+        fn, _gmm_bridge, lhs, rhs, group_sizes, offset,
         preferred_element_type=_jax_dtype(fn, "preferred_element_type", preferred_element_type),
         tiling=_hashable(fn, "tiling", tiling),
         input_buffer_count=_hashable(fn, "input_buffer_count", input_buffer_count),
         static_group_offset=static_offset,
         transpose_rhs=_gmm.check_flag(f"{fn}: argument 'transpose_rhs'", transpose_rhs),
-        interpret=_hashable(fn, "interpret", _interpret(interpret, device)),
+        interpret=_hashable(fn, "interpret", _checked(fn, _interpret, interpret, device)),
     )
 
 
@@ -532,14 +546,14 @@ def transposed_grouped_matmul(
     lhs, rhs, group_sizes, offset, static_offset, device = _group_args(
         fn, lhs, rhs, group_sizes, group_offset, 1, num_actual_groups
     )
-    return _tgmm_bridge(
-        lhs, rhs, group_sizes, offset,
+    return _call(
+        fn, _tgmm_bridge, lhs, rhs, group_sizes, offset,
         preferred_element_type=_jax_dtype(fn, "preferred_element_type", preferred_element_type),
         tiling=_hashable(fn, "tiling", tiling),
         input_buffer_count=_hashable(fn, "input_buffer_count", input_buffer_count),
         static_group_offset=static_offset,
         num_actual_groups=_hashable(fn, "num_actual_groups", num_actual_groups),
-        interpret=_hashable(fn, "interpret", _interpret(interpret, device)),
+        interpret=_hashable(fn, "interpret", _checked(fn, _interpret, interpret, device)),
     )
 
 
@@ -595,7 +609,7 @@ def make_group_metadata(
         # -num_nonzero_groups or past num_groups selects no group, as those bounds do: clamped
         # into them first, the traced value selects what jax selects for it.
         start_group = clamp_to_int32(start_group, -num_nonzero_groups, group_sizes.shape[0])
-    return _metadata(group_sizes, start_group, m=m, tm=tm, num_nonzero_groups=num_nonzero_groups,
+    return _call(fn, _metadata, group_sizes, start_group, m=m, tm=tm, num_nonzero_groups=num_nonzero_groups,
                      visit_empty_groups=_gmm.check_flag(f"{fn}: argument 'visit_empty_groups'",
                                                         visit_empty_groups))  # bool("no") is True
 

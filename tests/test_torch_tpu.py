@@ -583,6 +583,32 @@ def test_jax_side_checks_surface_unchanged(case):
         call()
 
 
+
+NAMED_BY_OP = {  # jax-side checks (and two torch-side ones) whose messages named no torch op
+    "kv heads not dividing q heads": (lambda: tpu.blocksparse_attention(torch.zeros(1, 8, 3, 8), _q, _q), ValueError,
+                                      r"^blocksparse_attention: q heads \(3\) must be a multiple of kv heads \(2\)$"),
+    "zero tile": (lambda: tpu.grouped_matmul(_lhs, _rhs, _gs, tiling=(0, 8, 8)), ValueError,
+                  r"^grouped_matmul: tiling must be 3 positive ints \(tm, tk, tn\) or a callable, got \(0, 8, 8\)$"),
+    "negative num_actual_groups": (lambda: tpu.transposed_grouped_matmul(_lhs.T, _lhs, _gs, num_actual_groups=-1),
+                                   ValueError, r"^transposed_grouped_matmul: num_actual_groups must be an int in "
+                                               r"\[0, 2\], got -1$"),
+    "head_shards not dividing heads": (lambda: tpu.process_dynamic_mask(torch.ones(2, 8, 8, dtype=torch.bool), (8, 8),
+                                                                        head_shards=3),
+                                       ValueError, r"^process_dynamic_mask: head_shards=3 must divide the number of "
+                                                   r"heads 2$"),
+    "string interpret": (lambda: tpu.grouped_matmul(_lhs, _rhs, _gs, interpret="x"), TypeError,
+                         r"^grouped_matmul: interpret must be None, a bool"),
+    "misspelt block size": (lambda: tpu.blocksparse_attention(_q, _q, _q, block_sizes={"bq": 8}), TypeError,
+                            r"^blocksparse_attention: .*unexpected keyword argument 'bq'$"),
+}
+
+
+@pytest.mark.parametrize("case", list(NAMED_BY_OP))
+def test_errors_name_the_torch_op(case):
+    call, exc, match = NAMED_BY_OP[case]
+    with pytest.raises(exc, match=match):
+        call()
+
 # -- torch.compile ------------------------------------------------------------------------------------
 
 
