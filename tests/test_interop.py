@@ -1174,6 +1174,49 @@ def test_python_ints_out_of_range_name_the_argument():
     assert b(x, True).tolist() == [1.0, 1.0]
 
 
+
+_MULTI_DEVICE_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np, torch
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from ejkernel_torch.interop import jax_to_torch, to_torch
+
+mesh = Mesh(np.array(jax.devices()), ("x",))
+mul = jax_to_torch(lambda a, b: a * b)
+for spec in (P("x"), P()):  # sharded, replicated
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, spec))
+    cases = [(lambda: mul(torch.ones(8), x), "b"), (lambda: mul(torch.ones(8, requires_grad=True), b=x), "b"),
+             (lambda: mul(x, x), "a"), (lambda: to_torch(x), "array")]
+    for call, name in cases:
+        try:
+            call()
+        except ValueError as e:
+            message = str(e)
+            assert f"argument '{name}'" in message and "device_put" in message, message
+            assert "leaves" not in message and "_make_" not in message and "output leaf" not in message, message
+        else:
+            raise AssertionError(f"no error: {name}")
+one = jax.device_put(jnp.arange(8.0), jax.devices()[0])
+assert torch.equal(mul(torch.ones(8), one), torch.arange(8.0))
+"""
+
+
+def test_multi_device_jax_arrays_are_refused_by_name():
+    """A jax.Array on several devices passed to a jax_to_torch function beside a tensor failed in
+    jax.jit with "Received incompatible devices ... argument leaves[0] of BridgedFunction.
+    _make_plain.<locals>.plain" (the bridge's internals); alone it ran, then failed on "output
+    leaf 0". Now a ValueError naming the argument: single-device arrays only, device_put it.
+    Two host CPU devices need a flag set before jax is imported: a subprocess."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _MULTI_DEVICE_SCRIPT], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
 # =====================================================================================
 # CUDA: stream ordering, device mapping (run by the lead on a GPU machine)
 # =====================================================================================

@@ -688,6 +688,20 @@ def _reject_inference(b, args, kwargs, tpos, tensors) -> None:
             )
 
 
+def _check_single_device(b, args, kwargs, index: int, array: jax.Array) -> None:
+    """A jax.Array argument spanning several devices made jax.jit fail beside a tensor with
+    "Received incompatible devices ... argument leaves[0] of BridgedFunction._make_plain.<locals>
+    .plain", and alone it ran and then failed on its output: the results cross through DLPack,
+    which carries one device's buffer, so such arrays are refused up front, by name."""
+    n = len(array.sharding.device_set)
+    if n > 1:
+        raise ValueError(
+            f"{b._describe(args, kwargs, index)} is a jax.Array on {n} devices (sharded or replicated); "
+            "jax_to_torch takes single-device arrays (DLPack exchanges one device's buffer): gather it "
+            "onto one device first, e.g. jax.device_put(x, jax.devices()[0])"
+        )
+
+
 def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
     """The hot path. torch.compile graph-breaks here (documented; never traced by dynamo)."""
     if torch._C._get_tracing_state() is not None:
@@ -738,6 +752,8 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
                 f"{b._describe(args, kwargs, i)} is a {type(leaf).__name__}; pass tensors or numbers, "
                 "or list the argument in static_argnames"
             )
+        elif isinstance(leaf, jax.Array):
+            _check_single_device(b, args, kwargs, i, leaf)
 
     need_grad = False
     wide = False
@@ -850,8 +866,9 @@ def jax_to_torch(
       share a device (cpu or cuda:i).
     * **Compiled once** per (argument structure, static arguments, shapes, dtypes): the call
       goes through a cached ``jax.jit``. ``static_argnames`` are passed to ``fn`` unchanged and
-      must be hashable; numbers and numpy/jax arrays are traced like ``jax.jit`` would; other
-      objects must be static. ``cache_info()`` reports calls and traces.
+      must be hashable; numbers and numpy/jax arrays are traced like ``jax.jit`` would (a jax
+      array on several devices is refused: the results cross through DLPack, one device's
+      buffer); other objects must be static. ``cache_info()`` reports calls and traces.
     * **Closed-over values are constants**: what ``fn`` closes over instead of receiving is
       baked into each compiled entry when it is traced (as under ``jax.jit``), so later
       in-place updates of a tensor it came from are not seen and it gets no gradient. Pass
