@@ -397,6 +397,44 @@ def test_vmap_over_an_empty_axis(fw, rng):
     assert tuple(dbias.shape) == (0, 1, 2, 5, 5)
 
 
+@pytest.mark.parametrize("bias_mapped", [False, True], ids=["shared-bias", "mapped-bias"])
+def test_vmap_past_the_grid_limit_folds_in_several_launches(fw, rng, monkeypatch, bias_mapped):
+    # The folded batch (samples x batch) is a grid axis, at most 65535: a vmap over 300 samples of
+    # a batch-256 call raised "batch (76800) and heads (1) must each be <= 65535" in both fronts,
+    # where each sample's call runs. Samples past the limit now go to further launches. (The limit
+    # is lowered here: 65536 programs are minutes under the interpreter.)
+    from triton_kernels import flash_attention as fa
+
+    monkeypatch.setattr(fa.plan, "MAX_GRID_YZ", 8)
+    n, b, s, h, d = 5, 2, 6, 2, 16  # folded: 10 rows, launched as 4 + 1 samples (8 + 2 rows)
+    batches = []
+    for name in ("forward_plan", "backward_plans"):
+        real = getattr(fa, name)
+        monkeypatch.setattr(fa, name, lambda spec, *a, _real=real: (batches.append(spec.batch), _real(spec, *a))[1])
+    q = rng.standard_normal((n, b, s, h, d))
+    k = rng.standard_normal((b, s, h, d))  # the same for every sample
+    bias = rng.standard_normal((n, 1, h, s, s) if bias_mapped else (1, h, s, s))
+    in_dims = (0, 0 if bias_mapped else None)
+
+    def attend(q, bias):
+        return fw.ops.flash_attention(q, fw.asarray(k), fw.asarray(k), causal=True, bias=bias)
+
+    def loss(q, bias):
+        return (attend(q, bias) ** 2).sum()
+
+    args = [fw.asarray(x) for x in (q, bias)]
+    out = fw.to_numpy(fw.vmap(attend, in_dims)(*args))
+    dq, dbias = (fw.to_numpy(g) for g in fw.vmap(fw.grad(loss, (0, 1)), in_dims)(*args))
+    assert batches and max(batches) <= 8 and 8 in batches
+    for i in range(n):
+        qi, bi = ref._t(q[i]).requires_grad_(), ref._t(bias[i] if bias_mapped else bias).requires_grad_()
+        want = ref.flash_attention(qi, ref._t(k), ref._t(k), causal=True, bias=bi)
+        assert rel_error(out[i], want.detach().numpy()) < TOLERANCE["float32"]
+        (want ** 2).sum().backward()
+        assert rel_error(dq[i], qi.grad.numpy()) < GRAD_TOLERANCE["float32"]
+        assert rel_error(dbias[i], bi.grad.numpy()) < GRAD_TOLERANCE["float32"]
+
+
 # -- jax transforms ---------------------------------------------------------------------------------
 
 

@@ -84,9 +84,15 @@ def _folding(kernels, spec, static: tuple, shared_outputs: tuple = ()):
 
     @run.def_vmap
     def _rule(n, in_batched, *arrays):
-        folded_spec, folded = _fold_call(spec, n, in_batched, arrays)
-        outputs = _folding(kernels, folded_spec, static, shared_outputs)(*folded)  # an outer vmap folds again
-        batched = tuple(i not in shared_outputs for i in range(len(outputs)))
+        # The folded batch is a grid axis: past its limit the samples go to several launches.
+        pieces = []
+        for start, size in fa.fold_chunks(n, spec.batch):
+            chunk = [x[start:start + size] if b and x is not None and size != n else x
+                     for x, b in zip(arrays, in_batched)]
+            folded_spec, folded = _fold_call(spec, size, in_batched, chunk)
+            pieces.append(_folding(kernels, folded_spec, static, shared_outputs)(*folded))  # an outer vmap folds again
+        batched = tuple(i not in shared_outputs for i in range(len(pieces[0])))
+        outputs = tuple(jnp.concatenate(p) if b and len(p) > 1 else p[0] for p, b in zip(zip(*pieces), batched))
         return tuple(unfold(o, n, spec.batch) if b else o for o, b in zip(outputs, batched)), batched
 
     return run

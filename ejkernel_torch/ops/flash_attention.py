@@ -271,23 +271,34 @@ def _arg_index(op) -> dict[str, int]:
     return {a.name: i for i, a in enumerate(op.default._schema.arguments)}
 
 
-def _folded_call(op, info, in_dims: tuple, args: tuple, batched: tuple[str, ...]) -> tuple:
+def _folded_call(op, info, in_dims: tuple, args: tuple, batched: tuple[str, ...], shared: tuple[int, ...] = ()):
     """(``op``'s outputs, the samples' batch size) with the arguments named in ``batched``
     ([batch, ...] arrays) folded, or None where folding does not apply (dropout, varlen). A bias
     the same for every batch row and sample (``[1, ...]``, unmapped) stays so: the kernels
-    broadcast it."""
+    broadcast it. The folded batch is a grid axis: past its limit the samples go to several
+    launches (``fa.fold_chunks``), whose outputs are concatenated, except ``shared`` ones (the
+    same for every sample), taken from the first."""
     at = _arg_index(op)
     if args[at["cu_seqlens_q"]] is not None or args[at["dropout_p"]] != 0.0:
         return None
     q_dim = in_dims[at["q"]]
     batch = args[at["q"]].shape[1 if q_dim == 0 else 0]
-    folded = list(args)
-    for name in batched:
-        i = at[name]
-        shared_bias = name == "bias" and args[i] is not None and in_dims[i] is None and args[i].shape[0] == 1
-        if not shared_bias:
-            folded[i] = fold(args[i], in_dims[i], info.batch_size, batch)
-    return op(*folded), batch
+    n = info.batch_size
+    pieces = []
+    for start, size in fa.fold_chunks(n, batch):
+        folded = list(args)
+        for name in batched:
+            i = at[name]
+            x, dim = args[i], in_dims[i]
+            shared_bias = name == "bias" and x is not None and dim is None and x.shape[0] == 1
+            if not shared_bias:
+                if x is not None and dim is not None and size != n:
+                    x = x.narrow(dim, start, size)
+                folded[i] = fold(x, dim, size, batch)
+        pieces.append(op(*folded))
+    if len(pieces) == 1:
+        return pieces[0], batch
+    return tuple(p[0] if i in shared else torch.cat(p) for i, p in enumerate(zip(*pieces))), batch
 
 
 def _per_sample(op, info, in_dims: tuple, args: tuple, out_dims: tuple):
@@ -315,7 +326,7 @@ def _bwd_vmap(info, in_dims, *args):
     bias_grad = args[_arg_index(op)["bias_grad"]]
     out_dims = (0, 0, 0, 0 if bias_grad else None)  # ds: else a one-element placeholder, shared
     folded = _folded_call(op, info, in_dims, args, ("dout", "dlse", "q", "k", "v", "out", "lse", "bias",
-                                                    "q_segment_ids", "kv_segment_ids"))
+                                                    "q_segment_ids", "kv_segment_ids"), () if bias_grad else (3,))
     if folded is None:
         return _per_sample(op, info, in_dims, args, out_dims)
     outputs, batch = folded

@@ -34,6 +34,15 @@ def _check_grid(spec: FlashSpec) -> None:
         raise ValueError(f"batch ({spec.batch}) and heads ({spec.heads_q}) must each be <= {MAX_GRID_YZ}")
 
 
+def fold_chunks(n: int, batch: int) -> list[tuple[int, int]]:
+    """(first sample, samples) of each launch that a vmap over ``n`` samples of ``batch`` rows
+    folds into the batch (the fronts' vmap rules): the folded batch is a grid axis, so a launch
+    takes at most ``MAX_GRID_YZ // batch`` samples (at least one: a sample past the limit fails
+    in its own plan, naming its own batch). One launch for ``n`` = 0."""
+    step = max(1, MAX_GRID_YZ // batch) if batch else max(n, 1)
+    return [(start, min(step, n - start)) for start in range(0, n, step)] or [(0, 0)]
+
+
 def _scalars(spec: FlashSpec) -> tuple[tuple[str, int | float], ...]:
     left, right = spec.window or (0, 0)
     if spec.softcap is not None:
