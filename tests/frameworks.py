@@ -179,3 +179,18 @@ def rel_error(out: np.ndarray, ref: np.ndarray) -> float:
 
 # Relative-error bounds vs a float64 reference, per input dtype.
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def run_on_two_host_devices(script: str) -> None:
+    """Run ``script`` in a fresh Python with jax on two host CPU devices (the flag must be set
+    before jax is imported, so not in this process); fails with its stderr if it fails."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -338,18 +338,24 @@ def test_dropout_masks_agree(torch_fw, jax_fw):
     np.testing.assert_array_equal(*masks)
 
 
+def _record_plan_batches(monkeypatch) -> list[int]:
+    """The batch of every flash plan made from now on (forward and backward), in order."""
+    from triton_kernels import flash_attention as fa
+
+    batches = []
+    for name in ("forward_plan", "backward_plans"):
+        real = getattr(fa, name)
+        monkeypatch.setattr(fa, name, lambda spec, *a, _real=real: (batches.append(spec.batch), _real(spec, *a))[1])
+    return batches
+
+
 @pytest.mark.parametrize("bias_mapped", [False, True], ids=["shared-bias", "mapped-bias"])
 def test_vmap_folds_the_mapped_axis_into_the_batch(fw, rng, monkeypatch, bias_mapped):
     # vmap ran the kernels once per sample (torch: its fallback for ops without a batching rule,
     # jax: the launches' lax.map). A dense call without dropout now folds the mapped axis into the
     # batch: one launch of each kernel, made for n * batch rows, with the per-sample values.
-    from triton_kernels import flash_attention as fa
-
     n, b, sq, sk, h, d = 3, 2, 9, 11, 2, 16
-    batches = []
-    for name in ("forward_plan", "backward_plans"):
-        real = getattr(fa, name)
-        monkeypatch.setattr(fa, name, lambda spec, *a, _real=real: (batches.append(spec.batch), _real(spec, *a))[1])
+    batches = _record_plan_batches(monkeypatch)
     q = rng.standard_normal((n, b, sq, h, d))
     k = rng.standard_normal((b, sk, h, d))  # the same for every sample
     v = rng.standard_normal((b, sk, h, d, n))  # mapped over its last axis
@@ -407,10 +413,7 @@ def test_vmap_past_the_grid_limit_folds_in_several_launches(fw, rng, monkeypatch
 
     monkeypatch.setattr(fa.plan, "MAX_GRID_YZ", 8)
     n, b, s, h, d = 5, 2, 6, 2, 16  # folded: 10 rows, launched as 4 + 1 samples (8 + 2 rows)
-    batches = []
-    for name in ("forward_plan", "backward_plans"):
-        real = getattr(fa, name)
-        monkeypatch.setattr(fa, name, lambda spec, *a, _real=real: (batches.append(spec.batch), _real(spec, *a))[1])
+    batches = _record_plan_batches(monkeypatch)
     q = rng.standard_normal((n, b, s, h, d))
     k = rng.standard_normal((b, s, h, d))  # the same for every sample
     bias = rng.standard_normal((n, 1, h, s, s) if bias_mapped else (1, h, s, s))
@@ -787,16 +790,7 @@ def test_jax_arrays_on_different_devices_are_named():
     # Concrete arrays committed to different devices failed in jax with "Received incompatible
     # devices for jitted computation. Got argument args[0] of pure_callback ...", naming no
     # argument. Two host CPU devices need a flag set before jax is imported: a subprocess.
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _JAX_DEVICES_SCRIPT], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    frameworks.run_on_two_host_devices(_JAX_DEVICES_SCRIPT)
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from ejkernel_torch import interop
 from ejkernel_torch._interop import _bridge, _convert
 from ejkernel_torch.interop import jax_to_torch, to_jax, to_torch
+from tests import frameworks
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -1206,16 +1207,7 @@ def test_multi_device_jax_arrays_are_refused_by_name():
     _make_plain.<locals>.plain" (the bridge's internals); alone it ran, then failed on "output
     leaf 0". Now a ValueError naming the argument: single-device arrays only, device_put it.
     Two host CPU devices need a flag set before jax is imported: a subprocess."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _MULTI_DEVICE_SCRIPT], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    frameworks.run_on_two_host_devices(_MULTI_DEVICE_SCRIPT)
 
 # =====================================================================================
 # CUDA: stream ordering, device mapping (run by the lead on a GPU machine)
