@@ -221,6 +221,70 @@ def test_vmap_folds_the_mapped_axis_into_the_batch(fw, rng, monkeypatch):
                 np.testing.assert_array_equal(fw.to_numpy(got)[i], fw.to_numpy(want_grad))
 
 
+def test_vmap_past_the_grid_limit_folds_in_several_launches(fw, rng, monkeypatch):
+    # The folded batch (samples x batch) is the kernels' grid axis 1, at most 65535: a vmap over
+    # 300 samples of a batch-256 call raised "attention_fwd_kernel: grid (1, 76800) exceeds CUDA's
+    # limits" in both fronts (forward and backward), where each sample's call runs. Samples past
+    # the limit now go to further launches. (The limit is lowered here: 65536 programs are
+    # minutes under the interpreter.)
+    import importlib
+
+    from triton_kernels import plan
+
+    monkeypatch.setattr(plan, "MAX_GRID", (2**31 - 1, 8, 8))
+    module = importlib.import_module(f"ejkernel_{fw.name}.ops.padded_attention")
+    batches = []
+    for name in ("attention_fwd_plan", "attention_bwd_plans"):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda shape, *a, _real=real: (batches.append(shape[0]), _real(shape, *a))[1])
+    n, b, seq, head_dim = 5, 2, 9, 16  # folded: 10 rows, launched as 4 + 1 samples (8 + 2 rows)
+    q, k = rng.standard_normal((n, b, seq, head_dim)), rng.standard_normal((b, seq, head_dim))
+    n_pad = np.array([[0, 9], [3, 1], [0, 5], [2, 0], [9, 4]], np.int32)
+    in_dims = (0, None, 0)
+    args = [fw.asarray(x) for x in (q, k, n_pad)]
+
+    def attend(q, k, n_pad):
+        return fw.ops.padded_attention(q, k, k, n_pad)
+
+    def loss(q, k, n_pad):
+        return (attend(q, k, n_pad) ** 2).sum()
+
+    out = fw.to_numpy(fw.vmap(attend, in_dims)(*args))
+    dq, dk = (fw.to_numpy(g) for g in fw.vmap(fw.grad(loss, (0, 1)), in_dims)(*args))
+    assert batches and max(batches) <= 8 and 8 in batches
+    for i in range(n):
+        sample = (q[i], k, k, n_pad[i])
+        want = ref.forward(ref.padded_attention, *sample)
+        assert rel_error(out[i], want) < TOLERANCE["float32"]
+        want_dq, want_dk, want_dv = ref.vjp(ref.padded_attention, sample, 2 * want, n_diff=3)
+        assert rel_error(dq[i], want_dq) < GRAD_TOLERANCE["float32"]
+        assert rel_error(dk[i], want_dk + want_dv) < GRAD_TOLERANCE["float32"]
+    # A call past the limit by itself is refused by name, before any kernel runs.
+    with pytest.raises(ValueError, match=r"q has batch 9, more than the 8 batch rows"):
+        fw.ops.padded_attention(*(fw.asarray(rng.standard_normal((9, seq, head_dim))),) * 3,
+                                fw.asarray(np.zeros(9, np.int32)))
+
+
+def test_vmap_past_int32_rows_folds_in_several_launches(jax_fw):
+    # The backward's delta kernel counts batch * seq rows in int32: a vmap of the gradient over
+    # 2**15 samples of one 2**16-token sequence (each sample's call runs) folded 2**31 rows and
+    # raised "attention_bwd_delta_kernel: scalar n_rows=2147483648 does not fit int32", after
+    # the forward had run. Traced only (eval_shape): nothing is allocated or launched.
+    import jax
+    import jax.numpy as jnp
+
+    def loss(q, n_pad):
+        return jax_fw.ops.padded_attention(q, q, q, n_pad).astype(jnp.float32).sum()
+
+    n, seq = 2**15, 2**16
+    q, n_pad = jax.ShapeDtypeStruct((n, 1, seq, 16), jnp.float16), jax.ShapeDtypeStruct((n, 1), jnp.int32)
+    dq = jax.eval_shape(jax.vmap(jax.grad(loss)), q, n_pad)
+    assert dq.shape == q.shape
+    # One call of 2**15 + 1 such rows is refused by name, before any kernel runs (its gradient failed).
+    with pytest.raises(ValueError, match=r"q has batch 32769, more than the 32767 batch rows of seq 65536"):
+        jax.eval_shape(loss, jax.ShapeDtypeStruct((n + 1, seq, 16), jnp.float16), jax.ShapeDtypeStruct((n + 1,), jnp.int32))
+
+
 def _poison_padding(x: np.ndarray, n_pad: np.ndarray, value: float) -> np.ndarray:
     """``x`` [batch, seq, ...] with each sequence's padding rows set to ``value``."""
     x = x.copy()

@@ -351,3 +351,55 @@ def test_vmap_folds_the_mapped_axis_into_the_batch(fw, rng, monkeypatch, op):
             np.testing.assert_array_equal(fw.to_numpy(out)[i], fw.to_numpy(getattr(fw.ops, op)(*sample)))
             for got, want_grad in zip(grads, fw.grad(loss, argnums)(*sample)):
                 np.testing.assert_array_equal(fw.to_numpy(got)[i], fw.to_numpy(want_grad))
+
+
+@pytest.mark.parametrize("op", ["padded_softmax_v"])
+def test_vmap_past_a_launch_limit_folds_in_several_launches(fw, rng, monkeypatch, op):
+    # The folded batch (samples x batch) passed what one launch takes, where each sample's call
+    # runs: padded_softmax_v's batch is its kernels' grid axis 1 (65535: "scores_v_fwd_kernel:
+    # grid (1, 76800) exceeds CUDA's limits"), and padded_softmax's rows (batch * seq) are int32
+    # ("padded_softmax_fwd_kernel: scalar n_rows=2147483648 does not fit int32"). Samples past
+    # the limit now go to further launches. (The limits are lowered here, to 8 batch rows.)
+    import importlib
+
+    from triton_kernels import plan, softmax
+
+    if op == "padded_softmax_v":
+        monkeypatch.setattr(plan, "MAX_GRID", (2**31 - 1, 8, 8))
+        too_big = "scores has batch 9, more than the 8 batch rows"
+    else:
+        monkeypatch.setattr(softmax, "MAX_ROWS", 8 * _SEQ)
+        too_big = "scores has 63 rows \\(batch \\* seq\\), more than the 56"
+    module = importlib.import_module(f"ejkernel_{fw.name}.ops.softmax")
+    batches = []
+    for name, batch_of in _PLANS[op].items():
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *a, _real=real, _batch=batch_of: (batches.append(_batch(*a)), _real(*a))[1])
+    n, b = 5, 2  # folded: 10 rows, launched as 4 + 1 samples (8 + 2 rows)
+    scores = rng.standard_normal((n, b, _SEQ, _SEQ)) * 2
+    n_pad = np.array([[0, 7], [3, 1], [0, 5], [2, 0], [7, 4]], np.int32)
+    v = rng.standard_normal((b, _SEQ, 8))
+    with_v = op == "padded_softmax_v"
+    arrays, in_dims = ((scores, v, n_pad), (0, None, 0)) if with_v else ((scores, n_pad), (0, 0))
+    args = [fw.asarray(x) for x in arrays]
+    argnums = (0, 1) if with_v else (0,)
+
+    def loss(*a):
+        return (getattr(fw.ops, op)(*a) ** 2).sum()
+
+    out = fw.to_numpy(fw.vmap(getattr(fw.ops, op), in_dims)(*args))
+    grads = [fw.to_numpy(g) for g in fw.vmap(fw.grad(loss, argnums), in_dims)(*args)]
+    assert batches and max(batches) <= 8 and 8 in batches
+    reference = getattr(ref, op)
+    for i in range(n):
+        sample = (scores[i], v, n_pad[i]) if with_v else (scores[i], n_pad[i])
+        want = ref.forward(reference, *sample)
+        assert rel_error(out[i], want) < TOLERANCE["float32"]
+        for got, want_grad in zip(grads, ref.vjp(reference, sample, 2 * want, n_diff=len(argnums))):
+            assert rel_error(got[i], want_grad) < GRAD_TOLERANCE["float32"]
+    # A call past the limit by itself is refused by name, before any kernel runs.
+    big = [fw.asarray(rng.standard_normal((9, _SEQ, _SEQ))), fw.asarray(rng.standard_normal((9, _SEQ, 8))),
+           fw.asarray(np.zeros(9, np.int32))]
+    with pytest.raises(ValueError, match=too_big):
+        getattr(fw.ops, op)(*(big if with_v else big[::2]))

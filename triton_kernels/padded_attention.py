@@ -23,10 +23,31 @@ import triton
 import triton.language as tl
 
 from .params import BwdParams, FwdParams, attention_smem_bytes, check_params, check_tile_numel, itemsize
+from . import plan as launch_plan
 from .plan import DeviceFacts, LaunchPlan, Output, cdiv, check_float_dtype, fp32, next_power_of_2
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
+INT32_MAX = 2**31 - 1
+
+
+def max_batch(seq_len: int) -> int:
+    """The most batch rows of ``seq_len`` one launch takes: the batch is the kernels' grid axis 1
+    (CUDA's limit, ``plan.MAX_GRID``), and the backward's delta kernel counts batch * seq_len
+    rows in int32 (a runtime scalar)."""
+    return min(launch_plan.MAX_GRID[1], INT32_MAX // max(seq_len, 1))
+
+
+def check_batch(name: str, batch: int, seq_len: int) -> None:
+    """An op's argument ``name`` of ``batch`` rows of ``seq_len``: a ValueError naming it past
+    ``max_batch``, before any kernel runs (the forward ran, and the gradient failed in the delta
+    kernel's plan, past int32 rows)."""
+    limit = max_batch(seq_len)
+    if batch > limit:
+        raise ValueError(f"{name} has batch {batch}, more than the {limit} batch rows of seq {seq_len} one launch "
+                         f"takes (a CUDA grid axis of {launch_plan.MAX_GRID[1]}, and batch * seq within int32); "
+                         "split the batch")
+
 
 # --------------------------------------------------------------------------------------------
 # shared pieces

@@ -314,6 +314,16 @@ def _check_plan(plan: LaunchPlan) -> None:
                          "count too large for one launch)")
 
 
+def fold_chunks(n: int, per_sample: int, limit: int) -> list[tuple[int, int]]:
+    """(first sample, samples) of each launch that a vmap over ``n`` samples folds into one
+    launch axis (the fronts' vmap rules), where each sample takes ``per_sample`` of that axis and
+    one launch at most ``limit`` (a grid axis, an int32 row count): at most ``limit //
+    per_sample`` samples a launch, at least one (a sample past the limit fails in its own checks,
+    naming its own argument). One launch for ``n`` = 0."""
+    step = max(1, limit // per_sample) if per_sample else max(n, 1)
+    return [(start, min(step, n - start)) for start in range(0, n, step)] or [(0, 0)]
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 

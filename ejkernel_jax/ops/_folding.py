@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel_jax.launch import any_traced
+from triton_kernels.plan import fold_chunks
 
 
 def fold(x, batched: bool, n: int, batch: int | None = None):
@@ -26,26 +27,35 @@ def unfold(x, n: int, batch: int):
     return x.reshape((n, batch) + x.shape[1:])
 
 
-def call_folding(kernels, static: tuple, *arrays) -> tuple:
+def call_folding(kernels, static: tuple, *arrays, limit=None) -> tuple:
     """``kernels(*static, *arrays)``, a tuple of arrays, where every array (inputs and outputs)
     has the same leading axis and ``kernels`` treats each of its indices on its own. Under
     ``vmap`` the mapped axis is folded into that axis. Concrete arrays, which no vmap can be
-    batching, call ``kernels`` directly (a ``custom_vmap`` function traces itself on each call)."""
+    batching, call ``kernels`` directly (a ``custom_vmap`` function traces itself on each call).
+    ``limit``: given a sample's shape of the first array, the most of that leading axis one
+    launch takes (a grid axis, an int32 row count); past it the samples go to several launches
+    (``fold_chunks``), whose outputs are concatenated. None: no limit."""
     if not any_traced(*arrays):
         return tuple(kernels(*static, *arrays))
-    return _folding(kernels, static)(*arrays)
+    return _folding(kernels, static, limit)(*arrays)
 
 
 @functools.lru_cache(maxsize=256)
-def _folding(kernels, static: tuple):
+def _folding(kernels, static: tuple, limit=None):
     @jax.custom_batching.custom_vmap
     def run(*arrays):
         return tuple(kernels(*static, *arrays))
 
     @run.def_vmap
     def _rule(n, in_batched, *arrays):
-        batch = arrays[0].shape[1 if in_batched[0] else 0]
-        outputs = run(*(fold(x, b, n) for x, b in zip(arrays, in_batched)))  # an outer vmap folds again
+        sample = arrays[0].shape[1:] if in_batched[0] else arrays[0].shape
+        batch = sample[0]
+        chunks = [(0, n)] if limit is None else fold_chunks(n, batch, limit(tuple(sample)))
+        pieces = []
+        for start, size in chunks:
+            chunk = [x[start:start + size] if b and size != n else x for x, b in zip(arrays, in_batched)]
+            pieces.append(run(*(fold(x, b, size) for x, b in zip(chunk, in_batched))))  # an outer vmap folds again
+        outputs = pieces[0] if len(pieces) == 1 else tuple(jnp.concatenate(p) for p in zip(*pieces))
         return tuple(unfold(o, n, batch) for o in outputs), (True,) * len(outputs)
 
     return run

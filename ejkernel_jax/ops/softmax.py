@@ -12,11 +12,17 @@ from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of,
 from ejkernel_jax.ops._folding import call_folding
 from triton_kernels import checks
 from triton_kernels.padded_attention import scores_v_bwd_plans, scores_v_fwd_plan
+from triton_kernels import padded_attention as pa
 from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
 
 
 # -- kernels: each treats every row (batch row for the padded ones) on its own, so under vmap the
-# mapped axis folds into the rows (call_folding), one launch for all samples.
+# mapped axis folds into the rows (call_folding), one launch for all samples (several past one
+# launch's limit: a grid axis, int32 row counts).
+
+
+def _scores_v_limit(shape):  # scores [batch, seq, seq]
+    return pa.max_batch(shape[1])
 
 
 def _rows_forward_kernel(x2d):
@@ -94,7 +100,7 @@ _padded_softmax.defvjp(_padded_softmax_fwd, _padded_softmax_bwd)
 
 
 def _scores_v_forward(scores, v, n_pad):
-    return call_folding(_scores_v_forward_kernel, (), scores, v, n_pad)
+    return call_folding(_scores_v_forward_kernel, (), scores, v, n_pad, limit=_scores_v_limit)
 
 
 @jax.custom_vjp
@@ -110,7 +116,8 @@ def _padded_softmax_v_fwd(scores, v, n_pad):
 
 def _padded_softmax_v_bwd(residuals, dout):
     (scores, v, n_pad, out, lse), dout = first_order("padded_softmax_v", (residuals, dout))
-    dscores, dv = call_folding(_scores_v_backward_kernels, (), scores, v, n_pad, out, lse, dout.astype(v.dtype))
+    dscores, dv = call_folding(_scores_v_backward_kernels, (), scores, v, n_pad, out, lse, dout.astype(v.dtype),
+                               limit=_scores_v_limit)
     return dscores, dv, None
 
 
@@ -147,4 +154,5 @@ def padded_softmax_v(scores: jax.Array, v: jax.Array, n_pad: jax.Array) -> jax.A
     scores, n_pad = _padded_inputs(scores, n_pad, v)
     v = array_arg("v", v)
     checks.values_for_scores(tuple(v.shape), name_of(v), *scores.shape[:2], name_of(scores))
+    pa.check_batch("scores", *scores.shape[:2])
     return _padded_softmax_v(*vary_together((scores, v, n_pad)))

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from ejkernel_torch.launch import requires_grad_beneath
+from triton_kernels.plan import fold_chunks
 
 
 def fold(x: Optional[Tensor], dim: Optional[int], n: int, batch: Optional[int] = None) -> Optional[Tensor]:
@@ -31,7 +32,9 @@ def unfold(x: Tensor, n: int, batch: int) -> Tensor:
 def register_folding(kernel_op) -> None:
     """A vmap rule for ``kernel_op`` (a ``KernelOp``), whose tensor arguments and outputs all
     share one leading axis that its kernels treat index by index: every tensor argument is
-    folded, the op runs once and each output is unfolded."""
+    folded, the op runs once and each output is unfolded. Where the folded axis would pass
+    ``kernel_op.fold_limit`` (a grid axis, an int32 row count) the samples go to several
+    launches (``fold_chunks``), whose outputs are concatenated."""
     op = kernel_op.op
 
     @op.register_vmap
@@ -39,17 +42,36 @@ def register_folding(kernel_op) -> None:
         n = info.batch_size
         at = next(i for i, a in enumerate(args) if isinstance(a, Tensor))
         batch = args[at].shape[1 if in_dims[at] == 0 else 0]
-        folded = [fold(a, d, n) if isinstance(a, Tensor) else a for a, d in zip(args, in_dims)]
-        if torch.is_grad_enabled() and any(requires_grad_beneath(a) for a in folded):
-            # Reached so under torch.compile, where vmap's batched tensors hide requires_grad and
-            # the op is called outside its autograd function: its own derivative records it (in
-            # the innermost vmap's rule: until then the folded tensors are batched ones).
-            if not kernel_op.differentiable:
-                raise NotImplementedError(f"{op._name} under torch.func.vmap with inputs that require grad: it "
-                                          "has no derivative, and the gradient would be lost")
-            outputs = op(*folded)
+        chunks = [(0, n)]
+        if kernel_op.fold_limit is not None:
+            first, dim = args[at], in_dims[at]
+            sample = tuple(first.shape) if dim is None else tuple(first.shape[:dim] + first.shape[dim + 1:])
+            chunks = fold_chunks(n, batch, kernel_op.fold_limit(sample))
+        pieces = []
+        for start, size in chunks:
+            chunk = [a.narrow(d, start, size) if isinstance(a, Tensor) and d is not None and size != n else a
+                     for a, d in zip(args, in_dims)]
+            pieces.append(_folded_call(kernel_op, op, chunk, in_dims, size))
+        if len(pieces) == 1:
+            outputs = pieces[0]
+        elif isinstance(pieces[0], Tensor):
+            outputs = torch.cat(pieces)
         else:
-            outputs = kernel_op(*folded)
+            outputs = tuple(torch.cat(p) for p in zip(*pieces))
         if isinstance(outputs, Tensor):
             return unfold(outputs, n, batch), 0
         return tuple(unfold(o, n, batch) for o in outputs), (0,) * len(outputs)
+
+
+def _folded_call(kernel_op, op, args, in_dims, n: int):
+    """``kernel_op`` on ``args`` (``n`` samples each, mapped over ``in_dims``) folded."""
+    folded = [fold(a, d, n) if isinstance(a, Tensor) else a for a, d in zip(args, in_dims)]
+    if torch.is_grad_enabled() and any(requires_grad_beneath(a) for a in folded):
+        # Reached so under torch.compile, where vmap's batched tensors hide requires_grad and
+        # the op is called outside its autograd function: its own derivative records it (in
+        # the innermost vmap's rule: until then the folded tensors are batched ones).
+        if not kernel_op.differentiable:
+            raise NotImplementedError(f"{op._name} under torch.func.vmap with inputs that require grad: it "
+                                      "has no derivative, and the gradient would be lost")
+        return op(*folded)
+    return kernel_op(*folded)

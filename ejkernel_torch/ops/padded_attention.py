@@ -12,7 +12,7 @@ from ejkernel_torch.ops._common import (KernelFunction, KernelOp, autocast, firs
                                         name_of, same_device, saved_tensors, static_shape, tensor_arg)
 from triton_kernels import checks
 from triton_kernels.tuning import PADDED_BWD, PADDED_FWD
-from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan
+from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan, check_batch, max_batch
 from triton_kernels.params import BwdParams, FwdParams, decode_params, encode_params, op_params
 
 
@@ -37,9 +37,14 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, n_pad:
 
 
 # Registered ops (KernelOp); params travel as encode_params lists, which a schema can carry.
-# The kernels treat each batch row on its own: under vmap the mapped axis folds into the batch.
-_forward_op = KernelOp("padded_attention_fwd", _forward, folds_under_vmap=True)
-_backward_op = KernelOp("padded_attention_bwd", _backward, folds_under_vmap=True)
+# The kernels treat each batch row on its own: under vmap the mapped axis folds into the batch,
+# in several launches past one launch's batch (a grid axis; int32 rows).
+def _fold_limit(q_shape):
+    return max_batch(q_shape[1])
+
+
+_forward_op = KernelOp("padded_attention_fwd", _forward, folds_under_vmap=True, fold_limit=_fold_limit)
+_backward_op = KernelOp("padded_attention_bwd", _backward, folds_under_vmap=True, fold_limit=_fold_limit)
 
 
 def _setup(ctx, inputs, output):
@@ -82,6 +87,7 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_pad: t
     )
     scale = checks.softmax_scale(softmax_scale, head_dim)
     checks.uncapped_softmax_scale(scale, head_dim)
+    check_batch("q", batch, seq_len)
     device = same_device(q=q, k=k, v=v)
     fwd, bwd = op_params(FwdParams, fwd_params, "fwd_params"), op_params(BwdParams, bwd_params, "bwd_params")
     # Bad overrides fail here, before any kernel runs (torch.compile cannot trace the plan code).

@@ -11,6 +11,7 @@ from ejkernel_torch.ops._common import (KernelFunction, KernelOp, first_order, n
                                         same_device, saved_tensors, static_shape, tensor_arg)
 from triton_kernels import checks
 from triton_kernels.padded_attention import scores_v_bwd_plans, scores_v_fwd_plan
+from triton_kernels import padded_attention as pa
 from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
 
 
@@ -49,11 +50,18 @@ def _scores_v_backward(scores: Tensor, v: Tensor, n_pad: Tensor, out: Tensor, ls
     return dscores, dv
 
 
+# Folded past a launch's limit (a grid axis, int32 row counts), the samples go to several launches.
+def _scores_v_limit(shape):  # scores [batch, seq, seq]
+    return pa.max_batch(shape[1])
+
+
 _rows_forward_op = KernelOp("softmax_rows_fwd", _rows_forward, folds_under_vmap=True)
 _rows_backward_op = KernelOp("softmax_rows_bwd", _rows_backward, folds_under_vmap=True)
 _padded_probs_op = KernelOp("padded_softmax_fwd", _padded_probs, folds_under_vmap=True)
-_scores_v_forward_op = KernelOp("padded_softmax_v_fwd", _scores_v_forward, folds_under_vmap=True)
-_scores_v_backward_op = KernelOp("padded_softmax_v_bwd", _scores_v_backward, folds_under_vmap=True)
+_scores_v_forward_op = KernelOp("padded_softmax_v_fwd", _scores_v_forward, folds_under_vmap=True,
+                                fold_limit=_scores_v_limit)
+_scores_v_backward_op = KernelOp("padded_softmax_v_bwd", _scores_v_backward, folds_under_vmap=True,
+                                 fold_limit=_scores_v_limit)
 
 
 def _softmax_rows_backward(y2d: Tensor, dy2d: Tensor) -> Tensor:
@@ -133,5 +141,6 @@ def padded_softmax_v(scores: torch.Tensor, v: torch.Tensor, n_pad: torch.Tensor)
     v = tensor_arg("v", v)
     batch, seq_len = scores.shape[:2]
     checks.values_for_scores(tuple(v.shape), name_of(v), batch, seq_len, name_of(scores))
+    pa.check_batch("scores", batch, seq_len)
     same_device(scores=scores, v=v)
     return _padded_softmax_v(scores, v.contiguous(), n_pad)[0]

@@ -12,6 +12,7 @@ import functools
 from ..padded_attention import _bwd_tiles, _dot_precision, _fwd_tiles, override_tiles
 from ..params import BwdParams, FwdParams
 from ..plan import DeviceFacts, LaunchPlan, Output, cdiv, fp32, next_power_of_2
+from ..plan import fold_chunks as shared_fold_chunks
 from .backward import flash_bwd_delta_kernel, flash_bwd_dkdv_kernel, flash_bwd_dq_kernel
 from . import gluon_backward, gluon_forward
 from .dropout import dropout_mask_kernel
@@ -39,8 +40,7 @@ def fold_chunks(n: int, batch: int) -> list[tuple[int, int]]:
     folds into the batch (the fronts' vmap rules): the folded batch is a grid axis, so a launch
     takes at most ``MAX_GRID_YZ // batch`` samples (at least one: a sample past the limit fails
     in its own plan, naming its own batch). One launch for ``n`` = 0."""
-    step = max(1, MAX_GRID_YZ // batch) if batch else max(n, 1)
-    return [(start, min(step, n - start)) for start in range(0, n, step)] or [(0, 0)]
+    return shared_fold_chunks(n, batch, MAX_GRID_YZ)
 
 
 def _scalars(spec: FlashSpec) -> tuple[tuple[str, int | float], ...]:
