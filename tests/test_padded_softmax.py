@@ -353,7 +353,7 @@ def test_vmap_folds_the_mapped_axis_into_the_batch(fw, rng, monkeypatch, op):
                 np.testing.assert_array_equal(fw.to_numpy(got)[i], fw.to_numpy(want_grad))
 
 
-@pytest.mark.parametrize("op", ["padded_softmax_v"])
+@pytest.mark.parametrize("op", ["padded_softmax", "padded_softmax_v"])
 def test_vmap_past_a_launch_limit_folds_in_several_launches(fw, rng, monkeypatch, op):
     # The folded batch (samples x batch) passed what one launch takes, where each sample's call
     # runs: padded_softmax_v's batch is its kernels' grid axis 1 (65535: "scores_v_fwd_kernel:

@@ -183,3 +183,64 @@ def test_vmap_folds_the_mapped_axis_into_the_rows(fw, rng, monkeypatch):
             sample = fw.asarray(x[..., i])
             np.testing.assert_array_equal(fw.to_numpy(y)[i], fw.to_numpy(fw.ops.softmax(sample)))
             np.testing.assert_array_equal(fw.to_numpy(grad)[i], fw.to_numpy(fw.grad(loss, (0,))(sample)[0]))
+
+
+def test_vmap_past_the_row_limit_folds_in_several_launches(fw, rng, monkeypatch):
+    # The kernels count rows in int32: a vmap over 2 samples of 2**30 rows (each sample's call
+    # runs) folded 2**31 rows and raised "softmax_fwd_kernel: scalar n_rows=2147483648 does not
+    # fit int32" in both fronts. Samples past the limit now go to further launches. (The limit
+    # is lowered here; test_row_limit_keeps_the_block_count_in_int32 traces the real one.)
+    import importlib
+
+    from triton_kernels import softmax
+
+    monkeypatch.setattr(softmax, "MAX_ROWS", 8)
+    module = importlib.import_module(f"ejkernel_{fw.name}.ops.softmax")
+    planned = []
+    for name in ("softmax_fwd_plan", "softmax_bwd_plan"):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda rows, *a, _real=real: (planned.append(rows), _real(rows, *a))[1])
+    n, rows, cols = 5, 4, 33  # folded: 20 rows, launched as 2 + 2 + 1 samples
+    x = rng.standard_normal((rows, cols, n)) * 3  # mapped over its last axis
+    args = [fw.asarray(x)]
+
+    def loss(x):
+        return (fw.ops.softmax(x) ** 2).sum()
+
+    y = fw.to_numpy(fw.vmap(fw.ops.softmax, (2,))(*args))
+    (grad,) = (fw.to_numpy(g) for g in fw.vmap(fw.grad(loss, (0,)), (2,))(*args))
+    assert planned and max(planned) <= 8 and 8 in planned
+    for i in range(n):
+        want = ref.forward(ref.softmax, x[..., i])
+        assert rel_error(y[i], want) < TOLERANCE["float32"]
+        (want_grad,) = ref.vjp(ref.softmax, [x[..., i]], 2 * want, n_diff=1)
+        assert rel_error(grad[i], want_grad) < GRAD_TOLERANCE["float32"]
+    # A call past the limit by itself is refused by name, before any kernel runs.
+    with pytest.raises(ValueError, match=r"x has 9 rows \(slices along axis 0\), more than the 8"):
+        fw.ops.softmax(fw.asarray(rng.standard_normal((2, 3, 3))), axis=0)
+
+
+def test_row_limit_keeps_the_block_count_in_int32(jax_fw):
+    # The kernels loop over tl.cdiv(n_rows, BLOCK_M) = (n_rows + BLOCK_M - 1) // BLOCK_M blocks in
+    # int32: for n_rows past 2**31 - BLOCK_M (up to 2**31 - 1, which the plans took) that wrapped
+    # negative, and no row was written. Plans now stop at MAX_ROWS, where it cannot.
+    import jax
+    import jax.numpy as jnp
+
+    from triton_kernels import softmax
+    from triton_kernels.plan import HOPPER, DeviceFacts
+
+    assert softmax.MAX_ROWS + softmax.MAX_BLOCK_M - 1 <= 2**31 - 1
+    for facts in (DeviceFacts.cpu(), HOPPER):
+        for cols in (1, 16, 33, 1000, 40000):
+            plan = softmax.softmax_fwd_plan(softmax.MAX_ROWS, cols, "float16", facts)
+            assert plan.constexpr_dict["BLOCK_M"] <= softmax.MAX_BLOCK_M
+        with pytest.raises(ValueError, match="rows exceed"):
+            softmax.softmax_bwd_plan(2**31 - 1, 2, "float16", facts)
+    # Traced only (eval_shape): a vmap over 2 samples of 2**30 rows runs in two launches, and a
+    # call past the limit is refused by name.
+    x = jax.ShapeDtypeStruct((2, 2**30, 2), jnp.float16)
+    assert jax.eval_shape(jax.vmap(jax.grad(lambda x: jax_fw.ops.softmax(x)[:, 0].astype(jnp.float32).sum())),
+                          x).shape == x.shape
+    with pytest.raises(ValueError, match="x has 2147483647 rows"):
+        jax.eval_shape(jax_fw.ops.softmax, jax.ShapeDtypeStruct((2**31 - 1, 1), jnp.float16))

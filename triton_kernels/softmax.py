@@ -150,6 +150,24 @@ def softmax_bwd_kernel(y_ptr, dy_ptr, n_rows, dx_ptr, N_COLS: tl.constexpr,
 
 # Longest row kept in registers in one block; longer rows stream in STREAM_BLOCK_N chunks.
 MAX_ONE_PASS = 32768
+# Rows one launch takes: the kernels count rows in int32 and round them up to whole blocks
+# in int32 (tl.cdiv(n_rows, BLOCK_M) adds BLOCK_M - 1): past 2**31 - BLOCK_M the block count
+# wrapped negative and no row was written. BLOCK_M is at most MAX_BLOCK_M.
+MAX_BLOCK_M = 1024
+MAX_ROWS = 2**31 - MAX_BLOCK_M
+
+
+def check_rows(name: str, n_rows: int, what: str = "rows") -> None:
+    """An op's argument ``name`` whose ``n_rows`` rows (``what`` says how they are counted) one
+    launch takes: a ValueError naming it past ``MAX_ROWS``, before any kernel runs."""
+    if n_rows > MAX_ROWS:
+        raise ValueError(f"{name} has {n_rows} {what}, more than the {MAX_ROWS} one softmax launch takes "
+                         "(its kernels count rows in int32); split it")
+
+
+def max_padded_batch(seq_len: int) -> int:
+    """The most batch rows of ``seq_len`` one padded softmax launch takes (``seq_len`` rows each)."""
+    return MAX_ROWS // max(seq_len, 1)
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 STREAM_BLOCK_N = 4096
 
@@ -175,6 +193,7 @@ def _row_tiling(n_rows: int, n_cols: int, facts: DeviceFacts, streamed_bytes: in
         # the rows; with a cap, 2 and 4 rows of 16 gave different last bits on an H100). Surplus
         # rows of a tiny problem are masked.
         block_m = max(1, 256 // block_n)
+    assert block_m <= MAX_BLOCK_M  # MAX_ROWS relies on it
     num_warps = max(1, min(16, block_m * block_n // 512))
     # Only a one-pass body is simple enough for the software pipeliner to overlap blocks.
     fits = 2 * block_m * block_n * streamed_bytes <= facts.shared_memory * 3 // 4
@@ -187,6 +206,9 @@ def _row_plan(kernel, inputs, input_dtypes, row_len: tuple[str, int], output: Ou
     # The row length is a constexpr (one compile per length): masks and row offsets then carry
     # their alignment, and loads vectorize in both launchers alike.
     n_cols = row_len[1]
+    if n_rows > MAX_ROWS:
+        raise ValueError(f"{kernel.fn.__name__}: {n_rows} rows exceed the {MAX_ROWS} one launch takes (int32 row "
+                         "counts)")
     streamed = sum(ITEMSIZE[d] for d in input_dtypes if d in ITEMSIZE)
     consts, warps = _row_tiling(n_rows, n_cols, facts, streamed)
     blocks = cdiv(n_rows, consts["BLOCK_M"]) if n_cols else 0

@@ -13,12 +13,21 @@ from ejkernel_jax.ops._folding import call_folding
 from triton_kernels import checks
 from triton_kernels.padded_attention import scores_v_bwd_plans, scores_v_fwd_plan
 from triton_kernels import padded_attention as pa
+from triton_kernels import softmax as sm
 from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
 
 
 # -- kernels: each treats every row (batch row for the padded ones) on its own, so under vmap the
 # mapped axis folds into the rows (call_folding), one launch for all samples (several past one
 # launch's limit: a grid axis, int32 row counts).
+
+
+def _rows_limit(shape):  # [rows, cols]
+    return sm.MAX_ROWS
+
+
+def _padded_limit(shape):  # scores [batch, seq, seq]
+    return sm.max_padded_batch(shape[1])
 
 
 def _scores_v_limit(shape):  # scores [batch, seq, seq]
@@ -51,12 +60,12 @@ def _scores_v_backward_kernels(scores, v, n_pad, out, lse, dout):
 
 
 def _rows_backward(y2d: jax.Array, dy2d: jax.Array) -> jax.Array:
-    return call_folding(_rows_backward_kernel, (), y2d, dy2d.astype(y2d.dtype))[0]
+    return call_folding(_rows_backward_kernel, (), y2d, dy2d.astype(y2d.dtype), limit=_rows_limit)[0]
 
 
 @jax.custom_vjp
 def _softmax_rows(x2d):
-    return call_folding(_rows_forward_kernel, (), x2d)[0]
+    return call_folding(_rows_forward_kernel, (), x2d, limit=_rows_limit)[0]
 
 
 def _softmax_rows_fwd(x2d):
@@ -73,7 +82,7 @@ _softmax_rows.defvjp(_softmax_rows_fwd, _softmax_rows_bwd)
 
 
 def _padded_probs(scores, n_pad):
-    return call_folding(_padded_probs_kernel, (), scores, n_pad)[0]
+    return call_folding(_padded_probs_kernel, (), scores, n_pad, limit=_padded_limit)[0]
 
 
 @jax.custom_vjp
@@ -128,6 +137,7 @@ def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
     """Softmax along ``axis`` with float32 math; rows of only -inf give zeros, not NaN."""
     x = array_arg("x", x)
     axis = checks.softmax(tuple(x.shape), name_of(x), axis)
+    sm.check_rows("x", math.prod(x.shape[:axis]) * math.prod(x.shape[axis + 1:]), f"rows (slices along axis {axis})")
     moved = jnp.moveaxis(x, axis, -1)
     y = _softmax_rows(moved.reshape(math.prod(moved.shape[:-1]), moved.shape[-1]))
     return jnp.moveaxis(y.reshape(moved.shape), -1, axis)
@@ -146,6 +156,7 @@ def padded_softmax(scores: jax.Array, n_pad: jax.Array) -> jax.Array:
     Row ``i`` of batch ``b`` normalises over columns ``n_pad[b] <= j <= i``; padding rows are 0.
     """
     scores, n_pad = _padded_inputs(scores, n_pad)
+    sm.check_rows("scores", scores.shape[0] * scores.shape[1], "rows (batch * seq)")
     return _padded_softmax(*vary_together((scores, n_pad)))
 
 

@@ -12,6 +12,7 @@ from ejkernel_torch.ops._common import (KernelFunction, KernelOp, first_order, n
 from triton_kernels import checks
 from triton_kernels.padded_attention import scores_v_bwd_plans, scores_v_fwd_plan
 from triton_kernels import padded_attention as pa
+from triton_kernels import softmax as sm
 from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, softmax_fwd_plan
 
 
@@ -51,13 +52,21 @@ def _scores_v_backward(scores: Tensor, v: Tensor, n_pad: Tensor, out: Tensor, ls
 
 
 # Folded past a launch's limit (a grid axis, int32 row counts), the samples go to several launches.
+def _rows_limit(shape):  # [rows, cols]
+    return sm.MAX_ROWS
+
+
+def _padded_limit(shape):  # scores [batch, seq, seq]
+    return sm.max_padded_batch(shape[1])
+
+
 def _scores_v_limit(shape):  # scores [batch, seq, seq]
     return pa.max_batch(shape[1])
 
 
-_rows_forward_op = KernelOp("softmax_rows_fwd", _rows_forward, folds_under_vmap=True)
-_rows_backward_op = KernelOp("softmax_rows_bwd", _rows_backward, folds_under_vmap=True)
-_padded_probs_op = KernelOp("padded_softmax_fwd", _padded_probs, folds_under_vmap=True)
+_rows_forward_op = KernelOp("softmax_rows_fwd", _rows_forward, folds_under_vmap=True, fold_limit=_rows_limit)
+_rows_backward_op = KernelOp("softmax_rows_bwd", _rows_backward, folds_under_vmap=True, fold_limit=_rows_limit)
+_padded_probs_op = KernelOp("padded_softmax_fwd", _padded_probs, folds_under_vmap=True, fold_limit=_padded_limit)
 _scores_v_forward_op = KernelOp("padded_softmax_v_fwd", _scores_v_forward, folds_under_vmap=True,
                                 fold_limit=_scores_v_limit)
 _scores_v_backward_op = KernelOp("padded_softmax_v_bwd", _scores_v_backward, folds_under_vmap=True,
@@ -110,6 +119,7 @@ def softmax(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
     """Softmax along ``axis`` with float32 math; rows of only -inf give zeros, not NaN."""
     x = tensor_arg("x", x)
     axis = checks.softmax(tuple(x.shape), name_of(x), axis)
+    sm.check_rows("x", math.prod(x.shape[:axis]) * math.prod(x.shape[axis + 1:]), f"rows (slices along axis {axis})")
     if axis == x.ndim - 1:  # the common case: no transposes
         shape = x.shape
         return _softmax_rows(x.contiguous().view(math.prod(shape[:-1]), shape[-1])).view(shape)
@@ -132,6 +142,8 @@ def padded_softmax(scores: torch.Tensor, n_pad: torch.Tensor) -> torch.Tensor:
     Row ``i`` of batch ``b`` normalises over columns ``n_pad[b] <= j <= i``; padding rows are 0.
     """
     scores, n_pad = _padded_inputs(scores, n_pad)
+    batch, seq_len = scores.shape[:2]
+    sm.check_rows("scores", batch * seq_len, "rows (batch * seq)")
     return _padded_softmax(scores, n_pad)
 
 
