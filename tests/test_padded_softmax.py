@@ -304,12 +304,8 @@ _PLANS = {"padded_softmax": {"padded_softmax_fwd_plan": lambda batch, *_: batch,
                                "scores_v_bwd_plans": lambda v_shape, *_: v_shape[0]}}
 
 
-@pytest.mark.parametrize("op", ["padded_softmax", "padded_softmax_v"])
-def test_vmap_folds_the_mapped_axis_into_the_batch(fw, rng, monkeypatch, op):
-    # vmap ran the kernels once per sample (torch: its fallback for ops without a batching rule,
-    # jax: the launches' lax.map). The mapped axis now folds into the batch: one launch of each
-    # kernel, planned for n * batch rows, with each sample's values and gradients; v, the same
-    # for every sample, broadcasts.
+def _record_plan_batches(fw, monkeypatch, op: str) -> list[int]:
+    """The batch of every plan ``op``'s kernels get from now on, in order."""
     import importlib
 
     module = importlib.import_module(f"ejkernel_{fw.name}.ops.softmax")
@@ -318,9 +314,14 @@ def test_vmap_folds_the_mapped_axis_into_the_batch(fw, rng, monkeypatch, op):
         real = getattr(module, name)
         monkeypatch.setattr(module, name,
                             lambda *a, _real=real, _batch=batch_of: (batches.append(_batch(*a)), _real(*a))[1])
-    n, b = 3, 2
+    return batches
+
+
+def _vmap_case(fw, rng, op: str, n_pad: np.ndarray):
+    """Samples [n, batch, seq, seq] of scores (n, batch from ``n_pad``), a v shared by them, and
+    what vmap takes: (scores, v, with_v, args, in_dims, argnums of the gradient, loss)."""
+    n, b = n_pad.shape
     scores = rng.standard_normal((n, b, _SEQ, _SEQ)) * 2
-    n_pad = np.array([[0, 7], [3, 1], [0, 5]], np.int32)
     v = rng.standard_normal((b, _SEQ, 8))
     with_v = op == "padded_softmax_v"
     arrays, in_dims = ((scores, v, n_pad), (0, None, 0)) if with_v else ((scores, n_pad), (0, 0))
@@ -330,6 +331,19 @@ def test_vmap_folds_the_mapped_axis_into_the_batch(fw, rng, monkeypatch, op):
     def loss(*a):
         return (getattr(fw.ops, op)(*a) ** 2).sum()
 
+    return scores, v, with_v, args, in_dims, argnums, loss
+
+
+@pytest.mark.parametrize("op", ["padded_softmax", "padded_softmax_v"])
+def test_vmap_folds_the_mapped_axis_into_the_batch(fw, rng, monkeypatch, op):
+    # vmap ran the kernels once per sample (torch: its fallback for ops without a batching rule,
+    # jax: the launches' lax.map). The mapped axis now folds into the batch: one launch of each
+    # kernel, planned for n * batch rows, with each sample's values and gradients; v, the same
+    # for every sample, broadcasts.
+    batches = _record_plan_batches(fw, monkeypatch, op)
+    n, b = 3, 2
+    n_pad = np.array([[0, 7], [3, 1], [0, 5]], np.int32)
+    scores, v, with_v, args, in_dims, argnums, loss = _vmap_case(fw, rng, op, n_pad)
     out = fw.vmap(getattr(fw.ops, op), in_dims)(*args)
     per_sample_grads = fw.vmap(fw.grad(loss, argnums), in_dims)
     grads = per_sample_grads(*args)
@@ -360,8 +374,6 @@ def test_vmap_past_a_launch_limit_folds_in_several_launches(fw, rng, monkeypatch
     # grid (1, 76800) exceeds CUDA's limits"), and padded_softmax's rows (batch * seq) are int32
     # ("padded_softmax_fwd_kernel: scalar n_rows=2147483648 does not fit int32"). Samples past
     # the limit now go to further launches. (The limits are lowered here, to 8 batch rows.)
-    import importlib
-
     from triton_kernels import plan, softmax
 
     if op == "padded_softmax_v":
@@ -370,24 +382,10 @@ def test_vmap_past_a_launch_limit_folds_in_several_launches(fw, rng, monkeypatch
     else:
         monkeypatch.setattr(softmax, "MAX_ROWS", 8 * _SEQ)
         too_big = "scores has 63 rows \\(batch \\* seq\\), more than the 56"
-    module = importlib.import_module(f"ejkernel_{fw.name}.ops.softmax")
-    batches = []
-    for name, batch_of in _PLANS[op].items():
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name,
-                            lambda *a, _real=real, _batch=batch_of: (batches.append(_batch(*a)), _real(*a))[1])
+    batches = _record_plan_batches(fw, monkeypatch, op)
     n, b = 5, 2  # folded: 10 rows, launched as 4 + 1 samples (8 + 2 rows)
-    scores = rng.standard_normal((n, b, _SEQ, _SEQ)) * 2
     n_pad = np.array([[0, 7], [3, 1], [0, 5], [2, 0], [7, 4]], np.int32)
-    v = rng.standard_normal((b, _SEQ, 8))
-    with_v = op == "padded_softmax_v"
-    arrays, in_dims = ((scores, v, n_pad), (0, None, 0)) if with_v else ((scores, n_pad), (0, 0))
-    args = [fw.asarray(x) for x in arrays]
-    argnums = (0, 1) if with_v else (0,)
-
-    def loss(*a):
-        return (getattr(fw.ops, op)(*a) ** 2).sum()
-
+    scores, v, with_v, args, in_dims, argnums, loss = _vmap_case(fw, rng, op, n_pad)
     out = fw.to_numpy(fw.vmap(getattr(fw.ops, op), in_dims)(*args))
     grads = [fw.to_numpy(g) for g in fw.vmap(fw.grad(loss, argnums), in_dims)(*args)]
     assert batches and max(batches) <= 8 and 8 in batches

@@ -38,6 +38,12 @@ def max_batch(seq_len: int) -> int:
     return min(launch_plan.MAX_GRID[1], INT32_MAX // max(seq_len, 1))
 
 
+def fold_limit(shape) -> int:
+    """The most batch rows of a ``[batch, seq, ...]`` sample (q, or padded_softmax_v's scores) that
+    one folded launch takes (the fronts' vmap rules)."""
+    return max_batch(shape[1])
+
+
 def check_batch(name: str, batch: int, seq_len: int) -> None:
     """An op's argument ``name`` of ``batch`` rows of ``seq_len``: a ValueError naming it past
     ``max_batch``, before any kernel runs (the forward ran, and the gradient failed in the delta

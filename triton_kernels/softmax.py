@@ -168,6 +168,16 @@ def check_rows(name: str, n_rows: int, what: str = "rows") -> None:
 def max_padded_batch(seq_len: int) -> int:
     """The most batch rows of ``seq_len`` one padded softmax launch takes (``seq_len`` rows each)."""
     return MAX_ROWS // max(seq_len, 1)
+
+
+def rows_fold_limit(shape) -> int:
+    """The most rows of a ``[rows, cols]`` sample that one folded launch takes (the fronts' vmap rules)."""
+    return MAX_ROWS
+
+
+def padded_fold_limit(shape) -> int:
+    """The most batch rows of a ``[batch, seq, seq]`` scores sample that one folded launch takes."""
+    return max_padded_batch(shape[1])
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 STREAM_BLOCK_N = 4096
 

@@ -12,16 +12,12 @@ from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of,
 from ejkernel_jax.ops._folding import call_folding
 from triton_kernels import checks
 from triton_kernels.tuning import PADDED_BWD, PADDED_FWD
-from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan, check_batch, max_batch
+from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan, check_batch, fold_limit
 from triton_kernels.params import BwdParams, FwdParams, op_params
 
 
 # Every kernel treats each batch row on its own: under vmap the mapped axis folds into the batch
-# (call_folding), one launch for all samples (several past one launch's batch: _fold_limit).
-
-
-def _fold_limit(q_shape):
-    return max_batch(q_shape[1])
+# (call_folding), one launch for all samples (several past one launch's batch: fold_limit).
 
 
 def _forward_kernel(softmax_scale, fwd_params, q, k, v, n_pad):
@@ -41,7 +37,7 @@ def _backward_kernels(softmax_scale, bwd_params, q, k, v, out, lse2, n_pad, dout
 
 
 def _forward(q, k, v, n_pad, softmax_scale, fwd_params):
-    return call_folding(_forward_kernel, (softmax_scale, fwd_params), q, k, v, n_pad, limit=_fold_limit)
+    return call_folding(_forward_kernel, (softmax_scale, fwd_params), q, k, v, n_pad, limit=fold_limit)
 
 
 # Params are static (hashable FwdParams/BwdParams or None), like the scale.
@@ -59,7 +55,7 @@ def _padded_attention_fwd(q, k, v, n_pad, softmax_scale, fwd_params, bwd_params)
 def _padded_attention_bwd(softmax_scale, fwd_params, bwd_params, residuals, dout):
     (q, k, v, out, lse2, n_pad), dout = first_order("padded_attention", (residuals, dout))
     dq, dk, dv = call_folding(_backward_kernels, (softmax_scale, bwd_params), q, k, v, out, lse2, n_pad,
-                              dout.astype(q.dtype), limit=_fold_limit)
+                              dout.astype(q.dtype), limit=fold_limit)
     return dq, dk, dv, None
 
 

@@ -22,18 +22,6 @@ from triton_kernels.softmax import padded_softmax_fwd_plan, softmax_bwd_plan, so
 # launch's limit: a grid axis, int32 row counts).
 
 
-def _rows_limit(shape):  # [rows, cols]
-    return sm.MAX_ROWS
-
-
-def _padded_limit(shape):  # scores [batch, seq, seq]
-    return sm.max_padded_batch(shape[1])
-
-
-def _scores_v_limit(shape):  # scores [batch, seq, seq]
-    return pa.max_batch(shape[1])
-
-
 def _rows_forward_kernel(x2d):
     return launch(softmax_fwd_plan(*x2d.shape, name_of(x2d), device_facts()), x2d)
 
@@ -60,12 +48,12 @@ def _scores_v_backward_kernels(scores, v, n_pad, out, lse, dout):
 
 
 def _rows_backward(y2d: jax.Array, dy2d: jax.Array) -> jax.Array:
-    return call_folding(_rows_backward_kernel, (), y2d, dy2d.astype(y2d.dtype), limit=_rows_limit)[0]
+    return call_folding(_rows_backward_kernel, (), y2d, dy2d.astype(y2d.dtype), limit=sm.rows_fold_limit)[0]
 
 
 @jax.custom_vjp
 def _softmax_rows(x2d):
-    return call_folding(_rows_forward_kernel, (), x2d, limit=_rows_limit)[0]
+    return call_folding(_rows_forward_kernel, (), x2d, limit=sm.rows_fold_limit)[0]
 
 
 def _softmax_rows_fwd(x2d):
@@ -82,7 +70,7 @@ _softmax_rows.defvjp(_softmax_rows_fwd, _softmax_rows_bwd)
 
 
 def _padded_probs(scores, n_pad):
-    return call_folding(_padded_probs_kernel, (), scores, n_pad, limit=_padded_limit)[0]
+    return call_folding(_padded_probs_kernel, (), scores, n_pad, limit=sm.padded_fold_limit)[0]
 
 
 @jax.custom_vjp
@@ -109,7 +97,7 @@ _padded_softmax.defvjp(_padded_softmax_fwd, _padded_softmax_bwd)
 
 
 def _scores_v_forward(scores, v, n_pad):
-    return call_folding(_scores_v_forward_kernel, (), scores, v, n_pad, limit=_scores_v_limit)
+    return call_folding(_scores_v_forward_kernel, (), scores, v, n_pad, limit=pa.fold_limit)
 
 
 @jax.custom_vjp
@@ -126,7 +114,7 @@ def _padded_softmax_v_fwd(scores, v, n_pad):
 def _padded_softmax_v_bwd(residuals, dout):
     (scores, v, n_pad, out, lse), dout = first_order("padded_softmax_v", (residuals, dout))
     dscores, dv = call_folding(_scores_v_backward_kernels, (), scores, v, n_pad, out, lse, dout.astype(v.dtype),
-                               limit=_scores_v_limit)
+                               limit=pa.fold_limit)
     return dscores, dv, None
 
 

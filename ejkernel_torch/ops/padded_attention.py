@@ -12,7 +12,7 @@ from ejkernel_torch.ops._common import (KernelFunction, KernelOp, autocast, firs
                                         name_of, same_device, saved_tensors, static_shape, tensor_arg)
 from triton_kernels import checks
 from triton_kernels.tuning import PADDED_BWD, PADDED_FWD
-from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan, check_batch, max_batch
+from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan, check_batch, fold_limit
 from triton_kernels.params import BwdParams, FwdParams, decode_params, encode_params, op_params
 
 
@@ -36,15 +36,9 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, n_pad:
     return dq, dk, dv
 
 
-# Registered ops (KernelOp); params travel as encode_params lists, which a schema can carry.
-# The kernels treat each batch row on its own: under vmap the mapped axis folds into the batch,
-# in several launches past one launch's batch (a grid axis; int32 rows).
-def _fold_limit(q_shape):
-    return max_batch(q_shape[1])
-
-
-_forward_op = KernelOp("padded_attention_fwd", _forward, folds_under_vmap=True, fold_limit=_fold_limit)
-_backward_op = KernelOp("padded_attention_bwd", _backward, folds_under_vmap=True, fold_limit=_fold_limit)
+# Folded under vmap past one launch's batch (fold_limit), the samples go to several launches.
+_forward_op = KernelOp("padded_attention_fwd", _forward, folds_under_vmap=True, fold_limit=fold_limit)
+_backward_op = KernelOp("padded_attention_bwd", _backward, folds_under_vmap=True, fold_limit=fold_limit)
 
 
 def _setup(ctx, inputs, output):

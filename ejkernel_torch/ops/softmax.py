@@ -52,25 +52,13 @@ def _scores_v_backward(scores: Tensor, v: Tensor, n_pad: Tensor, out: Tensor, ls
 
 
 # Folded past a launch's limit (a grid axis, int32 row counts), the samples go to several launches.
-def _rows_limit(shape):  # [rows, cols]
-    return sm.MAX_ROWS
-
-
-def _padded_limit(shape):  # scores [batch, seq, seq]
-    return sm.max_padded_batch(shape[1])
-
-
-def _scores_v_limit(shape):  # scores [batch, seq, seq]
-    return pa.max_batch(shape[1])
-
-
-_rows_forward_op = KernelOp("softmax_rows_fwd", _rows_forward, folds_under_vmap=True, fold_limit=_rows_limit)
-_rows_backward_op = KernelOp("softmax_rows_bwd", _rows_backward, folds_under_vmap=True, fold_limit=_rows_limit)
-_padded_probs_op = KernelOp("padded_softmax_fwd", _padded_probs, folds_under_vmap=True, fold_limit=_padded_limit)
+_rows_forward_op = KernelOp("softmax_rows_fwd", _rows_forward, folds_under_vmap=True, fold_limit=sm.rows_fold_limit)
+_rows_backward_op = KernelOp("softmax_rows_bwd", _rows_backward, folds_under_vmap=True, fold_limit=sm.rows_fold_limit)
+_padded_probs_op = KernelOp("padded_softmax_fwd", _padded_probs, folds_under_vmap=True, fold_limit=sm.padded_fold_limit)
 _scores_v_forward_op = KernelOp("padded_softmax_v_fwd", _scores_v_forward, folds_under_vmap=True,
-                                fold_limit=_scores_v_limit)
+                                fold_limit=pa.fold_limit)
 _scores_v_backward_op = KernelOp("padded_softmax_v_bwd", _scores_v_backward, folds_under_vmap=True,
-                                 fold_limit=_scores_v_limit)
+                                 fold_limit=pa.fold_limit)
 
 
 def _softmax_rows_backward(y2d: Tensor, dy2d: Tensor) -> Tensor:
