@@ -2,7 +2,6 @@
 import triton
 import triton.language as tl
 
-from triton_kernels.padded_attention import _score_offsets, _token_offsets
 from triton_kernels.plan import LaunchPlan, Output
 
 
@@ -67,21 +66,3 @@ def to_bfloat16_plan(n: int) -> LaunchPlan:
                       scalars=(("n", n),),
                       outputs=(Output("stored_ptr", (n,), "bfloat16"), Output("cast_ptr", (n,), "bfloat16")),
                       constexprs=(("BLOCK", triton.next_power_of_2(n)),))
-
-
-@triton.jit(do_not_specialize_on_alignment=["seq_len", "head_dim"])
-def padded_offsets_kernel(rows_ptr, seq_len, head_dim, token_ptr, score_ptr, BLOCK: tl.constexpr):
-    # padded_attention's element offsets of rows ``rows`` (batch row 0): of the [seq, head_dim]
-    # tokens (columns 0..BLOCK-1) and of the [seq, seq] scores (columns seq - BLOCK..seq - 1).
-    i = tl.arange(0, BLOCK)
-    rows = tl.load(rows_ptr + i)
-    tiles = i[:, None] * BLOCK + i[None, :]
-    tl.store(token_ptr + tiles, _token_offsets(0, rows, i, head_dim))
-    tl.store(score_ptr + tiles, _score_offsets(tl.zeros([], tl.int64), rows, seq_len - BLOCK + i, seq_len))
-
-
-def padded_offsets_plan(seq_len: int, head_dim: int, block: int = 16) -> LaunchPlan:
-    return LaunchPlan(kernel=padded_offsets_kernel, grid=(1,), inputs=("rows_ptr",), input_dtypes=("int32",),
-                      scalars=(("seq_len", seq_len), ("head_dim", head_dim)),
-                      outputs=(Output("token_ptr", (block, block), "int64"), Output("score_ptr", (block, block), "int64")),
-                      constexprs=(("BLOCK", block),))

@@ -285,26 +285,6 @@ def test_vmap_past_int32_rows_folds_in_several_launches(jax_fw):
         jax.eval_shape(loss, jax.ShapeDtypeStruct((n + 1, seq, 16), jnp.float16), jax.ShapeDtypeStruct((n + 1,), jnp.int32))
 
 
-def test_offsets_past_int32_are_int64(torch_fw):
-    # The kernels computed row x head_dim (tokens) and row x seq_len (padded_softmax_v's [batch,
-    # seq, seq] scores) in int32: past 2**31 elements of one sequence (from seq_len 46341 for the
-    # scores, 4.3 GB of float16) the offsets wrapped and the kernels read and wrote elsewhere. Their
-    # offset helpers are checked here on a few rows (the real sizes are beyond the interpreter;
-    # the kernels are shared, and jax without x64 has no int64 outputs: torch's launcher only).
-    from tests import kernels_for_tests as kt
-
-    fw = torch_fw
-
-    block, seq_len, head_dim = 16, 50_000, 256
-    rows = np.array([0, 1, 8_388_607, 8_388_608, 9_000_000, 46_340, 46_341, seq_len - 1] * 2, np.int32)
-    token, score = (fw.to_numpy(x) for x in fw.launch(kt.padded_offsets_plan(seq_len, head_dim, block),
-                                                       fw.asarray(rows)))
-    rows, cols = rows.astype(np.int64)[:, None], np.arange(block, dtype=np.int64)[None, :]
-    np.testing.assert_array_equal(token, rows * head_dim + cols)
-    np.testing.assert_array_equal(score, rows * seq_len + seq_len - block + cols)
-    assert score.max() > 2**31 and token.max() > 2**31
-
-
 def _poison_padding(x: np.ndarray, n_pad: np.ndarray, value: float) -> np.ndarray:
     """``x`` [batch, seq, ...] with each sequence's padding rows set to ``value``."""
     x = x.copy()

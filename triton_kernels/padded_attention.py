@@ -125,33 +125,18 @@ def _tile_mask(offs, offs_d, seq_len, head_dim):
 
 
 @triton.jit
-def _token_offsets(base, offs, offs_d, head_dim):
-    """Element offsets of rows ``offs``, columns ``offs_d`` of the [seq, head_dim] slab at ``base``.
-    int64: in int32, row x head_dim wrapped past 2**31 elements of one sequence (from 8M tokens
-    at head_dim 256), and the kernels read and wrote elsewhere."""
-    return base + offs.to(tl.int64)[:, None] * head_dim + offs_d[None, :]
-
-
-@triton.jit
-def _score_offsets(b, offs_m, offs_n, seq_len):
-    """Element offsets of a tile of the [batch, seq, seq] scores (``b`` int64). int64: in int32,
-    row x seq_len wrapped from seq_len 46341 on (4.3 GB of float16 scores a sequence)."""
-    return b * seq_len * seq_len + offs_m.to(tl.int64)[:, None] * seq_len + offs_n[None, :]
-
-
-@triton.jit
 def _load_tokens(ptr, base, offs, offs_d, pad, seq_len, head_dim):
     """Rows ``offs`` of a [seq, head_dim] slab, zero outside it (head_dim padded to BLOCK_D) and
     on the padding rows (``offs < pad``), which are never read: padding may hold anything (an
     uninitialized buffer's NaN), and a masked probability of 0 times a NaN is still NaN in
     ``p @ v``, ``ds @ k`` and ``ds^T @ q``."""
-    return tl.load(ptr + _token_offsets(base, offs, offs_d, head_dim),
+    return tl.load(ptr + base + offs[:, None] * head_dim + offs_d[None, :],
                    mask=_tile_mask(offs, offs_d, seq_len, head_dim) & (offs >= pad)[:, None], other=0.0)
 
 
 @triton.jit
 def _store_tile(ptr, base, offs, offs_d, seq_len, head_dim, value):
-    tl.store(ptr + _token_offsets(base, offs, offs_d, head_dim), value.to(ptr.dtype.element_ty),
+    tl.store(ptr + base + offs[:, None] * head_dim + offs_d[None, :], value.to(ptr.dtype.element_ty),
              mask=_tile_mask(offs, offs_d, seq_len, head_dim))
 
 
@@ -231,7 +216,8 @@ def scores_v_fwd_kernel(s_ptr, v_ptr, n_pad_ptr, seq_len, head_dim, o_ptr, lse_p
 @triton.jit
 def _load_scores(s_ptr, b, offs_m, offs_n, mask, seq_len):
     """A float32 tile of the [batch, seq, seq] score tensor."""
-    return tl.load(s_ptr + _score_offsets(b, offs_m, offs_n, seq_len), mask=mask, other=0.0).to(tl.float32)
+    ptrs = s_ptr + b * seq_len * seq_len + offs_m[:, None] * seq_len + offs_n[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,8 +332,8 @@ def scores_v_bwd_ds_kernel(s_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, n_pad_ptr, 
         p = _probs(_load_scores(s_ptr, b, offs_m, offs_n, keep, seq_len), lse, keep, 1.4426950408889634)
         v = _load_tokens(v_ptr, base, offs_n, offs_d, pad, seq_len, head_dim)
         ds = p * (_dot(do, tl.trans(v), DOT_PRECISION) - delta[:, None])
-        tl.store(ds_ptr + _score_offsets(b, offs_m, offs_n, seq_len), ds.to(ds_ptr.dtype.element_ty),
-                 mask=(offs_m < seq_len)[:, None] & (offs_n < seq_len)[None, :])
+        ptrs = ds_ptr + b * seq_len * seq_len + offs_m[:, None] * seq_len + offs_n[None, :]
+        tl.store(ptrs, ds.to(ds_ptr.dtype.element_ty), mask=(offs_m < seq_len)[:, None] & (offs_n < seq_len)[None, :])
 
 
 @triton.jit(do_not_specialize_on_alignment=["seq_len", "head_dim"])
