@@ -285,6 +285,35 @@ def test_vmap_past_int32_rows_folds_in_several_launches(jax_fw):
         jax.eval_shape(loss, jax.ShapeDtypeStruct((n + 1, seq, 16), jnp.float16), jax.ShapeDtypeStruct((n + 1,), jnp.int32))
 
 
+def test_sequences_past_int32_offsets_are_refused(fw):
+    # The kernels address a sequence's elements with int32 offsets (row x width; the batch term is
+    # int64): past 2**31 - 1 elements (padded_softmax_v's scores from seq 46341 on, q past 8M
+    # tokens at head_dim 256) they wrapped and read and wrote elsewhere. Refused by name before
+    # anything runs or is copied: torch gets stride-0 views, jax traces shapes only.
+    from triton_kernels import padded_attention as pa
+
+    def call(op, *shapes):
+        dtypes = ["float16"] * (len(shapes) - 1) + ["int32"]  # the last is n_pad
+        if fw.name == "jax":
+            import jax
+
+            structs = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
+            return jax.eval_shape(getattr(fw.ops, op), *structs)
+        import torch
+
+        views = [torch.zeros((1,) * len(s), dtype=getattr(torch, d)).expand(s) for s, d in zip(shapes, dtypes)]
+        return getattr(fw.ops, op)(*views)
+
+    seq = 2**23 + 1
+    with pytest.raises(ValueError, match=rf"^q has sequences of {seq} x 256 elements, past the 2147483647"):
+        call("padded_attention", (1, seq, 256), (1, seq, 256), (1, seq, 256), (1,))
+    with pytest.raises(ValueError, match=r"^scores has sequences of 46341 x 46341 elements"):
+        call("padded_softmax_v", (1, 46341, 46341), (1, 46341, 8), (1,))
+    pa.check_sequence("scores", 46340, 46340)  # the largest square that fits
+    if fw.name == "jax":  # traced at that size: nothing runs
+        assert call("padded_softmax_v", (1, 46340, 46340), (1, 46340, 8), (1,)).shape == (1, 46340, 8)
+
+
 def _poison_padding(x: np.ndarray, n_pad: np.ndarray, value: float) -> np.ndarray:
     """``x`` [batch, seq, ...] with each sequence's padding rows set to ``value``."""
     x = x.copy()

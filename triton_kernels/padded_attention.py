@@ -55,6 +55,18 @@ def check_batch(name: str, batch: int, seq_len: int) -> None:
                          "split the batch")
 
 
+def check_sequence(name: str, seq_len: int, width: int) -> None:
+    """An op's argument ``name`` whose sequences are ``seq_len`` rows of ``width`` elements (q, k,
+    v: head_dim; padded_softmax_v's scores: seq_len): the kernels address a sequence's elements
+    with int32 offsets (row x width; the batch term is int64), which wrapped past 2**31 - 1 and
+    read and wrote elsewhere (scores from seq 46341 on). Refused by name before any kernel runs:
+    64-bit offsets there cost padded_softmax_v 10-25% on an H200 at every size."""
+    if seq_len * width > INT32_MAX:
+        raise ValueError(f"{name} has sequences of {seq_len} x {width} elements, past the {INT32_MAX} that the "
+                         "kernels' 32-bit offsets address; use flash_attention (no [seq, seq] scores) or "
+                         "shorter sequences")
+
+
 # --------------------------------------------------------------------------------------------
 # shared pieces
 

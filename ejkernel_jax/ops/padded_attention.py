@@ -12,7 +12,7 @@ from ejkernel_jax.ops._common import array_arg, first_order, n_pad_arg, name_of,
 from ejkernel_jax.ops._folding import call_folding
 from triton_kernels import checks
 from triton_kernels.tuning import PADDED_BWD, PADDED_FWD
-from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan, check_batch, fold_limit
+from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan, check_batch, check_sequence, fold_limit
 from triton_kernels.params import BwdParams, FwdParams, op_params
 
 
@@ -83,6 +83,7 @@ def padded_attention(q: jax.Array, k: jax.Array, v: jax.Array, n_pad: jax.Array,
     scale = checks.softmax_scale(softmax_scale, head_dim)
     checks.uncapped_softmax_scale(scale, head_dim)
     check_batch("q", batch, seq_len)
+    check_sequence("q", seq_len, head_dim)
     fwd, bwd = op_params(FwdParams, fwd_params, "fwd_params"), op_params(BwdParams, bwd_params, "bwd_params")
     if fwd is not None or bwd is not None:  # bad overrides fail here, before any kernel runs
         key = (tuple(q.shape), name_of(q), scale)

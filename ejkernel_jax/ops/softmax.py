@@ -154,4 +154,6 @@ def padded_softmax_v(scores: jax.Array, v: jax.Array, n_pad: jax.Array) -> jax.A
     v = array_arg("v", v)
     checks.values_for_scores(tuple(v.shape), name_of(v), *scores.shape[:2], name_of(scores))
     pa.check_batch("scores", *scores.shape[:2])
+    pa.check_sequence("scores", scores.shape[1], scores.shape[1])
+    pa.check_sequence("v", scores.shape[1], v.shape[-1])
     return _padded_softmax_v(*vary_together((scores, v, n_pad)))

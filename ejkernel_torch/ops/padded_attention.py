@@ -12,7 +12,7 @@ from ejkernel_torch.ops._common import (KernelFunction, KernelOp, autocast, firs
                                         name_of, same_device, saved_tensors, static_shape, tensor_arg)
 from triton_kernels import checks
 from triton_kernels.tuning import PADDED_BWD, PADDED_FWD
-from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan, check_batch, fold_limit
+from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan, check_batch, check_sequence, fold_limit
 from triton_kernels.params import BwdParams, FwdParams, decode_params, encode_params, op_params
 
 
@@ -82,6 +82,7 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_pad: t
     scale = checks.softmax_scale(softmax_scale, head_dim)
     checks.uncapped_softmax_scale(scale, head_dim)
     check_batch("q", batch, seq_len)
+    check_sequence("q", seq_len, head_dim)
     device = same_device(q=q, k=k, v=v)
     fwd, bwd = op_params(FwdParams, fwd_params, "fwd_params"), op_params(BwdParams, bwd_params, "bwd_params")
     # Bad overrides fail here, before any kernel runs (torch.compile cannot trace the plan code).

@@ -137,10 +137,12 @@ def padded_softmax(scores: torch.Tensor, n_pad: torch.Tensor) -> torch.Tensor:
 
 def padded_softmax_v(scores: torch.Tensor, v: torch.Tensor, n_pad: torch.Tensor) -> torch.Tensor:
     """``padded_softmax(scores, n_pad) @ v`` in one kernel; v is ``[batch, seq, head_dim]``."""
-    scores, n_pad = _padded_inputs(scores, n_pad)
-    v = tensor_arg("v", v)
-    batch, seq_len = scores.shape[:2]
+    scores, v = tensor_arg("scores", scores), tensor_arg("v", v)
+    batch, seq_len = checks.padded_scores(tuple(scores.shape), name_of(scores))
     checks.values_for_scores(tuple(v.shape), name_of(v), batch, seq_len, name_of(scores))
     pa.check_batch("scores", batch, seq_len)
+    pa.check_sequence("scores", seq_len, seq_len)  # before _padded_inputs copies a strided scores
+    pa.check_sequence("v", seq_len, v.shape[-1])
+    scores, n_pad = _padded_inputs(scores, n_pad)
     same_device(scores=scores, v=v)
     return _padded_softmax_v(scores, v.contiguous(), n_pad)[0]
