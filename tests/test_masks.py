@@ -151,6 +151,26 @@ def test_offsets_beyond_int32_positions_raise(offset):
         M.LocalMask(shape, (0, 2**31 + 3), -(2**31))  # binding for query 0, yet not an int32
 
 
+def test_chunk_reaching_the_last_int32_position_is_causal():
+    """With the last query at position 2**31 - 1 a chunk holding every position is 2**31 long,
+    no int32: ChunkedCausalMask and make_chunk_attention_mask raised numpy's OverflowError
+    naming no argument, on a valid mask (CausalMask takes that offset)."""
+    shape, offset = (8, 8), 2**31 - 8
+    for chunk_size in (2**31, 2**40):
+        mask = M.ChunkedCausalMask(shape, chunk_size, offset=offset)
+        np.testing.assert_array_equal(mask[:, :], np.ones(shape, bool))
+        q_ids, kv_ids = np.broadcast_arrays(np.arange(8, dtype=np.int32)[:, None], np.arange(8, dtype=np.int32))
+        on_jax = mask.mask_function(jnp.asarray(q_ids), jnp.asarray(kv_ids))
+        np.testing.assert_array_equal(on_jax, np.ones(shape, bool))
+        np.testing.assert_array_equal(M.make_chunk_attention_mask(shape, chunk_size, offset=offset),
+                                      np.ones(shape, bool))
+    # One short of it still splits the last position off into its own chunk.
+    want = np.ones(shape, bool)
+    want[-1] = False
+    np.testing.assert_array_equal(M.ChunkedCausalMask(shape, 2**31 - 1, offset=offset)[:, :], want)
+    np.testing.assert_array_equal(M.make_chunk_attention_mask(shape, 2**31 - 1, offset=offset), want)
+
+
 def test_computable_flags():
     shape = (32, 32)
     cases = dense_cases(shape)

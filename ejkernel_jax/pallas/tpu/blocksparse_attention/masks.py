@@ -90,6 +90,8 @@ def make_chunk_attention_mask(shape: tuple[int, int], chunk_size: int, *, offset
     chunk_size = _reaching_chunk(_check_chunk(chunk_size), shape, offset)
     q, kv = _grid(shape)
     pos = q + offset
+    if chunk_size > _INT32_MAX:  # one chunk holds every position: causal (2**31 is no int32)
+        return pos >= kv
     return (pos // chunk_size == kv // chunk_size) & (pos >= kv)
 
 
@@ -193,7 +195,8 @@ def _reaching_sides(sides, shape: tuple[int, int], offset: int) -> tuple[int | N
 
 def _reaching_chunk(chunk_size: int, shape: tuple[int, int], offset: int) -> int:
     """``chunk_size`` capped at one chunk holding every position (negative positions are
-    masked by the causal term, whatever their chunk)."""
+    masked by the causal term, whatever their chunk). The cap is 2**31 when the last query
+    sits at position 2**31 - 1: callers treat a chunk past int32 as causal attention."""
     return min(chunk_size, max(offset + shape[0], shape[1]))
 
 
@@ -440,7 +443,10 @@ class ChunkedCausalMask(_Computable):
         self.chunk_size = _check_chunk(chunk_size)
         self.offset = _check_offset(offset, shape)
         chunk = _reaching_chunk(self.chunk_size, shape, self.offset)
-        super().__init__(shape, _ChunkedCausal(chunk, self.offset), shard_count)
+        # A chunk holding every position is causal attention; one of 2**31 (the last query at
+        # position 2**31 - 1) is no int32 chunk id divisor: numpy raised an OverflowError.
+        fn = _Causal(self.offset) if chunk > _INT32_MAX else _ChunkedCausal(chunk, self.offset)
+        super().__init__(shape, fn, shard_count)
 
 
 class _Binary(Mask):
