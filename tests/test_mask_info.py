@@ -317,6 +317,9 @@ def test_invalid_inputs_raise():
         I.process_mask(M.CausalMask((64, 64)), (16, 16))  # 2-D: wrong rank
     with pytest.raises(ValueError, match="mask"):
         I.process_mask(np.ones((64, 64), bool), (16, 16))
+    for process in (I.process_mask, I.process_mask_dkv):  # named "array" (NumpyMask's argument)
+        with pytest.raises(TypeError, match="^mask must be boolean, got dtype int32"):
+            process(np.ones((4, 64, 64), np.int32), (16, 16))
     with pytest.raises(ValueError, match=r"block_shape\[0\]"):
         I.process_mask(mask, (24, 16))
     with pytest.raises(ValueError, match=r"block_shape\[1\]"):

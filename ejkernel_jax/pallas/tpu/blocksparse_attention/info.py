@@ -118,6 +118,8 @@ def _as_multi_head(mask: Any) -> mask_lib.MultiHeadMask:
     if isinstance(mask, mask_lib.MultiHeadMask):
         return mask
     if isinstance(mask, np.ndarray) and mask.ndim == 3:
+        if mask.dtype != np.bool_:  # named here: NumpyMask's own error names its "array"
+            raise TypeError(f"mask must be boolean, got dtype {mask.dtype}")
         return mask_lib.MultiHeadMask([mask_lib.NumpyMask(m) for m in mask])
     shape = getattr(mask, "shape", None)
     raise ValueError(
