@@ -171,6 +171,8 @@ def _parse(text: str) -> tuple[dict[str, dict], str | None]:
         doc = json.loads(text)
     except ValueError as e:
         return {}, f"is not valid JSON ({e})"
+    except RecursionError:  # "[[[[..." deeper than the parser recurses: garbage, not a crash of every op
+        return {}, "is not valid JSON (nested too deeply)"
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         return {}, "is not an ejkernel config cache"
     if doc.get("version") != FORMAT_VERSION:
