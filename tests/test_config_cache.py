@@ -65,6 +65,22 @@ def test_reads_see_other_writers(cache):
     assert cache.lookup(KEY) == {"BLOCK": 32}
 
 
+def test_reads_see_a_rewrite_in_place_that_keeps_size_and_mtime(cache):
+    """``cp -p``, ``rsync -t --inplace``, ``touch -r``: same inode, same size, the old mtime."""
+    cache.store(KEY, {"BLOCK": 32})
+    before = os.stat(cache.path)
+    assert cache.lookup(KEY) == {"BLOCK": 32}
+    time.sleep(0.01)  # past a coarse clock's tick, so that only the mtime could hide the change
+    with open(cache.path, "r+", encoding="utf-8") as f:
+        text = f.read().replace('"BLOCK": 32', '"BLOCK": 64')
+        f.seek(0)
+        f.write(text)
+    os.utime(cache.path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(cache.path)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    assert cache.lookup(KEY) == {"BLOCK": 64}
+
+
 def test_heuristic_by_default_and_never_stored(cache, monkeypatch):
     monkeypatch.delenv(cc.AUTOTUNE_ENV, raising=False)
     bench = fake_bench({64: 1.0, 128: 2.0, 256: 3.0})

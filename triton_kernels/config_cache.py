@@ -207,7 +207,9 @@ class ConfigCache:
             st = os.stat(self.path)
         except OSError:
             return None
-        return st.st_ino, st.st_mtime_ns, st.st_size
+        # ctime too: a rewrite in place that keeps the size and restores the mtime (cp -p, rsync -t
+        # --inplace, touch -r, tar) changes nothing else here, and the old entries were kept
+        return st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size
 
     def _read_file(self) -> tuple[dict[str, dict], str | None, bool]:
         """(entries, problem, whether the content is bad: the file may be moved aside).
