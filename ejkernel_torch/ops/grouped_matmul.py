@@ -32,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 import torch
-from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import guard_or_true, has_free_unbacked_symbols
 
 from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch_traceable, plain_eager,
                                    reject_forward_ad, vmap_only)
@@ -416,7 +416,11 @@ def _compile_time_groups(group_sizes: torch.Tensor, group_offset, num_selected) 
     # Bad values count as 0 here: the checks after this refuse them by name.
     used = sum(max(int(v), 0) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else 0
                for v in (group_offset, num_selected))
-    torch._check(length >= used, lambda: "group_sizes has fewer groups than group_offset + num_selected")
+    if not guard_or_true(length >= used):  # known short (a static length): the checks name it
+        return group_sizes
+    # No message function: strict torch.export (torch 2.13) took it for a tensor constant and
+    # failed with "AttributeError: 'function' object has no attribute 'is_quantized'".
+    torch._check(length >= used)
     return group_sizes[:used]
 
 
