@@ -162,6 +162,41 @@ def test_torch_compile_fullgraph_with_keys_as_values(torch_fw, rng):
     assert rel_error(torch_fw.to_numpy(kv.grad), d_k + d_v) < GRAD_TOLERANCE["float32"]  # both uses add up
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_torch_export_program_takes_gradients(torch_fw, rng, strict):
+    """Strict torch.export traced the op's autograd function under no_grad: the exported program
+    recorded no gradient through it, so a loss with another term silently lacked the attention's
+    share (and one through it alone raised "does not require grad"). The program's gradients are
+    eager's, one tensor as both k and v and new n_pad values included."""
+    import torch
+
+    import ejkernel_torch as ejk
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x, n_pad):
+            h = self.proj(x)
+            return ejk.padded_attention(h, x, x, n_pad).square().sum() + h.sum()
+
+    model = Model()
+    x = torch.randn(2, 7, 8)
+    program = torch.export.export(model, (x, torch.tensor([0, 3], dtype=torch.int32)), strict=strict).module()
+    for n_pad in ([0, 3], [6, 1]):
+        n_pad = torch.tensor(n_pad, dtype=torch.int32)
+        grads = []
+        for fn, params in ((program, list(program.parameters())), (model, list(model.parameters()))):
+            x_ = x.clone().requires_grad_()
+            fn(x_, n_pad).backward()
+            grads.append([x_.grad, *(p.grad for p in params)])
+            for p in params:
+                p.grad = None
+        for got, want in zip(*grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_double_backward_raises(torch_fw, rng):
     # The backward kernels have no derivative: a create_graph=True gradient had no graph through
     # them, so a second derivative silently dropped their terms (off by ~5 on this case).

@@ -291,6 +291,12 @@ class KernelFunction:
                 return self.forward(*args)
             return self.transforms_function.apply(*args)
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            if torch.compiler.is_exporting():
+                # Strict torch.export traced the autograd function's forward under no_grad
+                # (wrap_with_set_grad_enabled(False)): the exported program recorded no gradient for
+                # the op (a loss through it alone raised "does not require grad", one with other
+                # terms silently left out its share). The op's registered derivative exports.
+                return self.forward(*args)
             if torch.compiler.is_compiling():
                 args = _distinct_tensors(args)
             return self.function.apply(*args)
