@@ -27,6 +27,19 @@ def unfold(x, n: int, batch: int):
     return x.reshape((n, batch) + x.shape[1:])
 
 
+def in_chunks(chunks, n: int, arrays, in_batched, call, shared: tuple = ()) -> tuple:
+    """``call(size, arrays)`` on each chunk of the ``n`` mapped samples (``(start, size)`` pairs:
+    the mapped arrays sliced, the others whole), the outputs concatenated along their folded axis,
+    except ``shared`` ones (the same for every sample: the first chunk's)."""
+    pieces = []
+    for start, size in chunks:
+        chunk = [x[start:start + size] if b and x is not None and size != n else x for x, b in zip(arrays, in_batched)]
+        pieces.append(tuple(call(size, chunk)))
+    if len(pieces) == 1:
+        return pieces[0]
+    return tuple(p[0] if i in shared else jnp.concatenate(p) for i, p in enumerate(zip(*pieces)))
+
+
 def call_folding(kernels, static: tuple, *arrays, limit=None) -> tuple:
     """``kernels(*static, *arrays)``, a tuple of arrays, where every array (inputs and outputs)
     has the same leading axis and ``kernels`` treats each of its indices on its own. Under
@@ -51,11 +64,8 @@ def _folding(kernels, static: tuple, limit=None):
         sample = arrays[0].shape[1:] if in_batched[0] else arrays[0].shape
         batch = sample[0]
         chunks = [(0, n)] if limit is None else fold_chunks(n, batch, limit(tuple(sample)))
-        pieces = []
-        for start, size in chunks:
-            chunk = [x[start:start + size] if b and size != n else x for x, b in zip(arrays, in_batched)]
-            pieces.append(run(*(fold(x, b, size) for x, b in zip(chunk, in_batched))))  # an outer vmap folds again
-        outputs = pieces[0] if len(pieces) == 1 else tuple(jnp.concatenate(p) for p in zip(*pieces))
+        outputs = in_chunks(chunks, n, arrays, in_batched,  # an outer vmap folds again
+                            lambda size, chunk: run(*(fold(x, b, size) for x, b in zip(chunk, in_batched))))
         return tuple(unfold(o, n, batch) for o in outputs), (True,) * len(outputs)
 
     return run

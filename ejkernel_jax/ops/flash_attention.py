@@ -14,7 +14,7 @@ from ejkernel_jax._vma import vary_together
 from ejkernel_jax.launch import any_traced, device_facts, launch
 from ejkernel_jax.ops import _tuning
 from ejkernel_jax.ops._common import array_arg, first_order, is_concrete, name_of, same_device
-from ejkernel_jax.ops._folding import fold, unfold
+from ejkernel_jax.ops._folding import fold, in_chunks, unfold
 from triton_kernels import checks, flash_attention as fa
 from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
 from triton_kernels.params import BwdParams, FwdParams, op_params
@@ -85,14 +85,12 @@ def _folding(kernels, spec, static: tuple, shared_outputs: tuple = ()):
     @run.def_vmap
     def _rule(n, in_batched, *arrays):
         # The folded batch is a grid axis: past its limit the samples go to several launches.
-        pieces = []
-        for start, size in fa.fold_chunks(n, spec.batch):
-            chunk = [x[start:start + size] if b and x is not None and size != n else x
-                     for x, b in zip(arrays, in_batched)]
+        def launch(size, chunk):
             folded_spec, folded = _fold_call(spec, size, in_batched, chunk)
-            pieces.append(_folding(kernels, folded_spec, static, shared_outputs)(*folded))  # an outer vmap folds again
-        batched = tuple(i not in shared_outputs for i in range(len(pieces[0])))
-        outputs = tuple(jnp.concatenate(p) if b and len(p) > 1 else p[0] for p, b in zip(zip(*pieces), batched))
+            return _folding(kernels, folded_spec, static, shared_outputs)(*folded)  # an outer vmap folds again
+
+        outputs = in_chunks(fa.fold_chunks(n, spec.batch), n, arrays, in_batched, launch, shared_outputs)
+        batched = tuple(i not in shared_outputs for i in range(len(outputs)))
         return tuple(unfold(o, n, spec.batch) if b else o for o, b in zip(outputs, batched)), batched
 
     return run

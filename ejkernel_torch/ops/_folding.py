@@ -29,6 +29,22 @@ def unfold(x: Tensor, n: int, batch: int) -> Tensor:
     return x.unflatten(0, (n, batch))
 
 
+def in_chunks(chunks, n: int, args, in_dims, call, shared: tuple = ()):
+    """``call(size, args)`` on each chunk of the ``n`` mapped samples (``(start, size)`` pairs: the
+    mapped tensors narrowed, the rest whole), the outputs (a tensor or a tuple) concatenated along
+    their folded axis, except ``shared`` ones (the same for every sample: the first chunk's)."""
+    pieces = []
+    for start, size in chunks:
+        chunk = [a.narrow(d, start, size) if isinstance(a, Tensor) and d is not None and size != n else a
+                 for a, d in zip(args, in_dims)]
+        pieces.append(call(size, chunk))
+    if len(pieces) == 1:
+        return pieces[0]
+    if isinstance(pieces[0], Tensor):
+        return torch.cat(pieces)
+    return tuple(p[0] if i in shared else torch.cat(p) for i, p in enumerate(zip(*pieces)))
+
+
 def register_folding(kernel_op) -> None:
     """A vmap rule for ``kernel_op`` (a ``KernelOp``), whose tensor arguments and outputs all
     share one leading axis that its kernels treat index by index: every tensor argument is
@@ -47,17 +63,8 @@ def register_folding(kernel_op) -> None:
             first, dim = args[at], in_dims[at]
             sample = tuple(first.shape) if dim is None else tuple(first.shape[:dim] + first.shape[dim + 1:])
             chunks = fold_chunks(n, batch, kernel_op.fold_limit(sample))
-        pieces = []
-        for start, size in chunks:
-            chunk = [a.narrow(d, start, size) if isinstance(a, Tensor) and d is not None and size != n else a
-                     for a, d in zip(args, in_dims)]
-            pieces.append(_folded_call(kernel_op, op, chunk, in_dims, size))
-        if len(pieces) == 1:
-            outputs = pieces[0]
-        elif isinstance(pieces[0], Tensor):
-            outputs = torch.cat(pieces)
-        else:
-            outputs = tuple(torch.cat(p) for p in zip(*pieces))
+        outputs = in_chunks(chunks, n, args, in_dims,
+                            lambda size, chunk: _folded_call(kernel_op, op, chunk, in_dims, size))
         if isinstance(outputs, Tensor):
             return unfold(outputs, n, batch), 0
         return tuple(unfold(o, n, batch) for o in outputs), (0,) * len(outputs)

@@ -33,7 +33,7 @@ from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, l
 from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import (KernelOp, autocast, autograd_function, first_order, name_of, no_grad_op,
                                         same_device, saved_tensors, tensor_arg, values_readable)
-from ejkernel_torch.ops._folding import fold, unfold
+from ejkernel_torch.ops._folding import fold, in_chunks, unfold
 from triton_kernels import checks, flash_attention as fa, tuning
 from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
 from triton_kernels.params import BwdParams, FwdParams, decode_params, encode_params, op_params
@@ -283,22 +283,18 @@ def _folded_call(op, info, in_dims: tuple, args: tuple, batched: tuple[str, ...]
         return None
     q_dim = in_dims[at["q"]]
     batch = args[at["q"]].shape[1 if q_dim == 0 else 0]
-    n = info.batch_size
-    pieces = []
-    for start, size in fa.fold_chunks(n, batch):
-        folded = list(args)
+
+    def launch(size, chunk):
+        folded = list(chunk)
         for name in batched:
             i = at[name]
-            x, dim = args[i], in_dims[i]
-            shared_bias = name == "bias" and x is not None and dim is None and x.shape[0] == 1
-            if not shared_bias:
-                if x is not None and dim is not None and size != n:
-                    x = x.narrow(dim, start, size)
+            x, dim = chunk[i], in_dims[i]
+            if not (name == "bias" and x is not None and dim is None and x.shape[0] == 1):  # shared bias
                 folded[i] = fold(x, dim, size, batch)
-        pieces.append(op(*folded))
-    if len(pieces) == 1:
-        return pieces[0], batch
-    return tuple(p[0] if i in shared else torch.cat(p) for i, p in enumerate(zip(*pieces))), batch
+        return op(*folded)
+
+    n = info.batch_size
+    return in_chunks(fa.fold_chunks(n, batch), n, args, in_dims, launch, shared), batch
 
 
 def _per_sample(op, info, in_dims: tuple, args: tuple, out_dims: tuple):
