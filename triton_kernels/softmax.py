@@ -178,6 +178,8 @@ def rows_fold_limit(shape) -> int:
 def padded_fold_limit(shape) -> int:
     """The most batch rows of a ``[batch, seq, seq]`` scores sample that one folded launch takes."""
     return max_padded_batch(shape[1])
+
+
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 STREAM_BLOCK_N = 4096
 
@@ -216,9 +218,7 @@ def _row_plan(kernel, inputs, input_dtypes, row_len: tuple[str, int], output: Ou
     # The row length is a constexpr (one compile per length): masks and row offsets then carry
     # their alignment, and loads vectorize in both launchers alike.
     n_cols = row_len[1]
-    if n_rows > MAX_ROWS:
-        raise ValueError(f"{kernel.fn.__name__}: {n_rows} rows exceed the {MAX_ROWS} one launch takes (int32 row "
-                         "counts)")
+    check_rows(kernel.fn.__name__, n_rows)  # the fronts name the argument; this guards direct plan users
     streamed = sum(ITEMSIZE[d] for d in input_dtypes if d in ITEMSIZE)
     consts, warps = _row_tiling(n_rows, n_cols, facts, streamed)
     blocks = cdiv(n_rows, consts["BLOCK_M"]) if n_cols else 0
