@@ -604,16 +604,19 @@ def test_unhashable_options_are_named(fw, options, match):
 
 def test_jax_traced_options_are_named(jax_fw):
     # Options are static: a traced one failed in the spec cache ("unhashable type: 'DynamicJaxprTracer'").
+    # The error also says why a traced value is refused (it showed only "got JitTracer(~float32[])").
     import jax
+
+    static = r"got a traced value .*the option is static: pass a Python value"
 
     x, cu = jax_fw.asarray(np.zeros((1, 4, 1, 16), np.float32)), jax_fw.asarray(np.array([0, 4], np.int32))
     for name, value, match in (("causal", True, "causal must be a bool"),
                                ("softmax_scale", 0.5, "softmax_scale must be a float or None"),
                                ("logits_soft_cap", 5.0, "logits_soft_cap must be a float or None"),
                                ("sliding_window", 2, r"sliding_window \(left\) must be an int")):
-        with pytest.raises(TypeError, match=match):
+        with pytest.raises(TypeError, match=f"{match}.*{static}"):
             jax.jit(lambda o: jax_fw.ops.flash_attention(x, x, x, **{name: o}))(value)
-    with pytest.raises(TypeError, match="max_seqlen_q must be an int"):
+    with pytest.raises(TypeError, match=f"max_seqlen_q must be an int, {static}"):
         jax.jit(lambda n: jax_fw.ops.flash_attention_varlen(x[0], x[0], x[0], cu, cu, n, 4))(4)
 
 

@@ -143,6 +143,19 @@ def uncapped_softmax_scale(scale: float, d: int) -> None:
                          "float16's range")
 
 
+def _traced(value) -> bool:
+    """A jax tracer (a traced jit argument), known without importing jax."""
+    return any(cls.__name__ == "Tracer" for cls in type(value).__mro__)
+
+
+def got(value) -> str:
+    """``value`` as an error message shows it. A traced one also says why it was refused: the
+    option is static (a plain repr only showed "JitTracer(~float32[])")."""
+    if _traced(value):
+        return f"a traced value {value!r} (the option is static: pass a Python value, not a jit argument)"
+    return repr(value)
+
+
 def int_arg(name: str, value) -> int:
     """A Python int (or integer scalar) as an int; bools are refused, not read as 0/1 (bool
     scalar tensors and arrays of either framework too), and floats are refused, not truncated."""
@@ -153,7 +166,7 @@ def int_arg(name: str, value) -> int:
     try:
         return operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+        raise TypeError(f"{name} must be an int, got {got(value) if _traced(value) else type(value).__name__}") from None
 
 
 def float_arg(name: str, value, expected: str = "a float") -> float:
@@ -161,7 +174,7 @@ def float_arg(name: str, value, expected: str = "a float") -> float:
     a Python float; bools and strings are refused, not read as 0/1. An int beyond float64
     becomes inf, for the caller's range check to refuse."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be {expected}, got {value!r}")
+        raise TypeError(f"{name} must be {expected}, got {got(value)}")
     try:
         return float(value)
     except OverflowError:  # a Python int beyond float64
@@ -180,7 +193,7 @@ def flag(name: str, value) -> bool:
     """A bool (numpy's too) as a bool; anything else is refused, not read by truthiness: a
     string such as "false" would be True, and a traced jax value fails inside bool()."""
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
+        raise TypeError(f"{name} must be a bool, got {got(value)}")
     return bool(value)
 
 

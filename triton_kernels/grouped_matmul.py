@@ -516,7 +516,7 @@ def check_tgmm(lhs_shape, lhs_dtype: str, rhs_shape, rhs_dtype: str, gs_shape, g
             raise TypeError
         selected = operator.index(num_actual_groups)
     except TypeError:
-        raise TypeError(f"num_actual_groups must be a Python int, got {num_actual_groups!r}") from None
+        raise TypeError(f"num_actual_groups must be a Python int, got {checks.got(num_actual_groups)}") from None
     if not 0 <= selected <= num_groups:
         raise ValueError(f"num_actual_groups must be in [0, {num_groups}], got {selected}")
     return m, k, rhs_shape[1], num_groups, selected

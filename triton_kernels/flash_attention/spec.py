@@ -107,7 +107,7 @@ def _window_side(side: str, w) -> int | None:
     try:
         return checks.int_arg(f"sliding_window ({side})", w)
     except TypeError:
-        raise TypeError(f"sliding_window ({side}) must be an int or None, got {w!r}") from None
+        raise TypeError(f"sliding_window ({side}) must be an int or None, got {checks.got(w)}") from None
 
 
 def window_arg(sliding_window):
