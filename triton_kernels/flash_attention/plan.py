@@ -18,12 +18,11 @@ from . import gluon_backward, gluon_forward
 from .dropout import dropout_mask_kernel
 from .forward import flash_fwd_kernel
 from .schedule import claims_tiles, persistent_schedule
-from .spec import FLOAT32_MAX, FlashSpec
+from .spec import FLOAT32_MAX, MAX_GRID_YZ, FlashSpec
 from .tiles import LOG2E, softcap_mode
 
 # (kernel parameter, what the fronts pass) in kernel order.
 FEATURE_INPUTS = ("q_ptr", "k_ptr", "v_ptr", "bias_ptr", "q_seg_ptr", "kv_seg_ptr", "cu_q_ptr", "cu_k_ptr", "seed_ptr")
-MAX_GRID_YZ = 65_535  # CUDA's limit on grid axes 1 and 2 (heads, batch)
 
 
 def feature_dtypes(spec: FlashSpec) -> tuple[str, ...]:

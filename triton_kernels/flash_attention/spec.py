@@ -14,10 +14,11 @@ from typing import Sequence
 import numpy as np
 
 from .. import checks
-from ..plan import FLOAT_DTYPES, hash_fields_once, state_without_hash
+from ..plan import FLOAT_DTYPES, MAX_GRID, hash_fields_once, state_without_hash
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256  # padded to a power of two >= 16 inside the kernels
 FLOAT32_MAX = checks.FLOAT32_MAX
+MAX_GRID_YZ = MAX_GRID[1]  # CUDA's limit on grid axes 1 and 2 (heads, batch)
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,9 @@ def dropout_mask_sizes(batch, heads, seq_q, seq_k) -> tuple[int, int, int, int]:
     for name, value in sizes.items():
         if checks.int_arg(name, value) < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
+        # batch and heads are CUDA grid axes (as in the attention ops), refused alike on every device
+        if name in ("batch", "heads") and value > MAX_GRID_YZ:
+            raise ValueError(f"{name} must be <= {MAX_GRID_YZ} (a grid axis of one launch), got {value}")
     return tuple(int(v) for v in sizes.values())
 
 
