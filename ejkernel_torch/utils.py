@@ -200,6 +200,9 @@ def log_sum_exp(x: torch.Tensor, axis: int | tuple[int, ...] | None = None, keep
     # read axis=True as 1).
     axes = checks.axes("axis", axis, x.ndim)
     dtype = x.dtype
+    if not (dtype.is_floating_point or dtype.is_complex):  # integers and bools: a float result, as
+        dtype = torch.get_default_dtype()  # torch.logsumexp's (cast back, [1, 2, 3] gave 3)
+        x = x.to(dtype)
     if dtype in (torch.float16, torch.bfloat16):  # summed in float32: 70,000 fp16 ones sum to inf
         x = x.float()
     if not axes:  # torch reads dim=() as every axis; numpy and jax reduce none

@@ -473,3 +473,14 @@ def test_log_sum_exp_over_an_empty_axis_is_minus_inf(fw):
         assert got.shape == shape and (got == -np.inf).all(), (axis, got)
     assert fw.to_numpy(u.log_sum_exp(x, axis=1, keepdims=True)).shape == (2, 1, 3)
     assert fw.to_numpy(u.log_sum_exp(x, axis=2)).shape == (2, 0)  # no rows: nothing to reduce
+
+
+def test_log_sum_exp_of_integers_is_a_float(fw):
+    # The result was cast back to the input's dtype: log(e + e^2 + e^3) = 3.41 came back as 3 (and
+    # bools failed inside the subtraction); torch.logsumexp and jax.nn.logsumexp give floats.
+    u = utils(fw)
+    for dtype, x in [("int32", [[1, 2, 3], [0, 0, 0]]), ("int64", [[1, 2, 3], [0, 0, 0]]), ("bool", [[1, 0, 1]])]:
+        got = u.log_sum_exp(fw.asarray(np.array(x, dtype)), axis=1)
+        assert str(got.dtype).endswith("float32"), (dtype, got.dtype)
+        want = np.log(np.exp(np.array(x, np.float64)).sum(axis=1))
+        np.testing.assert_allclose(fw.to_numpy(got), want, rtol=1e-6)

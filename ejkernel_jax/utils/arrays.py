@@ -71,6 +71,9 @@ def log_sum_exp(x: jax.Array, axis: int | tuple[int, ...] | None = None, keepdim
     keepdims = checks.flag("keepdims", keepdims)  # "no" was truthy
     axis = checks.axes("axis", axis, jnp.ndim(x))  # as torch checks it (True was axis 1)
     dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.inexact):  # integers and bools: a float result, as
+        dtype = jnp.result_type(float)  # jax.nn.logsumexp's (cast back, [1, 2, 3] gave 3)
+        x = jnp.asarray(x, dtype)
     if dtype in (jnp.float16, jnp.bfloat16):  # summed in float32: 70,000 fp16 ones sum to inf
         x = jnp.asarray(x, jnp.float32)
     if any(jnp.shape(x)[a] == 0 for a in axis):  # max of nothing fails; the empty sum is 0, its log -inf
