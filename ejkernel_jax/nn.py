@@ -42,8 +42,11 @@ class TorchLinear(nn.Module):
     @nn.compact
     def __call__(self, x):
         fan_in = x.shape[-1]
-        weight = self.param("weight", _torch_uniform(fan_in), (self.features, fan_in), self.param_dtype)
         dtype = self.dtype or x.dtype
+        if not jnp.issubdtype(dtype, jnp.inexact):  # the weights cast to it: int x gave all zeros
+            raise TypeError(f"dtype must be a floating-point dtype, got {jnp.dtype(dtype).name}" if self.dtype
+                            else f"x must be a floating-point array (or set dtype), got {x.dtype}")
+        weight = self.param("weight", _torch_uniform(fan_in), (self.features, fan_in), self.param_dtype)
         y = jax.lax.dot_general(x.astype(dtype), weight.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())),
                                 precision=self.precision, preferred_element_type=jnp.float32)
         if checks.flag("use_bias", self.use_bias):  # use_bias="no" built a bias

@@ -421,3 +421,21 @@ def test_flax_params_load_into_the_torch_layer(dtype):
                for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)))
     got = layer(torch.from_numpy(x).to(getattr(torch, dtype))).detach().float().numpy()
     assert rel_error(got, want) < TOLERANCE[dtype]
+
+
+def test_torch_linear_refuses_integer_compute():
+    # An int x (dtype=None) made TorchLinear cast the weights to int32 and return all zeros plus a
+    # truncated bias, silently; flax's Dense promotes, torch's Linear raises.
+    import jax
+    import jax.numpy as jnp
+
+    from ejkernel_jax.nn import TorchLinear
+
+    x = jnp.arange(8, dtype=jnp.int32).reshape(2, 4)
+    with pytest.raises(TypeError, match="x must be a floating-point array .*got int32"):
+        TorchLinear(3).init(jax.random.PRNGKey(0), x)
+    with pytest.raises(TypeError, match="dtype must be a floating-point dtype, got int32"):
+        TorchLinear(3, dtype=jnp.int32).init(jax.random.PRNGKey(0), x.astype(jnp.float32))
+    out, params = TorchLinear(3, dtype=jnp.float32).init_with_output(jax.random.PRNGKey(0), x)
+    want = np.asarray(x, np.float32) @ np.asarray(params["params"]["weight"]).T + np.asarray(params["params"]["bias"])
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6)
