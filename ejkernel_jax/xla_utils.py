@@ -78,6 +78,17 @@ def _mask_array(mask, name: str) -> jax.Array:
     return jnp.asarray(mask)
 
 
+def _dtype(dtype, name: str = "dtype") -> np.dtype:
+    """``jnp.dtype`` naming the argument, as torch's front does; None is refused there too (numpy
+    reads it as float64)."""
+    if dtype is None:
+        raise TypeError(f"{name} must be a dtype, got None")
+    try:
+        return jnp.dtype(dtype)
+    except TypeError:  # "data type 'nonsense' not understood"
+        raise TypeError(f"{name} must be a dtype, got {dtype!r}") from None
+
+
 def _cu_seqlens(cu_seqlens) -> jax.Array:
     cu = _int_array(cu_seqlens, "cu_seqlens", ndim=1, offsets=True)
     if cu.shape[0] < 1:
@@ -152,7 +163,7 @@ def prepare_cu_seqlens_from_mask(mask, out_dtype=jnp.int32) -> jax.Array:
     ``jax_enable_x64`` is on.
     """
     lens = prepare_lens_from_mask(mask)
-    out_dtype = jnp.dtype(out_dtype)
+    out_dtype = _dtype(out_dtype, "out_dtype")
     if out_dtype not in (np.int32, np.int64):
         raise TypeError(f"out_dtype must be int32 or int64, got {out_dtype}")
     out_dtype = jax.dtypes.canonicalize_dtype(out_dtype)  # int64 -> int32 without x64, no warning
@@ -221,7 +232,7 @@ def identity_dtype_convert(dtype):
     The gradient w.r.t. the input keeps the input's dtype; its values are those of ``dtype``
     (as in the torch version).
     """
-    return _identity_with_grad_cast(jnp.dtype(dtype))
+    return _identity_with_grad_cast(_dtype(dtype))
 
 
 # -- segment ids <-> masks ------------------------------------------------------------------------------
@@ -243,8 +254,7 @@ def segment_ids_to_mask(segment_ids, dtype=jnp.bool_, return_separate_masks: boo
     else:
         q = kv = _int_array(segment_ids, "segment_ids")
     return_separate_masks = checks.flag("return_separate_masks", return_separate_masks)  # "no" was truthy
-    if dtype is None:  # astype(None) gave float masks; torch refuses None
-        raise TypeError("dtype must be a dtype, got None")
+    dtype = _dtype(dtype)  # astype(None) gave float masks; torch refuses None
     if q.ndim < 1 or kv.ndim < 1:
         raise ValueError("segment_ids must have a sequence axis (ndim >= 1)")
     if q.shape[:-1] != kv.shape[:-1]:

@@ -566,3 +566,17 @@ def test_packed_documents_attention(fw, rng):
 
     alone = np.concatenate([attend(d, np.ones((len(d), len(d)), bool)) for d in docs])
     np.testing.assert_allclose(attend(packed, mask), alone, rtol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [None, "nonsense"])
+def test_bad_dtypes_are_named(fw, bad):
+    # jax took identity_dtype_convert(None) as float64 (torch refused it), named out_dtype=None
+    # "float64", and let numpy's "data type 'nonsense' not understood" name no argument.
+    x = xu(fw)
+    ids, mask = ints(fw, [[1, 1, 2, 0]]), fw.asarray(np.ones((2, 3), bool))
+    with pytest.raises(TypeError, match=f"^dtype must be a dtype, got {bad!r}$"):
+        x.identity_dtype_convert(bad)
+    with pytest.raises(TypeError, match=f"^dtype must be a dtype, got {bad!r}$"):
+        x.segment_ids_to_mask(ids, dtype=bad)
+    with pytest.raises(TypeError, match=f"^out_dtype must be a dtype, got {bad!r}$"):
+        x.prepare_cu_seqlens_from_mask(mask, out_dtype=bad)
