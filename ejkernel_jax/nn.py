@@ -107,6 +107,8 @@ class MultiHeadAttention(nn.Module):
         if self.attention_fn is flash_attention:  # another attention_fn (a reference run) may take wider heads
             fa.layer_head_dim(self.embed_dim, self.num_heads, self.head_dim, head_dim)
             compute = self.dtype if self.dtype is not None else x.dtype  # as TorchLinear's
+            # jax computes float64 in float32 without x64 (a numpy x, dtype=float): not refused
+            compute = jax.dtypes.canonicalize_dtype(compute)
             fa.layer_dtype(jnp.dtype(compute).name, "dtype" if self.dtype is not None else "x's dtype, dtype=None")
         if segment_ids is not None:  # checked here: flash_attention named them q_segment_ids, not an argument here
             segment_ids = array_arg("segment_ids", segment_ids)

@@ -439,3 +439,23 @@ def test_torch_linear_refuses_integer_compute():
     out, params = TorchLinear(3, dtype=jnp.float32).init_with_output(jax.random.PRNGKey(0), x)
     want = np.asarray(x, np.float32) @ np.asarray(params["params"]["weight"]).T + np.asarray(params["params"]["bias"])
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6)
+
+
+def test_flax_layer_takes_float64_that_jax_computes_in_float32():
+    # Without jax_enable_x64 a numpy float64 x (or dtype=float / jnp.float64) computes in float32,
+    # as in flax's Dense; the layer refused it as "would compute in float64".
+    import jax
+    import jax.numpy as jnp
+
+    import ejkernel_jax.nn
+
+    if jax.config.jax_enable_x64:
+        pytest.skip("float64 is float64 under x64 (test_layer_dtype_flash_attention_cannot_take_is_named)")
+    x = np.random.default_rng(0).standard_normal((1, 5, 32))
+    layer = ejkernel_jax.nn.MultiHeadAttention(32, 4)
+    want, params = layer.init_with_output(jax.random.PRNGKey(0), jnp.asarray(x, jnp.float32))
+    got = layer.apply(params, x)
+    assert got.dtype == jnp.float32 and np.array_equal(np.asarray(got), np.asarray(want))
+    for dtype in (float, jnp.float64):
+        got = layer.clone(dtype=dtype).apply(params, jnp.asarray(x, jnp.float32))
+        assert got.dtype == jnp.float32 and np.array_equal(np.asarray(got), np.asarray(want))
