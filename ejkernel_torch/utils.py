@@ -33,7 +33,15 @@ def _device(device=None) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if isinstance(device, torch.Tensor):
         return device.device
-    device = torch.device(device)
+    if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
+        raise TypeError(f"device must be None, a tensor, a torch.device, an int or a string, got {type(device).__name__}")
+    try:
+        device = torch.device(device)
+    except RuntimeError:  # "Expected one of cpu, cuda, ... device type at start of device string"
+        raise ValueError(f"device {device!r} names no torch device type (cpu, cuda, ..., optionally with "
+                         "':<index>')") from None
+    if device.type == "cuda" and not torch.cuda.is_available():  # an AssertionError in current_device()
+        raise ValueError(f"device {str(device)!r} names no device torch can see: CUDA is not available")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device

@@ -484,3 +484,17 @@ def test_log_sum_exp_of_integers_is_a_float(fw):
         assert str(got.dtype).endswith("float32"), (dtype, got.dtype)
         want = np.log(np.exp(np.array(x, np.float64)).sum(axis=1))
         np.testing.assert_allclose(fw.to_numpy(got), want, rtol=1e-6)
+
+
+def test_bad_device_arguments_are_named(fw):
+    # torch raised RuntimeError ("Expected one of cpu, cuda, ...") for a misspelt device, an
+    # AssertionError ("Torch not compiled with CUDA enabled") for "cuda" without CUDA, and a
+    # TypeError naming device() for a float; jax names the device in a ValueError / TypeError.
+    u = utils(fw)
+    with pytest.raises(ValueError, match="device 'nonsense' names no"):
+        u.get_device_platform("nonsense")
+    with pytest.raises(TypeError, match="device must be None, .*got float"):
+        u.device_fingerprint(1.5)
+    if u.get_device_platform() == "cpu":  # no GPU seen by this front
+        with pytest.raises(ValueError, match="device 'cuda' names no device"):
+            u.device_fingerprint("cuda")
