@@ -240,7 +240,7 @@ def safe_divide(numerator, denominator, min_denominator: float = 1e-10):
     if not dtype.is_floating_point:
         dtype = torch.get_default_dtype()  # what / gives for integers
     den = torch.as_tensor(den, dtype=dtype)
-    floor = checks.min_denominator(min_denominator, torch.finfo(dtype).tiny)
+    floor = checks.min_denominator(min_denominator, torch.finfo(dtype).tiny, torch.finfo(dtype).max)
     floor = torch.tensor(floor, dtype=dtype, device=den.device)
     return num / torch.where(den.abs() < floor, torch.where(den < 0, -floor, floor), den)
 

@@ -498,3 +498,16 @@ def test_bad_device_arguments_are_named(fw):
     if u.get_device_platform() == "cpu":  # no GPU seen by this front
         with pytest.raises(ValueError, match="device 'cuda' names no device"):
             u.device_fingerprint("cuda")
+
+
+def test_safe_divide_floor_must_be_finite_in_the_dtype(fw):
+    # An infinite floor (inf, or 1e6 rounded to float16) replaced every finite denominator, 2.0
+    # included, and returned 0 everywhere.
+    u = utils(fw)
+    half = fw.asarray(np.array([1.0, 2.0], np.float16))
+    with pytest.raises(ValueError, match=r"min_denominator must be at most 65504 .*got 1000000.0"):
+        u.safe_divide(half, half, min_denominator=1e6)
+    with pytest.raises(ValueError, match="min_denominator must be at most .*got inf"):
+        u.safe_divide(1.0, fw.asarray(np.array([0.0, 2.0], np.float32)), min_denominator=float("inf"))
+    got = u.safe_divide(half, half, min_denominator=1.5)
+    assert fw.to_numpy(got).tolist() == [float(np.float16(1) / np.float16(1.5)), 1.0]

@@ -181,11 +181,15 @@ def float_arg(name: str, value, expected: str = "a float") -> float:
         return math.inf
 
 
-def min_denominator(value, tiny: float) -> float:
-    """``safe_divide``'s floor: a positive real, at least the dtype's smallest normal ``tiny``."""
+def min_denominator(value, tiny: float, largest: float) -> float:
+    """``safe_divide``'s floor: a positive real, at least the dtype's smallest normal ``tiny``. It
+    must also be at most the dtype's ``largest``: an inf floor (1e6 in float16, or inf) replaced
+    every finite denominator and gave 0 everywhere."""
     value = float_arg("min_denominator", value, "a real number")
     if not value > 0:
         raise ValueError(f"min_denominator must be positive, got {value}")
+    if not value <= largest:
+        raise ValueError(f"min_denominator must be at most {largest:g} (the result dtype's largest number), got {value}")
     return max(value, tiny)
 
 

@@ -99,7 +99,8 @@ def safe_divide(numerator, denominator, min_denominator: float = 1e-10):
     if not jnp.issubdtype(dtype, jnp.floating):
         dtype = jnp.result_type(float)  # what / gives for integers
     den = jnp.asarray(denominator).astype(dtype)
-    floor = jnp.asarray(checks.min_denominator(min_denominator, float(jnp.finfo(dtype).tiny)), dtype)
+    floor = jnp.asarray(checks.min_denominator(min_denominator, float(jnp.finfo(dtype).tiny),
+                                                  float(jnp.finfo(dtype).max)), dtype)
     return numerator / jnp.where(jnp.abs(den) < floor, jnp.where(den < 0, -floor, floor), den)
 
 
