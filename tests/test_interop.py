@@ -1209,6 +1209,39 @@ def test_multi_device_jax_arrays_are_refused_by_name():
     Two host CPU devices need a flag set before jax is imported: a subprocess."""
     frameworks.run_on_two_host_devices(_MULTI_DEVICE_SCRIPT)
 
+
+_OTHER_DEVICE_SCRIPT = """
+import jax, jax.numpy as jnp, torch
+from ejkernel_torch.interop import jax_to_torch
+
+d0, d1 = jax.devices()
+mul = jax_to_torch(lambda a, b: a * b)
+on1 = jax.device_put(jnp.arange(8.0), d1)
+cases = [(lambda: mul(torch.ones(8), on1), "b"), (lambda: mul(torch.ones(8, requires_grad=True), b=on1), "b"),
+         (lambda: mul(jax.device_put(jnp.ones(8), d0), on1), "b")]
+for call, name in cases:
+    try:
+        call()
+    except ValueError as e:
+        message = str(e)
+        assert f"argument '{name}'" in message and "device_put" in message, message
+        assert "leaves" not in message and "_make_" not in message, message
+    else:
+        raise AssertionError(f"no error: {name}")
+with jax.default_device(d1):
+    uncommitted = jnp.arange(8.0)  # jax.jit moves it, as it does without the bridge
+assert torch.equal(mul(torch.ones(8), uncommitted), torch.arange(8.0))
+assert torch.equal(mul(on1, on1), torch.arange(8.0) ** 2)
+"""
+
+
+def test_jax_arrays_on_another_device_are_refused_by_name():
+    """A single-device jax.Array committed to another device than the call's tensors (or another
+    committed array) failed in jax.jit with "Received incompatible devices ... argument leaves[0]
+    of BridgedFunction._make_plain.<locals>.plain" (the bridge's internals). Now a ValueError
+    naming the argument and the device to device_put it onto."""
+    frameworks.run_on_two_host_devices(_OTHER_DEVICE_SCRIPT)
+
 # =====================================================================================
 # CUDA: stream ordering, device mapping (run by the lead on a GPU machine)
 # =====================================================================================

@@ -702,6 +702,32 @@ def _check_single_device(b, args, kwargs, index: int, array: jax.Array) -> None:
         )
 
 
+def _check_jax_array_devices(b, args, kwargs, leaves, committed, tpos, tensors) -> None:
+    """A jax.Array committed to one device other than the tensors' (or another such array's)
+    made jax.jit fail with "Received incompatible devices ... argument leaves[0] of
+    BridgedFunction._make_plain.<locals>.plain" (the bridge's internals): refused by name here.
+    Uncommitted arrays are moved by jax.jit, as it moves them."""
+    if tensors:
+        if tensors[0].device.type not in ("cpu", "cuda"):
+            return  # XLA tensors take other routes
+        try:
+            want = cv.jax_device_for(tensors[0].device)
+        except ConversionError:
+            return  # the tensor's import names it
+        ref = f"{b._argname(args, kwargs, tpos[0])} is on {tensors[0].device} (jax {want})"
+    else:
+        first = committed[0]
+        want = next(iter(leaves[first].devices()))
+        ref = f"{b._argname(args, kwargs, first)} is on {want}"
+    for i in committed:
+        got = next(iter(leaves[i].devices()))
+        if got != want:
+            raise ValueError(
+                f"{b._describe(args, kwargs, i)} is a jax.Array on {got} but {ref}; the arrays and "
+                f"tensors of one call must share a device: jax.device_put it onto {want} first"
+            )
+
+
 def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
     """The hot path. torch.compile graph-breaks here (documented; never traced by dynamo)."""
     if torch._C._get_tracing_state() is not None:
@@ -727,6 +753,7 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
     tpos: list[int] = []
     tensors: list[torch.Tensor] = []
     ints: list[int] = []
+    committed: list[int] = []  # jax.Array leaves placed on a device explicitly
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             tpos.append(i)
@@ -754,7 +781,11 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
             )
         elif isinstance(leaf, jax.Array):
             _check_single_device(b, args, kwargs, i, leaf)
+            if leaf.committed:
+                committed.append(i)
 
+    if committed:
+        _check_jax_array_devices(b, args, kwargs, leaves, committed, tpos, tensors)
     need_grad = False
     wide = False
     if tensors and _forward_ad._current_level >= 0:
