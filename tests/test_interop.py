@@ -291,6 +291,22 @@ def test_lazy_views_refuse_copy_false(view):
     assert to_jax(lazy.resolve_conj().resolve_neg(), copy=False) is not None  # materialised: shares memory
 
 
+def test_zero_tensors_cross_as_zeros():
+    """torch's efficient ZeroTensor has no memory (data_ptr 0) and DLPack exported the null pointer:
+    to_jax returned garbage values and a jax_to_torch call on one segfaulted. Now materialised
+    (a copy, so copy=False refuses), also as an incoming gradient."""
+    z = torch._efficientzerotensor(2, 3)
+    for copy in (None, True):
+        np.testing.assert_array_equal(np.asarray(to_jax(z, copy=copy)), np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"to_jax: argument 'tensor'.*ZeroTensor.*copy=False"):
+        to_jax(z, copy=False)
+    x = torch.ones(2, 3, requires_grad=True)
+    plus = jax_to_torch(lambda a, b: a * 2 + b)
+    assert torch.equal(plus(x.detach(), z), torch.full((2, 3), 2.0))
+    (g,) = torch.autograd.grad(plus(x, torch.ones(2, 3)), x, grad_outputs=z)
+    assert torch.equal(g, torch.zeros(2, 3))
+
+
 def test_to_torch_waits_for_async_jax_work():
     x = jax.device_put(jnp.full((512, 512), 1.0 / 512, jnp.float32), jax.devices("cpu")[0])
     y = x

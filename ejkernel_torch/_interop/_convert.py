@@ -366,6 +366,16 @@ def tensor_to_jax(tensor: torch.Tensor, copy: bool | None, fp8_route: str | None
                 "cannot be honoured (call .resolve_conj() / .resolve_neg() first, or pass copy=None)",
             )
         tensor = tensor.resolve_conj().resolve_neg()
+    if tensor._is_zerotensor():
+        # torch's efficient zeros have no memory: DLPack handed jax a null pointer, read as
+        # garbage values (or a segfault). Materialised first, which is a copy.
+        if copy is False:
+            raise ConversionError(
+                ValueError,
+                "the tensor is a ZeroTensor (no memory to share); materialising it makes a copy, so "
+                "copy=False cannot be honoured (call .clone() first, or pass copy=None)",
+            )
+        tensor, copy = tensor.clone(), None  # already an independent copy
     if tensor.is_xla:  # PyTorch/XLA: synced, then through torch_xla's DLPack
         from . import _xla
 
