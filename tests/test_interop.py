@@ -307,6 +307,17 @@ def test_zero_tensors_cross_as_zeros():
     assert torch.equal(g, torch.zeros(2, 3))
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_nested_tensors_are_refused_by_name():
+    """A nested tensor failed in DLPack export with torch's "Internal error: NestedTensorImpl
+    doesn't support sizes. Please file an issue.": now a TypeError naming the argument."""
+    ragged = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(TypeError, match=r"to_jax: argument 'tensor': the tensor is a nested tensor"):
+        to_jax(ragged)
+    with pytest.raises(TypeError, match=r"argument 'b': the tensor is a nested tensor.*to_padded_tensor"):
+        jax_to_torch(lambda a, b: a)(torch.ones(2), ragged)
+
+
 def test_to_torch_waits_for_async_jax_work():
     x = jax.device_put(jnp.full((512, 512), 1.0 / 512, jnp.float32), jax.devices("cpu")[0])
     y = x

@@ -333,6 +333,11 @@ def _unexportable(tensor: torch.Tensor) -> str | None:
             "for JAX, and a JAX call cannot be traced into a torch graph; use torch.compile, which "
             "runs it eagerly between graphs"
         )
+    if tensor.is_nested:  # torch's own error: "Internal error: NestedTensorImpl doesn't support sizes"
+        return (
+            "the tensor is a nested tensor (ragged: no one strided layout for DLPack); pass "
+            ".to_padded_tensor(0) or its .unbind() components instead"
+        )
     if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
         return f"the tensor is a {type(tensor).__name__} (a subclass without exportable storage)"
     return None
