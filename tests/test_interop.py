@@ -307,6 +307,21 @@ def test_zero_tensors_cross_as_zeros():
     assert torch.equal(g, torch.zeros(2, 3))
 
 
+def test_functional_tensors_are_refused_by_name():
+    """Under torch.func.functionalize a tensor has no memory of its own (data_ptr 0), and DLPack
+    exported the null pointer: to_jax returned garbage and a jax_to_torch call segfaulted. Now a
+    TypeError naming the argument."""
+
+    def convert(t):
+        with pytest.raises(TypeError, match=r"to_jax: argument 'tensor': the tensor is a functional tensor"):
+            to_jax(t)
+        with pytest.raises(TypeError, match=r"argument 'x': the tensor is a functional tensor.*functionalize"):
+            jax_to_torch(lambda x: x + 1)(t)
+        return t * 2
+
+    torch.func.functionalize(convert)(torch.ones(3))
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_nested_tensors_are_refused_by_name():
     """A nested tensor failed in DLPack export with torch's "Internal error: NestedTensorImpl

@@ -308,6 +308,11 @@ def _is_stride_error(err: Exception) -> bool:
 
 def _unexportable(tensor: torch.Tensor) -> str | None:
     """Why a tensor has no memory to hand over, if that is why export failed."""
+    if torch._is_functional_tensor(tensor):
+        return (
+            "the tensor is a functional tensor (torch.func.functionalize): it has no memory of its own to "
+            "hand to JAX; call the JAX code outside functionalize"
+        )
     try:
         wrapped = torch._C._functorch.is_functorch_wrapped_tensor(tensor)
     except Exception:  # pragma: no cover - private API moved
@@ -385,6 +390,9 @@ def tensor_to_jax(tensor: torch.Tensor, copy: bool | None, fp8_route: str | None
         from . import _xla
 
         return _xla.tensor_to_jax(tensor, copy)
+    # After the XLA branch: torch_xla's tensors may be functional wrappers, which torch_xla exports.
+    if torch._is_functional_tensor(tensor):  # DLPack exported a null pointer: garbage, or a segfault
+        raise ConversionError(TypeError, _unexportable(tensor))
     jdev = _cpu_device or _init_cpu_device() if tensor.is_cpu else jax_device_for(tensor.device)
     if copy:
         # Copy on the torch side (jax 0.10's from_dlpack(copy=True) still aliases on CPU);
