@@ -1202,6 +1202,23 @@ def test_traced_jax_values_get_a_clear_error():
     torch.testing.assert_close(jax_to_torch(lambda x: inner.fn(x) * 2)(torch.ones(2)), 2 * torch.sin(torch.ones(2)))
 
 
+def test_concretization_errors_name_the_argument():
+    """jax's error for a traced value used as a Python one named the bridge's internals ("the
+    function plain at .../_bridge.py ... depends on the value of the argument leaves[1]", "try using
+    static_argnums"): a note now names the caller's argument and static_argnames."""
+
+    def pad(x, cfg):
+        return jnp.concatenate([x, jnp.zeros(cfg["n"])])
+
+    for x in (torch.ones(3), torch.ones(3, requires_grad=True)):
+        with pytest.raises(TypeError, match=r"argument leaves\[1\]") as info:
+            jax_to_torch(pad)(x, {"n": 2})
+        notes = getattr(info.value, "__notes__", [])
+        assert any("argument 'cfg'['n']" in n and "static_argnames" in n for n in notes), notes
+    padded = jax_to_torch(lambda x, n: jnp.concatenate([x, jnp.zeros(n)]), static_argnames="n")
+    assert torch.equal(padded(torch.ones(3), 2), torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0]))  # as the note says
+
+
 def test_python_ints_out_of_range_name_the_argument():
     """jax.jit's OverflowError named the bridge's internals ("argument path is leaves[1]")."""
     b = jax_to_torch(lambda x, n: x * n)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import sys
 import threading
 import types
@@ -728,6 +729,24 @@ def _check_jax_array_devices(b, args, kwargs, leaves, committed, tpos, tensors) 
             )
 
 
+# Only where the traced function is one of ours (a jit inside fn may have its own `leaves`).
+_TRACED_LEAF = re.compile(rf"function \w+ at {re.escape(__file__)}:\d+ .*?the argument leaves\[(\d+)\]", re.S)
+
+
+def _name_traced_leaf(b, args, kwargs, leaves, err: Exception) -> None:
+    """jax's concretization errors (``if n > 0``, ``jnp.zeros(n)`` on a traced value) named our jitted
+    function's flat parameter ("depends on the value of the argument leaves[1]", "try using
+    static_argnums"): a note names the caller's argument and what to do instead."""
+    m = _TRACED_LEAF.search(str(err))
+    if m is None or int(m.group(1)) >= len(leaves):
+        return
+    err.add_note(
+        f"{b!r}: leaves[{m.group(1)}] is {b._argname(args, kwargs, int(m.group(1)))}, whose value is traced "
+        "as under jax.jit: a Python number used as a shape or in an `if` must be listed in static_argnames "
+        "(for a tensor, use jnp.where / lax.cond)"
+    )
+
+
 def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
     """The hot path. torch.compile graph-breaks here (documented; never traced by dynamo)."""
     if torch._C._get_tracing_state() is not None:
@@ -852,7 +871,11 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
         fn = entry.plain
         if fn is None:
             fn = entry.plain = b._make_plain(treedef, statics)
-        out = _run(use_x64, fn, jleaves)
+        try:
+            out = _run(use_x64, fn, jleaves)
+        except Exception as err:
+            _name_traced_leaf(b, args, kwargs, leaves, err)
+            raise
         _, out_tree, touts = _export_outputs(b, out, _data_ptrs(tensors), _xla_device(tensors))
         return _tree_unflatten(out_tree, touts)
 
@@ -869,7 +892,11 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
     diff_k = [k for k, t in enumerate(tensors) if t.requires_grad and (t.is_floating_point() or t.is_complex())]
     call.diff_k = diff_k
     call.diff_pos = tuple(tpos[k] for k in diff_k)
-    touts = _BridgeFunction.apply(call, *tensors)
+    try:
+        touts = _BridgeFunction.apply(call, *tensors)
+    except Exception as err:
+        _name_traced_leaf(b, args, kwargs, leaves, err)
+        raise
     return _tree_unflatten(call.out_tree, list(touts))
 
 
