@@ -1202,6 +1202,21 @@ def test_traced_jax_values_get_a_clear_error():
     torch.testing.assert_close(jax_to_torch(lambda x: inner.fn(x) * 2)(torch.ones(2)), 2 * torch.sin(torch.ones(2)))
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_outputs_that_are_not_arrays_are_named(grad):
+    """A torch tensor or a string returned by the JAX function failed, with grad, in the bridge's
+    inexact-output filter ("Cannot interpret 'torch.float32' as a data type", "data type 's' not
+    understood"), and without grad as jax's "function plain at .../_bridge.py returned a value of
+    type ...". Now a TypeError naming the bridged function and the output leaf."""
+    x = torch.ones(2, requires_grad=grad)
+    with pytest.raises(TypeError, match=r"<lambda>'\): output leaf 1 is a Tensor; .*jax arrays"):
+        jax_to_torch(lambda a: (a, torch.ones(2)))(x)
+    with pytest.raises(TypeError, match=r"output leaf 1 is a str"):
+        jax_to_torch(lambda a: {"a": a * 2, "b": ["s"]})(x)
+    out = jax_to_torch(lambda a: (a * 2, np.ones(2, np.float32), 3, 2.5, True))(x)  # numbers and numpy are fine
+    assert [t.dtype for t in out] == [torch.float32, torch.float32, torch.int32, torch.float32, torch.bool]
+
+
 def test_concretization_errors_name_the_argument():
     """jax's error for a traced value used as a Python one named the bridge's internals ("the
     function plain at .../_bridge.py ... depends on the value of the argument leaves[1]", "try using

@@ -308,9 +308,22 @@ class BridgedFunction:
             stack = _tracing.stack = []
         stack.append(self)
         try:
-            return self.fn(*args, **kwargs)
+            out = self.fn(*args, **kwargs)
         finally:
             stack.pop()
+        self._check_outputs(out)
+        return out
+
+    def _check_outputs(self, out) -> None:
+        """Output leaves must be arrays or numbers. A torch tensor or a string among them failed, with
+        grad, in the inexact-output filter ("Cannot interpret 'torch.float32' as a data type", "data
+        type 's' not understood"), naming no output; without, as jax's "function plain at ..."."""
+        for j, leaf in enumerate(jax.tree_util.tree_leaves(out)):
+            if not isinstance(leaf, _PASSTHROUGH):
+                raise TypeError(
+                    f"{self!r}: output leaf {j} is a {type(leaf).__name__}; the JAX function must return "
+                    "jax arrays or numbers (any pytree of them)"
+                )
 
     def _make_plain(self, treedef, statics):
         def plain(*leaves):
