@@ -544,6 +544,23 @@ def test_static_args_equal_in_value_but_not_type_trace_apart():
     assert b.cache_info()["traces"] == 4
 
 
+def test_static_value_cache_is_bounded(monkeypatch):
+    # A new static value on each call (a fresh object as `self`) grew the cache, and kept the
+    # objects alive, without end; now the oldest entry goes, and comes back by tracing again.
+    from ejkernel_torch._interop import _bridge
+
+    monkeypatch.setattr(_bridge, "MAX_CACHE_ENTRIES", 3)
+    b = jax_to_torch(lambda x, n: x * n, static_argnames="n")
+    x = torch.arange(4.0)
+    for n in range(1, 8):
+        torch.testing.assert_close(b(x, n=n), x * n)
+        assert b.cache_info()["entries"] == min(n, 3)
+    traces = b.cache_info()["traces"]
+    torch.testing.assert_close(b(x, n=7), x * 7)  # kept: no new trace
+    torch.testing.assert_close(b(x, n=1), x * 1)  # evicted: traced again, same answer
+    assert b.cache_info()["traces"] == traces + 1
+
+
 def test_grad_path_traces_once_and_backward_is_cached():
     count = collections.Counter()
 

@@ -103,6 +103,12 @@ def _rebuild_pullback(jleaves, kept, static: _Static):
     return _tree_unflatten(res_tree, [jleaves[p] if p >= 0 else next(it) for p in src])
 
 
+# Entries one bridged function keeps (input structures x static values). Past it the oldest goes:
+# a new static value on every call (a fresh object as `self`) grew the cache, and kept those
+# objects alive, forever. An evicted entry is traced again if it comes back.
+MAX_CACHE_ENTRIES = 512
+
+
 class _Entry:
     """Jitted callables for one (input structure, static args, x64) combination."""
 
@@ -384,7 +390,11 @@ class BridgedFunction:
         entry = self._cache.get(key)
         if entry is None:
             with self._lock:
-                entry = self._cache.setdefault(key, _Entry())
+                entry = self._cache.get(key)
+                if entry is None:
+                    if len(self._cache) >= MAX_CACHE_ENTRIES:  # dicts keep insertion order: oldest first
+                        del self._cache[next(iter(self._cache))]
+                    entry = self._cache[key] = _Entry()
         return entry
 
 
@@ -939,7 +949,8 @@ def jax_to_torch(
       goes through a cached ``jax.jit``. ``static_argnames`` are passed to ``fn`` unchanged and
       must be hashable; numbers and numpy/jax arrays are traced like ``jax.jit`` would (a jax
       array on several devices is refused: the results cross through DLPack, one device's
-      buffer); other objects must be static. ``cache_info()`` reports calls and traces.
+      buffer); other objects must be static. ``cache_info()`` reports calls and traces; the
+      newest ``MAX_CACHE_ENTRIES`` (512) structure and static-value combinations stay cached.
     * **Closed-over values are constants**: what ``fn`` closes over instead of receiving is
       baked into each compiled entry when it is traced (as under ``jax.jit``), so later
       in-place updates of a tensor it came from are not seen and it gets no gradient. Pass
