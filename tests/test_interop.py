@@ -331,6 +331,18 @@ def test_nested_tensors_are_refused_by_name():
         to_jax(ragged)
     with pytest.raises(TypeError, match=r"argument 'b': the tensor is a nested tensor.*to_padded_tensor"):
         jax_to_torch(lambda a, b: a)(torch.ones(2), ragged)
+    # The jagged layout was refused as any other layout: "call .to_dense() first", which it lacks.
+    jagged = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    with pytest.raises(TypeError, match=r"to_jax: argument 'tensor': the tensor is a nested tensor.*to_padded_tensor"):
+        to_jax(jagged)
+
+
+def test_float0_outputs_say_why():
+    # jax.grad(allow_int=True) gives an integer input's gradient as float0: "expected a jax.Array,
+    # got TypedNdArray" named the leaf but not the reason.
+    f = jax_to_torch(lambda x, i: jax.grad(lambda x, i: (x * i).sum(), argnums=(0, 1), allow_int=True)(x, i))
+    with pytest.raises(TypeError, match=r"output leaf 1: got a float0 array .*no torch dtype"):
+        f(torch.ones(3), torch.arange(3))
 
 
 def test_to_torch_waits_for_async_jax_work():

@@ -357,6 +357,8 @@ def check_tensor(tensor: torch.Tensor) -> None:
             f"(supported: {', '.join(sorted(str(d).removeprefix('torch.') for d in TORCH_TO_JAX_DTYPE))})",
         )
     if tensor.layout != torch.strided:
+        if tensor.is_nested:  # jagged: .to_dense() does not apply to it
+            raise ConversionError(TypeError, _unexportable(tensor))
         raise ConversionError(TypeError, f"layout {tensor.layout} is not supported; call .to_dense() first")
 
 
@@ -453,6 +455,9 @@ def check_array(array) -> None:
             "got a traced value (inside jax.jit / grad / vmap); convert concrete arrays outside "
             "jax transformations, or wrap the whole function with jax_to_torch",
         )
+    if getattr(array, "dtype", None) == jax.dtypes.float0:  # e.g. jax.grad(allow_int=True)'s
+        raise ConversionError(TypeError, "got a float0 array (an integer input's gradient), which has no torch "
+                                         "dtype; leave it out of what the function returns")
     if not isinstance(array, jax.Array):
         raise ConversionError(TypeError, f"expected a jax.Array, got {type(array).__name__}")
     # Not np.dtype(array.dtype): extended dtypes (typed PRNG keys) have none, and numpy's own
