@@ -223,22 +223,15 @@ def _graph_break(fn):
     return _compiler_disable(fn, f"ejkernel_torch.tpu.{fn.__name__} runs a JAX/Pallas computation")
 
 
-def _checked(fn: str, check: Callable, value, *args):
-    """``check(value, *args)``, the jax version's own check, run on every call (error prefixed with ``fn``).
-
-    For static tuples handed to the bridge: checked here, before any trace, they are refused as
-    jax refuses them ((1.0, 8) was accepted), and what reaches the bridge holds plain ints."""
-    try:
-        return check(value, *args)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"{fn}: {e}") from None
-
-
 def _call(fn: str, bridge, *args, **kwargs):
     """``bridge(*args, **kwargs)``, with the jax version's own argument errors (raised while it is
     traced, before any kernel runs) prefixed with ``fn`` as the checks here are: "q heads (3) must
     be a multiple of kv heads (2)" or "tiling must be 3 positive ints" named no torch op. Only
-    plain TypeError/ValueError: jax's subclasses (tracer errors) take other arguments."""
+    plain TypeError/ValueError: jax's subclasses (tracer errors) take other arguments.
+
+    Also runs the jax version's own checks of static tuples on every call, before any trace:
+    refused as jax refuses them ((1.0, 8) was accepted), so what reaches the bridge holds plain
+    ints."""
     try:
         return bridge(*args, **kwargs)
     except (TypeError, ValueError) as e:
@@ -338,18 +331,18 @@ def blocksparse_attention(
     static_mask, dynamic_mask = _static_mask(fn, mask)
     device = _device(fn, q=q, k=k, v=v, mask=dynamic_mask, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
     if isinstance(block_sizes, dict):  # a misspelt key is BlockSizes' TypeError, named with fn
-        block_sizes = _checked(fn, lambda sizes: BlockSizes(**sizes), block_sizes)
+        block_sizes = _call(fn, lambda sizes: BlockSizes(**sizes), block_sizes)
     return _call(
         fn, _attention, q, k, v, dynamic_mask, q_seg, kv_seg,
         mask=static_mask,
         causal=_gmm.check_flag(f"{fn}: argument 'causal'", causal),  # 1 == True for the bridge's cache
-        sliding_window=None if sliding_window is None else _checked(
+        sliding_window=None if sliding_window is None else _call(
             fn, _bsa_attention._window_sides, sliding_window),  # w -> (w, w), as jax reads it
         chunk_size=_hashable(fn, "chunk_size", chunk_size),
         softmax_scale=_scalar(fn, "softmax_scale", softmax_scale),
         logits_soft_cap=_scalar(fn, "logits_soft_cap", logits_soft_cap),
         block_sizes=_hashable(fn, "block_sizes", block_sizes),
-        interpret=_hashable(fn, "interpret", _checked(fn, _interpret, interpret, device)),
+        interpret=_hashable(fn, "interpret", _call(fn, _interpret, interpret, device)),
         return_lse=_gmm.check_flag(f"{fn}: argument 'return_lse'", return_lse),  # "no" was truthy
     )
 
@@ -386,7 +379,7 @@ def process_dynamic_mask(
     mask = _tensor(fn, "mask", mask, (torch.bool,), "a bool tensor")
     arrays = _call(
         fn, _mask_info, mask,
-        block_shape=_checked(fn, _bsa_info._check_block_shape, block_shape),
+        block_shape=_call(fn, _bsa_info._check_block_shape, block_shape),
         is_dkv=_gmm.check_flag(f"{fn}: argument 'is_dkv'", is_dkv),  # bool("no") is True
         downcast_smem_data=_gmm.check_flag(f"{fn}: argument 'downcast_smem_data'", downcast_smem_data),  # bool("no") is True
         head_shards=_hashable(fn, "head_shards", head_shards),
@@ -519,7 +512,7 @@ def grouped_matmul(
         input_buffer_count=_hashable(fn, "input_buffer_count", input_buffer_count),
         static_group_offset=static_offset,
         transpose_rhs=_gmm.check_flag(f"{fn}: argument 'transpose_rhs'", transpose_rhs),
-        interpret=_hashable(fn, "interpret", _checked(fn, _interpret, interpret, device)),
+        interpret=_hashable(fn, "interpret", _call(fn, _interpret, interpret, device)),
     )
 
 
@@ -553,7 +546,7 @@ def transposed_grouped_matmul(
         input_buffer_count=_hashable(fn, "input_buffer_count", input_buffer_count),
         static_group_offset=static_offset,
         num_actual_groups=_hashable(fn, "num_actual_groups", num_actual_groups),
-        interpret=_hashable(fn, "interpret", _checked(fn, _interpret, interpret, device)),
+        interpret=_hashable(fn, "interpret", _call(fn, _interpret, interpret, device)),
     )
 
 
