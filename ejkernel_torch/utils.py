@@ -183,8 +183,11 @@ def chunk_array(x: torch.Tensor, chunk_size: int, axis: int = 0, pad_value: floa
     axis, num_chunks, chunk_size, pad = checks.chunking(tuple(x.shape), chunk_size, axis)
     pad_value = checks.pad_value(pad_value, dtype_name(x.dtype))
     if pad:
-        fill = x.new_full(x.shape[:axis] + (pad,) + x.shape[axis + 1:], pad_value)
-        x = torch.cat([x, fill], dim=axis)
+        # Float arrays fill through float64 and a cast: CUDA's fill refuses a value past the
+        # dtype's range (2**40 in float16), which the CPU fill and jax take as inf.
+        fill_dtype = torch.float64 if x.dtype.is_floating_point else x.dtype
+        fill = x.new_full(x.shape[:axis] + (pad,) + x.shape[axis + 1:], pad_value, dtype=fill_dtype)
+        x = torch.cat([x, fill.to(x.dtype)], dim=axis)
     return x.reshape(x.shape[:axis] + (num_chunks, chunk_size) + x.shape[axis + 1:])
 
 

@@ -206,7 +206,7 @@ def _layer_output(fw, x: np.ndarray, segment_ids):
     if fw.name == "torch":
         from ejkernel_torch.nn import MultiHeadAttention
 
-        return MultiHeadAttention(32, 4)(fw.asarray(x), segment_ids)
+        return MultiHeadAttention(32, 4).to(fw.device)(fw.asarray(x), segment_ids)
     import jax
 
     from ejkernel_jax.nn import MultiHeadAttention
