@@ -266,9 +266,18 @@ def plain_eager(*tensors) -> bool:
             or _C._get_tracing_state() is not None or _C._autograd._profiler_enabled()):
         return False
     for t in tensors:
-        if t is not None and (type(t) not in _PLAIN_TENSOR_TYPES or _legacy_batched(t)):
+        if t is not None and (type(t) not in _PLAIN_TENSOR_TYPES or _legacy_batched(t) or _lazy(t)):
             return False
     return True
+
+
+def _lazy(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory does not hold its values: a lazy negation (the neg bit,
+    ``_neg_view``) or a ZeroTensor (torch's efficient zeros, no memory). The dispatcher's
+    fallbacks materialise them for a registered op; a body called directly read the memory: the
+    result of the negated input, silently, or torch's "Attempted to access the data pointer on an
+    invalid python storage" (a ZeroTensor gradient reaching a backward, say)."""
+    return t.is_neg() or t._is_zerotensor()
 
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)

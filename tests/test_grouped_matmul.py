@@ -888,6 +888,38 @@ def test_torch_eager_fast_path_matches_registered_ops(torch_fw, rng, monkeypatch
         assert torch.equal(got, want)
 
 
+def test_torch_lazy_negation_and_zero_tensors_are_read_as_values(torch_fw, rng):
+    # A lazy negation (the neg bit) or a ZeroTensor keeps its values out of its memory; the
+    # registered ops' dispatcher fallbacks materialise them, but the eager fast path read the
+    # memory: a negated lhs, rhs or gradient gave the un-negated result silently, and a ZeroTensor
+    # (as lhs, or as the incoming gradient) failed inside torch ("Attempted to access the data
+    # pointer on an invalid python storage").
+    import torch
+
+    import ejkernel_torch as ejk
+
+    m, k, n, groups = 20, 8, 6, 3
+    sizes = torch.from_numpy(ragged_sizes(rng, m, groups))
+    lhs, rhs, cot = torch.randn(m, k), torch.randn(groups, k, n), torch.randn(m, n)
+    assert torch.equal(ejk.grouped_matmul(lhs._neg_view(), rhs, sizes), ejk.grouped_matmul(-lhs, rhs, sizes))
+    assert torch.equal(ejk.grouped_matmul(lhs, rhs._neg_view(), sizes), ejk.grouped_matmul(lhs, -rhs, sizes))
+    lhs_t = lhs.t().contiguous()
+    assert torch.equal(ejk.transposed_grouped_matmul(lhs_t._neg_view(), cot, sizes),
+                       ejk.transposed_grouped_matmul(-lhs_t, cot, sizes))
+    zeros = torch._efficientzerotensor(m, k)
+    assert torch.equal(ejk.grouped_matmul(zeros, rhs, sizes), torch.zeros(m, n))
+    x = lhs.clone().requires_grad_(True)
+    (got,) = torch.autograd.grad(ejk.grouped_matmul(x, rhs, sizes), x, grad_outputs=cot._neg_view())
+    (want,) = torch.autograd.grad(ejk.grouped_matmul(x, rhs, sizes), x, grad_outputs=-cot)
+    assert torch.equal(got, want)
+    (got,) = torch.autograd.grad(ejk.grouped_matmul(x, rhs, sizes), x, grad_outputs=torch._efficientzerotensor(m, n))
+    assert torch.equal(got, torch.zeros(m, k))
+    y = lhs_t.clone().requires_grad_(True)
+    (got,) = torch.autograd.grad(ejk.transposed_grouped_matmul(y, cot, sizes), y,
+                                 grad_outputs=torch._efficientzerotensor(groups, k, n))
+    assert torch.equal(got, torch.zeros(k, m))
+
+
 # ---------------------------------------------------------------------------------------------
 # Pallas TPU kernel (interpret mode) vs the Triton kernels (interpreter), same inputs
 
