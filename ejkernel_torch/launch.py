@@ -299,12 +299,18 @@ def vmap_only(*tensors) -> bool:
     """True under ``torch.func.vmap`` alone (no grad/vjp/jvp level) with nothing to differentiate:
     an op's own vmap rule then serves, without the autograd.Function whose functorch machinery
     made most of a vmapped call's host time (about 0.5 ms on CPU, 1.3 ms on an H100 host).
-    Batched tensors hide ``requires_grad``: it is read on what they wrap. ``None`` entries skipped."""
+    Batched tensors hide ``requires_grad``: it is read on what they wrap. ``None`` entries skipped.
+    ``torch.func.functionalize`` levels count as vmap's: they differentiate nothing, and the
+    autograd.Function failed there with torch's "NYI: Functionalize rule for custom_function_call"
+    where the registered ops run."""
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-    if any(i.key() != _C._functorch.TransformType.Vmap for i in retrieve_all_functorch_interpreters()):
+    if any(i.key() not in _NON_DIFFERENTIATING for i in retrieve_all_functorch_interpreters()):
         return False
     return not (torch.is_grad_enabled() and any(requires_grad_beneath(t) for t in tensors))
+
+
+_NON_DIFFERENTIATING = (_C._functorch.TransformType.Vmap, _C._functorch.TransformType.Functionalize)
 
 
 def requires_grad_beneath(t) -> bool:

@@ -920,6 +920,31 @@ def test_torch_lazy_negation_and_zero_tensors_are_read_as_values(torch_fw, rng):
     assert torch.equal(got, torch.zeros(k, m))
 
 
+def test_torch_func_functionalize(torch_fw, rng):
+    # torch.func.functionalize differentiates nothing, yet the ops took their torch.func autograd
+    # function there, which torch refuses ("NYI: Functionalize rule for custom_function_call");
+    # the registered ops run under it (make_fx of a functionalized model too).
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import ejkernel_torch as ejk
+
+    m, k, n, groups = 20, 8, 6, 3
+    sizes = torch.from_numpy(ragged_sizes(rng, m, groups))
+    lhs, rhs, cot = torch.randn(m, k), torch.randn(groups, k, n), torch.randn(m, n)
+
+    def gmm(x, w, s):
+        return ejk.grouped_matmul(x * 1, w, s, group_offset=torch.tensor(0))
+
+    def tgmm(x, y, s):
+        return ejk.transposed_grouped_matmul(x.t() * 1, y, s, group_offset=1, num_actual_groups=2)
+
+    assert torch.equal(torch.func.functionalize(gmm)(lhs, rhs, sizes), gmm(lhs, rhs, sizes))
+    assert torch.equal(torch.func.functionalize(tgmm)(lhs, cot, sizes), tgmm(lhs, cot, sizes))
+    traced = make_fx(torch.func.functionalize(gmm))(lhs, rhs, sizes)
+    assert torch.equal(traced(lhs, rhs, sizes), gmm(lhs, rhs, sizes))
+
+
 # ---------------------------------------------------------------------------------------------
 # Pallas TPU kernel (interpret mode) vs the Triton kernels (interpreter), same inputs
 
