@@ -354,3 +354,34 @@ def test_eager_backward_refuses_inputs_changed_in_place(change):
     k.transpose_(1, 2) if change == "transpose_" else k.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+_LAZY_CASES = {  # name: (op, its inputs' shapes)
+    "flash_attention": (lambda q, k, v: ejk.flash_attention(q, k, v, causal=True), [(1, 9, 2, 16)] * 3),
+    "flash_attention lse": (lambda q, k, v: ejk.flash_attention(q, k, v, return_lse=True), [(1, 9, 2, 16)] * 3),
+    "softmax": (lambda s: ejk.softmax(s), [(5, 7)]),
+    "padded_softmax": (lambda s: ejk.padded_softmax(s, torch.tensor([1, 2])), [(2, 6, 6)]),
+    "padded_softmax_v": (lambda s, v: ejk.padded_softmax_v(s, v, torch.tensor([1, 2])), [(2, 6, 6), (2, 6, 4)]),
+    "padded_attention": (lambda q, k, v: ejk.padded_attention(q, k, v, torch.tensor([1, 2])), [(2, 6, 16)] * 3),
+}
+
+
+@pytest.mark.parametrize("name", list(_LAZY_CASES))
+def test_lazy_negation_and_zero_gradients_are_read_as_values(name):
+    # A lazy negation (the neg bit) keeps its values out of its memory: the eager fast path read
+    # the memory, so a negated input gave the un-negated result silently. A ZeroTensor gradient
+    # (torch's efficient zeros, no memory) was refused by the backward kernels' checks ("do_ptr
+    # must be a contiguous float32 tensor"), or read as memory it does not have.
+    op, shapes = _LAZY_CASES[name]
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(s, generator=gen) for s in shapes]
+    flat = lambda out: out if isinstance(out, tuple) else (out,)
+    assert all(torch.equal(a, b) for a, b in zip(flat(op(xs[0]._neg_view(), *xs[1:])), flat(op(-xs[0], *xs[1:]))))
+    leaves = [x.clone().requires_grad_(True) for x in xs]
+    outs = flat(op(*leaves))
+    cots = [torch.randn(o.shape, generator=gen) for o in outs]
+    lazy = torch.autograd.grad(outs, leaves, [c._neg_view() for c in cots], retain_graph=True)
+    plain = torch.autograd.grad(outs, leaves, [-c for c in cots], retain_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(lazy, plain))
+    zeros = torch.autograd.grad(outs, leaves, [torch._efficientzerotensor(o.shape) for o in outs])
+    assert all(g.shape == x.shape and not g.any() for g, x in zip(zeros, xs))
