@@ -337,6 +337,14 @@ def test_nested_tensors_are_refused_by_name():
         to_jax(jagged)
 
 
+def test_deleted_jax_array_arguments_are_named():
+    # jax.jit's "Array has been deleted with shape=float32[3]" (a RuntimeError) named no argument.
+    x = jnp.arange(3.0)
+    x.delete()
+    with pytest.raises(ValueError, match=r"argument 'b' is a deleted jax.Array"):
+        jax_to_torch(lambda a, b: a * b)(torch.ones(3), x)
+
+
 def test_float0_outputs_say_why():
     # jax.grad(allow_int=True) gives an integer input's gradient as float0: "expected a jax.Array,
     # got TypedNdArray" named the leaf but not the reason.

@@ -822,6 +822,9 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
                 "or list the argument in static_argnames"
             )
         elif isinstance(leaf, jax.Array):
+            if leaf.is_deleted():  # jax.jit's "Array has been deleted with shape=float32[3]" named no argument
+                raise ValueError(f"{b._describe(args, kwargs, i)} is a deleted jax.Array (array.delete(), or "
+                                 "donated to a jitted call)")
             _check_single_device(b, args, kwargs, i, leaf)
             if leaf.committed:
                 committed.append(i)
