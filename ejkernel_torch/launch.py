@@ -180,23 +180,39 @@ def _input_dtypes(plan: LaunchPlan) -> tuple[torch.dtype, ...]:
     return tuple(map(torch_dtype, plan.input_dtypes))
 
 
-def _check_inputs(plan: LaunchPlan, inputs) -> torch.device:
-    """The inputs' device, after checking that every input is a contiguous tensor of the plan's
-    dtype on it (the kernels index inputs as dense row-major arrays: a strided view would be read
-    wrongly). Runs on every launch, so the happy path compares dtypes by identity."""
+def _check_inputs(plan: LaunchPlan, inputs, *, densify: bool = False) -> tuple[tuple, torch.device]:
+    """The inputs as the kernels read them and their device, after checking that every input is a
+    contiguous tensor of the plan's dtype on it (the kernels index inputs as dense row-major
+    arrays: a strided view would be read wrongly). Runs on every launch, so the happy path
+    compares dtypes by identity. A lazy tensor (``_lazy``: its memory does not hold its values)
+    is materialised, as the dispatcher does for a registered op; ``densify``: a strided input is
+    copied instead of refused (see ``launch_traceable``)."""
     device = inputs[0].device
     for x, dtype in zip(inputs, _input_dtypes(plan)):
-        if x.dtype is not dtype or not x.is_contiguous() or x.device != device:
-            name, x, dtype = next((n, x, d) for n, x, d in zip(plan.inputs, inputs, plan.input_dtypes)
-                                  if x.dtype is not torch_dtype(d) or not x.is_contiguous() or x.device != device)
+        if x.dtype is not dtype or not x.is_contiguous() or x.device != device or _lazy(x):
+            return _repaired_inputs(plan, inputs, device, densify), device
+    return inputs, device
+
+
+def _repaired_inputs(plan: LaunchPlan, inputs, device: torch.device, densify: bool) -> tuple:
+    inputs = tuple(_materialised(x, densify) for x in inputs)
+    for name, x, dtype in zip(plan.inputs, inputs, plan.input_dtypes):
+        if x.dtype is not torch_dtype(dtype) or not x.is_contiguous() or x.device != device:
             raise ValueError(f"{plan.name}: input {name} must be a contiguous {dtype} tensor on {device}, got "
                              f"{x.dtype} on {x.device} (contiguous={x.is_contiguous()})")
-    return device
+    return inputs
+
+
+def _materialised(x: torch.Tensor, densify: bool) -> torch.Tensor:
+    if x._is_zerotensor():  # no memory at all (its data pointer is null)
+        return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    x = x.resolve_neg()
+    return x.contiguous() if densify else x
 
 
 def launch(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Run ``plan`` on ``inputs`` (contiguous, one device) and return its outputs."""
-    return _launch_on(plan, inputs, _check_inputs(plan, inputs))
+    return _launch_on(plan, *_check_inputs(plan, inputs))
 
 
 def launch_prechecked(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -261,12 +277,18 @@ def plain_eager(*tensors) -> bool:
     Then calling an op's body directly does what the dispatcher would end up doing, minus its
     Python layers (tens of microseconds a call); autograd is still the caller's to record.
     Anything unusual answers False, and the registered op handles the call as it always did."""
-    if (torch.compiler.is_compiling() or _C._len_torch_dispatch_stack() or _C._len_torch_function_stack()
-            or _C._functorch.peek_interpreter_stack() is not None or _forward_ad._current_level >= 0
-            or _C._get_tracing_state() is not None or _C._autograd._profiler_enabled()):
-        return False
+    return _plain_eager_state() and _plain_tensors(tensors, lazy_ok=False)
+
+
+def _plain_eager_state() -> bool:
+    return not (torch.compiler.is_compiling() or _C._len_torch_dispatch_stack() or _C._len_torch_function_stack()
+                or _C._functorch.peek_interpreter_stack() is not None or _forward_ad._current_level >= 0
+                or _C._get_tracing_state() is not None or _C._autograd._profiler_enabled())
+
+
+def _plain_tensors(tensors, *, lazy_ok: bool) -> bool:
     for t in tensors:
-        if t is not None and (type(t) not in _PLAIN_TENSOR_TYPES or _legacy_batched(t) or _lazy(t)):
+        if t is not None and (type(t) not in _PLAIN_TENSOR_TYPES or _legacy_batched(t) or (not lazy_ok and _lazy(t))):
             return False
     return True
 
@@ -404,11 +426,14 @@ def _launch_plan_fake(inputs, plan):
 
 
 def launch_traceable(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``launch`` for use inside ``torch.library.triton_op`` bodies (inputs must be contiguous).
-    In plain eager mode it is ``launch``: neither indirection has anything to trace there (and
-    ``wrap_triton`` outside an op body would still route the launch through its higher-order op)."""
-    device = _check_inputs(plan, inputs)
-    if plain_eager(*inputs):
+    """``launch`` for use inside ``torch.library.triton_op`` bodies. In plain eager mode it is
+    ``launch``: neither indirection has anything to trace there (and ``wrap_triton`` outside an op
+    body would still route the launch through its higher-order op).
+    A strided input is copied, not refused: a body's arguments come through the dispatcher,
+    which hands over a ZeroTensor (torch's efficient zeros, e.g. an unused output's gradient) as
+    a zero scalar expanded to its shape, whatever the caller made contiguous."""
+    inputs, device = _check_inputs(plan, inputs, densify=True)
+    if _plain_eager_state() and _plain_tensors(inputs, lazy_ok=True):  # plain_eager; lazy ones resolved above
         return _launch_on(plan, inputs, device)
     if device.type == "cpu" or (device.type == "cuda" and plan.is_gluon):
         return tuple(torch.ops.ejkernel.interpret_plan(list(inputs), plan_text(plan)))

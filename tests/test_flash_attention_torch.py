@@ -367,11 +367,12 @@ _LAZY_CASES = {  # name: (op, its inputs' shapes)
 
 
 @pytest.mark.parametrize("name", list(_LAZY_CASES))
-def test_lazy_negation_and_zero_gradients_are_read_as_values(name):
+def test_lazy_negation_and_zero_tensors_are_read_as_values(name):
     # A lazy negation (the neg bit) keeps its values out of its memory: the eager fast path read
-    # the memory, so a negated input gave the un-negated result silently. A ZeroTensor gradient
-    # (torch's efficient zeros, no memory) was refused by the backward kernels' checks ("do_ptr
-    # must be a contiguous float32 tensor"), or read as memory it does not have.
+    # the memory, so a negated input gave the un-negated result silently. A ZeroTensor input or
+    # gradient (torch's efficient zeros, no memory) was refused by the kernels' checks ("do_ptr
+    # must be a contiguous float32 tensor": the dispatcher hands it to the op as an expanded
+    # zero), or read as memory it does not have.
     op, shapes = _LAZY_CASES[name]
     gen = torch.Generator().manual_seed(1)
     xs = [torch.randn(s, generator=gen) for s in shapes]
@@ -385,3 +386,7 @@ def test_lazy_negation_and_zero_gradients_are_read_as_values(name):
     assert all(torch.equal(a, b) for a, b in zip(lazy, plain))
     zeros = torch.autograd.grad(outs, leaves, [torch._efficientzerotensor(o.shape) for o in outs])
     assert all(g.shape == x.shape and not g.any() for g, x in zip(zeros, xs))
+    for i, x in enumerate(xs):  # a ZeroTensor input: checked as non-contiguous in the registered op
+        with_zeros = lambda zeros: flat(op(*xs[:i], zeros, *xs[i + 1:]))  # noqa: E731
+        assert all(torch.equal(a, b) for a, b in zip(with_zeros(torch._efficientzerotensor(x.shape)),
+                                                     with_zeros(torch.zeros(x.shape)), strict=True))

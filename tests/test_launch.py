@@ -156,6 +156,24 @@ def test_launch_checks_input_dtypes(fw):
         _launch(fw, kt.half_plan(4), np.zeros(4, np.int32))
 
 
+def test_torch_launchers_read_lazy_tensors_as_values(torch_fw):
+    # A lazy negation (the neg bit) keeps its values out of its memory and a ZeroTensor has none
+    # (a null data pointer, yet is_contiguous()): launch read the memory, the un-negated values
+    # silently, or failed inside the interpreter ("invalid python storage"). launch_traceable also
+    # copies a strided input: the dispatcher hands a registered op's body a ZeroTensor argument as
+    # a zero expanded to its shape (stride 0), which the contiguity check refused.
+    from ejkernel_torch.launch import launch, launch_traceable
+
+    x = torch_fw.asarray(np.arange(1, 11, dtype=np.float32))
+    first_half = lambda run, a: torch_fw.to_numpy(run(kt.half_plan(10), a)[0])[:5]  # noqa: E731
+    for run in (launch, launch_traceable):
+        np.testing.assert_array_equal(first_half(run, x._neg_view()), -np.arange(1, 6))
+        np.testing.assert_array_equal(first_half(run, torch._efficientzerotensor(10, device=x.device)), np.zeros(5))
+    np.testing.assert_array_equal(first_half(launch_traceable, x.new_ones(()).expand(10)), np.ones(5))
+    with pytest.raises(ValueError, match="input x_ptr must be a contiguous float32 tensor"):
+        launch(kt.half_plan(10), x.new_ones(()).expand(10))
+
+
 def test_interpreted_launch_leaves_triton_language_intact(fw):
     before = (tl.load, tl.core.load, tl.zeros, tl.max, tl.tensor.__dict__.get("__bool__"), tl.dtype.to_ir)
     _launch(fw, kt.half_plan(8), np.ones(8, np.float32))

@@ -246,27 +246,6 @@ def first_order(name: str, grads: tuple, inputs: tuple) -> tuple:
     return tuple(next(linked) if g is not None else None for g in grads)
 
 
-def dense_grads(backward):
-    """``backward(ctx, *grads)`` given incoming gradients that hold their values in memory. Where
-    torch knows a gradient is zero it may pass a ZeroTensor (its efficient zeros: no memory),
-    which the kernels' input checks refused as non-contiguous ("do_ptr must be a contiguous
-    float32 tensor"): zeros are made for it. (A lazy negation reaches the registered ops, whose
-    dispatcher resolves it; ``plain_eager`` sends it there.)"""
-    @functools.wraps(backward)
-    def wrapped(ctx, *grads):
-        if torch.compiler.is_compiling():  # dynamo cannot trace _is_zerotensor; graphs hold no ZeroTensor
-            return backward(ctx, *grads)
-        return backward(ctx, *(_dense(g) for g in grads))
-
-    return wrapped
-
-
-def _dense(g):
-    if isinstance(g, torch.Tensor) and g._is_zerotensor():
-        return torch.zeros(g.shape, dtype=g.dtype, device=g.device)
-    return g
-
-
 def autograd_function(name: str, forward, setup_context, backward, *, transforms: bool) -> type:
     """A ``torch.autograd.Function`` made of ``forward(*inputs)``, ``setup_context(ctx, inputs,
     output)`` and ``backward``. ``transforms=True``: the setup_context form with a generated vmap

@@ -31,7 +31,7 @@ from torch import Tensor
 from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch, launch_prechecked,
                                    launch_traceable, plain_eager, reject_forward_ad, torch_dtype, vmap_only)
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import (KernelOp, autocast, autograd_function, dense_grads, first_order, name_of,
+from ejkernel_torch.ops._common import (KernelOp, autocast, autograd_function, first_order, name_of,
                                         no_grad_op, same_device, saved_tensors, tensor_arg, values_readable)
 from ejkernel_torch.ops._folding import fold, in_chunks, unfold
 from triton_kernels import checks, flash_attention as fa, tuning
@@ -225,7 +225,6 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused lse gives dlse=None: no dlse work in the kernels
 
 
-@dense_grads
 def _backward(ctx, dout, dlse):
     q, k, v, bias, q_seg, kv_seg, cu_q, cu_k, seed, out, lse = saved_tensors(ctx)
     bias_grad = bias is not None and ctx.needs_input_grad[3]

@@ -37,7 +37,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_true, has_free_unback
 from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch_traceable, plain_eager,
                                    reject_forward_ad, vmap_only)
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import (autocast, autograd_function, clamp_to_int32, dense_grads, name_of, read_later,
+from ejkernel_torch.ops._common import (autocast, autograd_function, clamp_to_int32, name_of, read_later,
                                         same_device, saved_tensors, tensor_arg, values_readable)
 from triton_kernels import checks
 from triton_kernels import grouped_matmul as gm
@@ -143,7 +143,6 @@ def _gmm_grad_calls(lhs, rhs, group_sizes, group_offset, transpose_rhs: bool, gr
     return d_lhs, d_rhs
 
 
-@dense_grads
 def _gmm_backward(ctx, grad):
     lhs, rhs, group_sizes, group_offset = saved_tensors(ctx)
     grad = grad.to(lhs.dtype).contiguous()  # a bf16 model keeps a bf16 backward
@@ -183,7 +182,6 @@ def _rows_first(lhs: torch.Tensor) -> torch.Tensor:
     return lhs.t() if lhs.dim() == 2 else lhs.transpose(1, 2).flatten(0, 1)
 
 
-@dense_grads
 def _tgmm_backward(ctx, grad):
     lhs, rhs, group_sizes, group_offset = saved_tensors(ctx)
     grad = grad.to(lhs.dtype).contiguous()  # [groups, k, n]

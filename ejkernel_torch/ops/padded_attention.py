@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import (KernelFunction, KernelOp, autocast, dense_grads, first_order, n_pad_arg,
+from ejkernel_torch.ops._common import (KernelFunction, KernelOp, autocast, first_order, n_pad_arg,
                                         name_of, same_device, saved_tensors, static_shape, tensor_arg)
 from triton_kernels import checks
 from triton_kernels.tuning import PADDED_BWD, PADDED_FWD
@@ -50,7 +50,6 @@ def _setup(ctx, inputs, output):
     ctx.bwd_params = bwd_params
 
 
-@dense_grads
 def _grad(ctx, dout, _dlse2):
     q, k, v, out, lse2, n_pad = saved_tensors(ctx)
     dq, dk, dv = _backward_op(q, k, v, out, lse2, n_pad, dout.to(q.dtype).contiguous(), ctx.softmax_scale,

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from ejkernel_torch.launch import device_facts, dtype_name, launch_traceable
-from ejkernel_torch.ops._common import (KernelFunction, KernelOp, dense_grads, first_order, n_pad_arg, name_of,
+from ejkernel_torch.ops._common import (KernelFunction, KernelOp, first_order, n_pad_arg, name_of,
                                         same_device, saved_tensors, static_shape, tensor_arg)
 from triton_kernels import checks
 from triton_kernels.padded_attention import scores_v_bwd_plans, scores_v_fwd_plan
@@ -71,13 +71,11 @@ def _save_probs(ctx, inputs, output):
     ctx.save_for_backward(output)
 
 
-@dense_grads
 def _rows_grad(ctx, dy):
     (y,) = saved_tensors(ctx)
     return first_order("softmax", (_softmax_rows_backward(y, dy),), (y, dy))
 
 
-@dense_grads
 def _padded_grad(ctx, dy):
     # Same rule as plain softmax: y is 0 outside each row's window, so the gradient is too.
     (y,) = saved_tensors(ctx)
@@ -94,7 +92,6 @@ def _scores_v_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs, *output)
 
 
-@dense_grads
 def _scores_v_grad(ctx, dout, _dlse):
     scores, v, n_pad, out, lse = saved_tensors(ctx)
     dscores, dv = _scores_v_backward_op(scores, v, n_pad, out, lse, dout.to(v.dtype).contiguous())
