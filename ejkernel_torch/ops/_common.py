@@ -99,15 +99,21 @@ def read_later(*tensors: torch.Tensor):
     leaves the GPU idle only for what follows the wait, not for the whole argument handling. The
     values are copied as they are and reduced on the host: no kernel launches ahead of the copy."""
     if tensors[0].device.type != "cuda":
-        return lambda: [t.tolist() for t in tensors]
+        return lambda: [_values(t) for t in tensors]
     host = [t.to("cpu", non_blocking=True) for t in tensors]  # device-to-host: pinned, asynchronous
     copied = torch.cuda.Event()
     copied.record()
 
     def wait() -> list:
         copied.synchronize()
-        return [t.tolist() for t in host]
+        return [_values(t) for t in host]
     return wait
+
+
+def _values(t: torch.Tensor) -> list:
+    if t._is_zerotensor():  # torch's efficient zeros have no memory to read ("unallocated storage")
+        return torch.zeros(t.shape, dtype=t.dtype).tolist()
+    return t.tolist()
 
 
 _SIGN_BIT = -(2**63)
