@@ -283,6 +283,6 @@ def generate_attention_inputs(batch_size: int = 2, seq_len: int = 128, num_heads
     shapes, seed, scale = checks.attention_inputs(sizes, seed, scale)
     rng = np.random.default_rng(seed)
     dev = _device(device)
-    dtype = _dtype(dtype)
+    dtype = torch.get_default_dtype() if dtype is None else _dtype(dtype)  # None: as torch.randn's
     return {name: torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).to(dev, dtype)
             for name, shape in shapes.items()}

@@ -201,11 +201,20 @@ def test_generate_attention_inputs_identical_across_fronts(torch_fw, jax_fw):
     (dict(num_kv_heads=-1), ValueError, "num_kv_heads must be >= 0"),
     (dict(seed=True), TypeError, "seed must be an int, got a bool"),  # was seed 1
     (dict(seed=-1), ValueError, "seed must be >= 0"),
+    (dict(dtype="float33"), TypeError, "dtype must be a dtype, got 'float33'"),  # jax: numpy's unnamed error
 ])
 def test_generate_attention_inputs_arguments_are_checked(fw, kwargs, error, match):
     sizes = dict(batch_size=1, seq_len=2, num_heads=1, head_dim=2)
     with pytest.raises(error, match=match):
         utils(fw).generate_attention_inputs(**{**sizes, **kwargs})
+
+
+def test_generate_attention_inputs_default_dtype(fw):
+    # dtype=None: the framework's default float dtype (torch refused None, jax took float32).
+    got = utils(fw).generate_attention_inputs(1, 2, 1, 2, None)
+    want = utils(fw).generate_attention_inputs(1, 2, 1, 2, "float32")
+    assert all(np.array_equal(fw.to_numpy(got[n]), fw.to_numpy(want[n])) and got[n].dtype == fw.dtype("float32")
+               for n in want)
 
 
 def test_generate_attention_inputs_numpy_scalars(fw):

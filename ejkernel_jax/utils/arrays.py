@@ -130,5 +130,14 @@ def generate_attention_inputs(batch_size: int = 2, seq_len: int = 128, num_heads
                  kv_seq_len=kv_seq_len, num_kv_heads=num_kv_heads)
     shapes, seed, scale = checks.attention_inputs(sizes, seed, scale)
     rng = np.random.default_rng(seed)
+    dtype = _dtype(dtype)
     return {name: jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(dtype)
             for name, shape in shapes.items()}
+
+
+def _dtype(dtype):
+    """jnp.dtype of ``dtype``; None is jax's default float dtype, as in ``astype(None)``."""
+    try:
+        return jnp.dtype(dtype) if dtype is not None else jnp.zeros(()).dtype
+    except TypeError:
+        raise TypeError(f"dtype must be a dtype, got {dtype!r}") from None
