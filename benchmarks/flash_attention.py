@@ -313,6 +313,12 @@ def _summary(rows: list[dict]) -> dict:
     return ratios
 
 
+def _failures(rows: list[dict]) -> dict:
+    """The methods that failed, by row: such a row's ratios compare with the baselines that ran
+    (its best SDPA backend is the best of those), which the run-level ``ratios`` do not show."""
+    return {_svg_label(r): sorted(r["errors"]) for r in rows if r["errors"]}
+
+
 def smoke() -> None:
     """Tiny CPU run through every code path of ours (the interpreter): checks the script."""
     import torch
@@ -373,6 +379,8 @@ def main() -> None:
             print("    sweep ms:", row["sweep"], flush=True)
         _write(args, rows, extras)  # after every shape: a run cut short keeps what it measured
     print("ratios:", _summary(rows))
+    if _failures(rows):
+        print("failed (those rows compare with the methods that ran):", _failures(rows))
 
 
 def _extras(args) -> dict:
@@ -398,7 +406,7 @@ def _write(args, rows: list[dict], extras: dict) -> None:
                          "pipelined batches of >= 25 ms (20-200 calls), the four wall-clock methods in 9 interleaved rounds, "
                          "jax/torch ratios the median of per-round ratios; TFLOP/s on 4*B*H*S^2*D (x0.5 causal, "
                          "x3.5 fwd+bwd)",
-               "ratios": _summary(rows), "results": rows, **extras}
+               "ratios": _summary(rows), "failed": _failures(rows), "results": rows, **extras}
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"flash_attention-{device_name()}.json")
     write_json(out, payload)
     for phase in ("fwd", "fwd+bwd"):

@@ -141,3 +141,15 @@ def test_write_run_records_the_command_and_the_rows(tmp_path, monkeypatch):
     got = json.loads((tmp_path / "run.json").read_text())
     assert got["command"] == "python tests/test_bench_timing.py --seqs 1024"
     assert got["rows"] == [{"seq": 1024}] and got["calls"] == 7 and got["device"] and got["torch"]
+
+
+def test_failed_methods_are_listed_by_row():
+    # A row whose cuDNN failed compares with the best backend that ran; the run-level ratios
+    # mixed such rows in without a word.
+    from benchmarks import flash_attention as bench
+
+    row = dict(dtype="bfloat16", head_dim=64, seq=2048, causal=True)
+    rows = [dict(row, errors={}), dict(row, causal=False, errors={"fwd/sdpa_cudnn": "RuntimeError: no kernel",
+                                                                   "fwd+bwd/sdpa_cudnn": "RuntimeError: no kernel"})]
+    assert bench._failures(rows) == {"bflo d64 s2k": ["fwd+bwd/sdpa_cudnn", "fwd/sdpa_cudnn"]}
+    assert bench._failures(rows[:1]) == {}
