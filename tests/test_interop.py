@@ -1271,6 +1271,19 @@ def test_concretization_errors_name_the_argument():
     assert torch.equal(padded(torch.ones(3), 2), torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0]))  # as the note says
 
 
+def test_an_inner_jits_static_argument_is_named():
+    """A jitted function with its own static argument, bridged without listing it, failed with
+    jax's "Non-hashable static arguments are not supported ... DynamicJaxprTracer", naming nothing."""
+    scaled = jax.jit(lambda x, n: x * n, static_argnames="n")
+    for x in (torch.ones(3), torch.ones(3, requires_grad=True)):
+        with pytest.raises(ValueError, match="Non-hashable static arguments") as info:
+            jax_to_torch(lambda x, n: scaled(x, n=n))(x, 3)
+        notes = getattr(info.value, "__notes__", [])
+        assert any("static_argnames" in n and "argument 'n'" in n for n in notes), notes
+    bridged = jax_to_torch(lambda x, n: scaled(x, n=n), static_argnames="n")
+    assert torch.equal(bridged(torch.ones(3), 3), torch.full((3,), 3.0))  # as the note says
+
+
 def test_python_ints_out_of_range_name_the_argument():
     """jax.jit's OverflowError named the bridge's internals ("argument path is leaves[1]")."""
     b = jax_to_torch(lambda x, n: x * n)

@@ -760,6 +760,9 @@ def _name_traced_leaf(b, args, kwargs, leaves, err: Exception) -> None:
     """jax's concretization errors (``if n > 0``, ``jnp.zeros(n)`` on a traced value) named our jitted
     function's flat parameter ("depends on the value of the argument leaves[1]", "try using
     static_argnums"): a note names the caller's argument and what to do instead."""
+    if _INNER_STATIC in str(err) and "Tracer" in str(err):
+        _name_inner_static(b, args, kwargs, leaves, err)
+        return
     m = _TRACED_LEAF.search(str(err))
     if m is None or int(m.group(1)) >= len(leaves):
         return
@@ -767,6 +770,21 @@ def _name_traced_leaf(b, args, kwargs, leaves, err: Exception) -> None:
         f"{b!r}: leaves[{m.group(1)}] is {b._argname(args, kwargs, int(m.group(1)))}, whose value is traced "
         "as under jax.jit: a Python number used as a shape or in an `if` must be listed in static_argnames "
         "(for a tensor, use jnp.where / lax.cond)"
+    )
+
+
+_INNER_STATIC = "Non-hashable static arguments are not supported"
+
+
+def _name_inner_static(b, args, kwargs, leaves, err: Exception) -> None:
+    """A jax.jit inside fn got one of our traced leaves as a static argument: jax's error named
+    only the tracer's type. Which leaf jax does not say; the Python numbers are the candidates."""
+    numbers = [b._argname(args, kwargs, i) for i, leaf in enumerate(leaves)
+               if isinstance(leaf, (int, float, np.generic))]
+    err.add_note(
+        f"{b!r}: a jax.jit inside the function got a traced value as a static argument; the bridge traces "
+        "Python numbers as jax.jit does, so list that argument in jax_to_torch's static_argnames too"
+        + (f" (Python numbers in this call: {', '.join(numbers)})" if numbers else "")
     )
 
 
