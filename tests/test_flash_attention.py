@@ -637,6 +637,21 @@ def test_max_seqlen_values(fw, max_seqlen, error, message):
             call()
 
 
+@pytest.mark.parametrize("max_seqlen_k", [2**31 - 12, 2**31 - 1])
+@pytest.mark.parametrize("options", [dict(causal=True), dict(sliding_window=(1, None))])
+def test_varlen_window_with_a_huge_max_seqlen(fw, rng, max_seqlen_k, options):
+    # An unbounded window side became max_seqlen_q + max_seqlen_k: past 2**31 - 1 the launch failed
+    # naming an internal scalar ('scalar win_left=2147483654 does not fit int32'), and just below it
+    # the kernels' int32 window sums wrapped and every row came out 0, silently. The lengths are
+    # also bounded by the packed token counts, which keep the sides small.
+    q = fw.asarray(rng.standard_normal((8, 2, 16)), "float32")
+    k, v = (fw.asarray(rng.standard_normal((3, 1, 16)), "float32") for _ in range(2))
+    cu_q, cu_k = fw.asarray(np.array([0, 8], np.int32)), fw.asarray(np.array([0, 3], np.int32))
+    out = fw.to_numpy(fw.ops.flash_attention_varlen(q, k, v, cu_q, cu_k, 8, max_seqlen_k, **options))
+    want = ref.flash_attention(*(ref._t(fw.to_numpy(x))[None] for x in (q, k, v)), **options)[0].numpy()
+    assert rel_error(out, want) < TOLERANCE["float32"]
+
+
 def test_uint32_dropout_seed_is_read_as_its_bits(fw):
     # jax.random.bits gives uint32 seeds; they select the same mask as the int32 of the same bits.
     x = fw.asarray(np.random.default_rng(0).standard_normal((1, 16, 1, 16)), "float32")

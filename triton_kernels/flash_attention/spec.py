@@ -357,7 +357,10 @@ def varlen_spec(q_shape: tuple, k_shape: tuple, v_shape: tuple, dtypes: tuple,
     return FlashSpec(
         batch=cu_q_shape[0] - 1, seq_q=max_seqlen_q, seq_k=max_seqlen_k, heads_q=heads_q, heads_kv=heads_kv,
         head_dim=head_dim, dtype=dtype, **_scale_and_cap(softmax_scale, logits_soft_cap, head_dim),
-        window=_clamped_window(_window(causal, sliding_window), max_seqlen_q, max_seqlen_k),
+        # A sequence is no longer than its max_seqlen nor the packed tokens (the kernels clamp to
+        # both): a huge max_seqlen made unbounded sides overflow the kernels' int32 window sums.
+        window=_clamped_window(_window(causal, sliding_window), min(max_seqlen_q, total_q),
+                               min(max_seqlen_k, total_k)),
         dropout_p=dropout(dropout_p), varlen=True, total_q=total_q, total_k=total_k,
     )
 
