@@ -650,6 +650,24 @@ def test_varlen_window_with_a_huge_max_seqlen(fw, rng, max_seqlen_k, options):
     out = fw.to_numpy(fw.ops.flash_attention_varlen(q, k, v, cu_q, cu_k, 8, max_seqlen_k, **options))
     want = ref.flash_attention(*(ref._t(fw.to_numpy(x))[None] for x in (q, k, v)), **options)[0].numpy()
     assert rel_error(out, want) < TOLERANCE["float32"]
+    dv = fw.vjp(lambda v: fw.ops.flash_attention_varlen(q, k, v, cu_q, cu_k, 8, max_seqlen_k, **options), [v],
+                fw.asarray(np.ones(out.shape), "float32"))[0]
+    reference = lambda v: ref.flash_attention(*(ref._t(fw.to_numpy(x))[None] for x in (q, k)), v[None], **options)[0]
+    assert rel_error(dv, ref.vjp(reference, [fw.to_numpy(v)], np.ones(out.shape), n_diff=1)[0]) < 2e-5
+
+
+def test_varlen_grids_cover_the_packed_tokens_only():
+    # Programs past the packed tokens return at once, but a generous max_seqlen (2**31 - 1 is
+    # accepted) launched millions of them: hours a call in the interpreter, for 8 tokens.
+    from triton_kernels import HOPPER
+    from triton_kernels import flash_attention as fa
+    from triton_kernels.plan import DeviceFacts
+
+    spec = fa.varlen_spec((8, 2, 16), (3, 1, 16), (3, 1, 16), ("bfloat16",) * 3, (2,), "int32", (2,), "int32",
+                          2**31 - 1, 2**31 - 1, causal=True)
+    for facts in (HOPPER, DeviceFacts.cpu()):
+        plans = [fa.forward_plan(spec, facts), *fa.backward_plans(spec, facts, False, False)]
+        assert [p.grid for p in plans] == [(1, 2, 1), (1, 2, 1), (1, 1, 1), (1, 2, 1)], facts
 
 
 def test_uint32_dropout_seed_is_read_as_its_bits(fw):

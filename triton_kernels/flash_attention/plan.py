@@ -84,12 +84,21 @@ def _tiles(spec: FlashSpec, facts: DeviceFacts, backward: bool) -> tuple[int, in
     heuristics."""
     block_d = max(16, next_power_of_2(spec.head_dim))
     if facts.is_cpu:
-        return _cpu_block(spec.seq_q), _cpu_block(spec.seq_k), block_d, 4, 1
+        return (*map(_cpu_block, _extent(spec)), block_d, 4, 1)
     if spec.dtype != "float32" and block_d <= 128:
         if backward:  # (64, 64, 4 warps, 2 stages) is as fast but faults on Triton 3.6 at head_dim 128
             return 32, 64, block_d, 4, 3
         return 128, 64, block_d, 4 if block_d <= 64 else 8, 3
     return (_bwd_tiles if backward else _fwd_tiles)(spec.head_dim, spec.dtype, facts)
+
+
+def _extent(spec: FlashSpec) -> tuple[int, int]:
+    """(queries, keys) a program grid must cover: varlen sequences are no longer than the packed
+    tokens either (the kernels clamp them so), which a generous max_seqlen (up to 2**31 - 1)
+    passes by far: its grid was mostly programs that return at once (hours in the interpreter)."""
+    if spec.varlen:
+        return min(spec.seq_q, spec.total_q), min(spec.seq_k, spec.total_k)
+    return spec.seq_q, spec.seq_k
 
 
 def _outputs_zeroed(spec: FlashSpec) -> bool:
@@ -264,7 +273,7 @@ def triton_forward_plan(spec: FlashSpec, facts: DeviceFacts, params: FwdParams |
                                                "flash_attention fwd_params")
     zeroed = _outputs_zeroed(spec)
     return LaunchPlan(
-        kernel=flash_fwd_kernel, grid=(cdiv(spec.seq_q, bm), spec.heads_q, spec.batch),
+        kernel=flash_fwd_kernel, grid=(cdiv(_extent(spec)[0], bm), spec.heads_q, spec.batch),
         inputs=FEATURE_INPUTS, input_dtypes=feature_dtypes(spec), scalars=_scalars(spec),
         outputs=(Output("o_ptr", spec.q_shape, spec.dtype, zeroed),
                  Output("lse_ptr", spec.lse_shape, "float32", zeroed)),
@@ -276,10 +285,10 @@ def triton_forward_plan(spec: FlashSpec, facts: DeviceFacts, params: FwdParams |
 
 
 def _delta_plan(spec: FlashSpec, facts: DeviceFacts, use_dlse: bool) -> LaunchPlan:
-    block_m = _cpu_block(spec.seq_q) if facts.is_cpu else 64
+    block_m = _cpu_block(_extent(spec)[0]) if facts.is_cpu else 64
     block_d = max(16, next_power_of_2(spec.head_dim))
     return LaunchPlan(
-        kernel=flash_bwd_delta_kernel, grid=(cdiv(spec.seq_q, block_m), spec.heads_q, spec.batch),
+        kernel=flash_bwd_delta_kernel, grid=(cdiv(_extent(spec)[0], block_m), spec.heads_q, spec.batch),
         inputs=("o_ptr", "do_ptr", "dlse_ptr", "cu_q_ptr", "cu_k_ptr"),
         input_dtypes=(spec.dtype, spec.dtype, "float32", "int32", "int32"),
         scalars=(("seq_q", spec.seq_q), ("seq_k", spec.seq_k), ("total_q", spec.total_q), ("total_k", spec.total_k)),
@@ -321,7 +330,7 @@ def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False, 
     ds = Output("ds_ptr", spec.dbias_full_shape if write_ds else (1,), "float32", zeroed=write_ds)
     gluon = params is None and uses_gluon_dkdv(spec, facts)
     dkdv = gluon_dkdv_plan(spec, facts) if gluon else LaunchPlan(
-        kernel=flash_bwd_dkdv_kernel, grid=(cdiv(spec.seq_k, bn), spec.heads_kv, spec.batch),
+        kernel=flash_bwd_dkdv_kernel, grid=(cdiv(_extent(spec)[1], bn), spec.heads_kv, spec.batch),
         inputs=inputs, input_dtypes=dtypes, scalars=scalars,
         outputs=(Output("dk_ptr", spec.kv_shape, spec.dtype, zeroed),
                  Output("dv_ptr", spec.kv_shape, spec.dtype, zeroed), ds),
@@ -332,7 +341,7 @@ def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False, 
     # dq transposes the tile: its program holds bn queries and steps over bm keys. So one
     # (bm, bn) gives both kernels a long resident side and a short streamed one.
     dq = LaunchPlan(
-        kernel=flash_bwd_dq_kernel, grid=(cdiv(spec.seq_q, bn), spec.heads_q, spec.batch),
+        kernel=flash_bwd_dq_kernel, grid=(cdiv(_extent(spec)[0], bn), spec.heads_q, spec.batch),
         inputs=inputs, input_dtypes=dtypes, scalars=scalars,
         outputs=(Output("dq_ptr", spec.q_shape, spec.dtype, zeroed),),
         constexprs=_features(spec) + (("BLOCK_M", bn), ("BLOCK_N", bm), ("BLOCK_D", bd)) + precision,
