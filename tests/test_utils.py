@@ -66,6 +66,12 @@ def test_params_dict_merge_and_validation():
         FwdParams(num_stages=0)
     with pytest.raises(TypeError, match="num_stages"):
         FwdParams(num_stages=True)
+    for bad in (np.bool_(True), 2.0, "2"):
+        with pytest.raises(TypeError, match="FwdParams.num_stages must be an int or None"):
+            FwdParams(num_stages=bad)
+    # numpy ints, as the ops' other int options take them (they were refused); stored as Python ints
+    numpy_made = FwdParams(q_blocksize=np.int64(128), num_warps=np.int32(4))
+    assert numpy_made == FwdParams(q_blocksize=128, num_warps=4) and type(numpy_made.num_warps) is int
     with pytest.raises(ValueError, match="blocksize_q"):
         FwdParams.from_dict({"blocksize_q": 64})
     with pytest.raises(TypeError, match="FwdParams"):

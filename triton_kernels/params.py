@@ -16,6 +16,7 @@ import enum
 import functools
 import hashlib
 import json
+import operator
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -130,6 +131,16 @@ _POW2_FIELDS = ("blocksize_m", "blocksize_n", "blocksize_k", "q_blocksize", "kv_
                 "blocksize_heads", "blocksize_keys")
 
 
+def _param_int(cls: str, name: str, value) -> int:
+    """An integer field (Python's or numpy's, as other int options take them); bools refused."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        raise TypeError(f"{cls}.{name} must be an int or None, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{cls}.{name} must be an int or None, got {value!r}") from None
+
+
 class _Params:
     """Shared behaviour of FwdParams/BwdParams (frozen dataclasses of optional ints)."""
 
@@ -139,8 +150,8 @@ class _Params:
             v = getattr(self, f.name)
             if v is None:
                 continue
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise TypeError(f"{cls}.{f.name} must be an int or None, got {v!r}")
+            v = _param_int(cls, f.name, v)
+            object.__setattr__(self, f.name, v)  # a numpy int as a Python one: params are cache keys and JSON
             if v < 1:
                 raise ValueError(f"{cls}.{f.name} must be positive, got {v}")
             if f.name in _POW2_FIELDS and v & (v - 1):
