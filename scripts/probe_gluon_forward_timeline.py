@@ -34,6 +34,7 @@ import json
 import os
 import statistics
 import sys
+import textwrap
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -92,7 +93,7 @@ _EXIT = '''        exit_ns = _globaltimer()
 # (text in the kernel's source, what replaces it[, how often it occurs]): once unless said. The
 # consumer stamps t0 before it waits for a tile's query rows (either walk, static or claimed) and
 # hands it to _consume_tile, which stamps the rest and records them.
-_STAGE = ("        _stage_rows(o_desc, lse_ptr, o_rows, acc, m_i, l_i, row0, seq_q, b, h * HEAD_DIM, lse_base, "
+_STAGE = ("            _stage_rows(o_desc, lse_ptr, o_rows, acc, m_i, l_i, row0, seq_q, b, h * HEAD_DIM, lse_base, "
           "BLOCK_N)\n")
 _REGION_END = "            ], [4, 1], [232, 24])\n"  # the two-consumer warp_specialize call
 _NEXT_WAIT = "mbarrier.wait(q_ready.index(tiles % 2), (tiles // 2) & 1)\n"
@@ -110,9 +111,10 @@ EDITS = [
     ("_consume_tile(state, o_desc,", "_consume_tile(t0, state, o_desc,", 3),  # the definition and both calls
     ("        buf = tiles % 2\n        if not CAUSAL:",
      "        t1 = _clock()\n        buf = tiles % 2\n        if not CAUSAL:"),
-    ("        lse_base = (b.to(gl.int64) * HEADS_Q + h) * seq_q\n",
-     "        t2 = _clock()\n        lse_base = (b.to(gl.int64) * HEADS_Q + h) * seq_q\n"),
-    (_STAGE, _STAGE + _RECORD.format(max_tiles=MAX_TILES, fields=FIELDS)),
+    # (a tile's work sits in the branch of parts before seq_q, so 12 spaces in)
+    ("            lse_base = (b.to(gl.int64) * HEADS_Q + h) * seq_q\n",
+     "            t2 = _clock()\n            lse_base = (b.to(gl.int64) * HEADS_Q + h) * seq_q\n"),
+    (_STAGE, _STAGE + textwrap.indent(_RECORD.format(max_tiles=MAX_TILES, fields=FIELDS), "    ")),
     ("logit_scale, seq_q, seq_k, n_m, per_head, n_units)\n        if CONSUMERS == 3:",
      "logit_scale, seq_q, seq_k, n_m, per_head, n_units, seed_ptr)\n"
      "        setup_ns = _globaltimer()\n        if CONSUMERS == 3:"),

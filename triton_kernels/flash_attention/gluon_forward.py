@@ -66,19 +66,17 @@ def forward_consumers(head_dim: int, causal: bool, seq_q: int, seq_k: int) -> in
     causal mask, where a block's matmuls are short beside its softmax and a third warpgroup keeps
     the tensor cores busier (FlashAttention-3 uses 192-row tiles there too): on an H100, bf16,
     best of two runs, 1.08x (seq 2048) to 1.17x (16384) faster than two and 1.06-1.15x cuDNN's
-    throughput (probe_gluon_forward_consumers-nvidia-h100-80gb-hbm3.json). Unless 192-row tiles
-    would pad seq_q more than 5% past what 128-row tiles do (seq 1024: 1152 rows against 1024;
-    there three were 0.5-4% slower), or seq_k leaves a partial key block: that build's masked
-    softmax spills with three (triton 3.9: 96 stores, 171 loads), and it was not timed. Two
-    elsewhere: at head_dim 128 a third does not fit in the register file, and with a causal mask
-    three took 1.05-1.7x the time up to seq 4096."""
+    throughput (probe_gluon_forward_consumers-nvidia-h100-80gb-hbm3.json). Whatever seq_q: a
+    last tile's parts wholly past it only release the ring (``_consume_tile``), so 192-row tiles
+    compute no more rows than 128-row ones (seq 1024 on an H200: 1.07x two, 1.06x cuDNN;
+    probe_gluon_forward_consumers-skip-nvidia-h200.json; before that skip three were 0.5-4%
+    slower there and took only shapes they padded by at most 5%). Two where seq_k leaves a
+    partial key block: that build's masked softmax spills with three (triton 3.9: 96 stores,
+    171 loads), and it was not timed; at head_dim 128, where a third does not fit in the
+    register file; and with a causal mask, where three took 1.05-1.7x the time up to seq 4096."""
     if head_dim != 64 or causal or seq_k % BLOCK_N:
         return 2
-
-    def padded(tile: int) -> int:
-        return -(-seq_q // tile) * tile
-
-    return 3 if padded(3 * ROWS) <= 1.05 * padded(TILE_M) else 2
+    return 3
 
 
 def forward_maxnreg(consumers: int) -> int:
@@ -635,16 +633,42 @@ if AVAILABLE:
             tma.store_wait(0)
             mbarrier.arrive(q_empty.index((tiles + 1) % 2), count=1, pred=tiles > 0)
         row0 = m0 + WG * ROWS
-        acc, m_i, l_i = _attend(q_smem.index(PARTS * buf + WG), k_smem, v_smem, k_ready, v_ready, k_empty,
-                                v_empty, q_empty.index(buf), logit_scale, row0, seq_q, seq_k, n_blocks,
-                                first_masked, ring, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, CAUSAL)
-        lse_base = (b.to(gl.int64) * HEADS_Q + h) * seq_q
-        if CAUSAL:
-            tma.store_wait(0)  # the previous tile's store has read o_smem
-            o_rows = o_smem.index(WG)
+        # A part wholly past seq_q (3 consumers: seq 1024 pads to 1152 rows, two parts of the last
+        # tile empty) only releases the ring. Two-consumer builds keep one path (a runtime branch
+        # made the head_dim-128 build spill on triton 3.9).
+        if PARTS == 3 and WG > 0:
+            empty = row0 >= seq_q
         else:
-            o_rows = q_smem.index(PARTS * buf + WG)
-        _stage_rows(o_desc, lse_ptr, o_rows, acc, m_i, l_i, row0, seq_q, b, h * HEAD_DIM, lse_base, BLOCK_N)
+            empty = False  # a Python bool: the branch below is resolved while compiling
+        if empty:
+            _pass_blocks(k_ready, v_ready, k_empty, v_empty, q_empty.index(buf), n_blocks, ring, STAGES, CAUSAL)
+        else:
+            acc, m_i, l_i = _attend(q_smem.index(PARTS * buf + WG), k_smem, v_smem, k_ready, v_ready, k_empty,
+                                    v_empty, q_empty.index(buf), logit_scale, row0, seq_q, seq_k, n_blocks,
+                                    first_masked, ring, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, CAUSAL)
+            lse_base = (b.to(gl.int64) * HEADS_Q + h) * seq_q
+            if CAUSAL:
+                tma.store_wait(0)  # the previous tile's store has read o_smem
+                o_rows = o_smem.index(WG)
+            else:
+                o_rows = q_smem.index(PARTS * buf + WG)
+            _stage_rows(o_desc, lse_ptr, o_rows, acc, m_i, l_i, row0, seq_q, b, h * HEAD_DIM, lse_base, BLOCK_N)
+
+    @gluon.jit
+    def _pass_blocks(k_ready, v_ready, k_empty, v_empty, q_empty, n_blocks, ring, STAGES: gl.constexpr,
+                     RELEASE_Q: gl.constexpr):
+        """``_attend``'s barrier protocol without its work, for a warpgroup whose rows all lie past
+        seq_q: every consumer releases every ring stage. Each release waits for the stage's fill,
+        so that it cannot count towards the stage's previous use."""
+        for j in range(n_blocks):
+            c = ring + j
+            stage = c % STAGES
+            mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            mbarrier.wait(v_ready.index(stage), (c // STAGES) & 1)
+            mbarrier.arrive(v_empty.index(stage), count=1)
+        if RELEASE_Q:
+            mbarrier.arrive(q_empty, count=1)
 
     @gluon.jit
     def _batch_heads(ptr, batch, seq, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr):
