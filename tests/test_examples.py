@@ -77,6 +77,36 @@ def test_parity_report_fails_frameworks_that_disagree(tmp_path, monkeypatch):
     assert parity_report.main() == 1
 
 
+@pytest.mark.parametrize("dtype, factor", [("float32", 1 + 5e-5), ("bfloat16", 1 + 4e-2)])
+def test_parity_report_fails_a_kernel_off_by_a_small_factor(tmp_path, monkeypatch, dtype, factor):
+    # The bounds were 1e-4 (float32) and 5e-2 (bfloat16) for every row, 300x and 17x the largest
+    # errors the report measures (3e-7, 3e-3): a softmax scaled by 1 + 5e-5 / 1 + 4e-2 in both
+    # frameworks (so torch and jax agree) passed the job. The unscaled op passes.
+    import ejkernel_jax
+    import ejkernel_torch
+    from ejkernel_torch import reference
+    from examples import parity_report
+    from examples.parity import Case
+
+    case = Case("softmax", "33x517", dtype, lambda rng: [rng.standard_normal((33, 517)) * 3], reference.softmax,
+                n_diff=1)
+    monkeypatch.setattr(parity_report, "all_cases", lambda: [case])
+    monkeypatch.setattr(sys, "argv", ["parity_report.py", "--repeats", "1", "--out", str(tmp_path / "r.json")])
+    assert parity_report.main() == 0
+    for module in (ejkernel_torch, ejkernel_jax):
+        monkeypatch.setattr(module, "softmax", lambda x, _real=module.softmax, **kw: _real(x, **kw) * factor)
+    assert parity_report.main() == 1
+    import json
+
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [r["op"] for r in parity_report.failed_rows(rows)] == ["softmax", "softmax d/d0"]
+    # Gradient rows take the suites' gradient bounds, output rows their output bounds.
+    for op, bound in (("softmax", parity_report.BOUNDS), ("softmax d/d0", parity_report.GRAD_BOUNDS)):
+        row = {"op": op, "dtype": dtype, "rel_err_torch": 0.0, "rel_err_jax": 0.0, "rel_diff": 0.0, "out_dtypes": None}
+        assert parity_report.failed_rows([{**row, "rel_err_torch": bound[dtype]}]) == []
+        assert parity_report.failed_rows([{**row, "rel_err_jax": 1.01 * bound[dtype]}]) != []
+
+
 @pytest.mark.parametrize("example", ["torch_gpt", "flax_gpt"])
 def test_gpt_examples_fail_a_nan_loss(example):
     # max() skipped a NaN |loss difference| after the first step: a short run with NaN passed.
