@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import zlib
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # References and the XLA-computed sides of comparisons assume float32 matmuls; a GPU's default
@@ -56,11 +57,30 @@ def _poison_outputs():
         yield
 
 
+# Fresh inputs every run, replayable: a test's seed is its id's CRC32 mixed with this run's salt,
+# which the report header names (EJKERNEL_TEST_SEED=<salt> replays the run). The seed was
+# hash(nodeid), which Python salts per process (PYTHONHASHSEED): "reproducible from the test id"
+# it was not, and a failing draw could not be found again. Set at import, so pytest-xdist's
+# workers and the examples' subprocesses inherit the same salt.
+SEED_ENV = "EJKERNEL_TEST_SEED"
+os.environ.setdefault(SEED_ENV, str(int.from_bytes(os.urandom(4), "little")))
+
+
+def pytest_report_header(config):
+    return f"rng fixture: {SEED_ENV}={os.environ[SEED_ENV]} replays this run's random inputs"
+
+
 @pytest.fixture
 def rng(request) -> np.random.Generator:
-    # Fresh inputs per test, reproducible from the test id.
-    seed = abs(hash(request.node.nodeid)) % (2**32)
-    return np.random.default_rng(seed)
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()) ^ int(os.environ[SEED_ENV]))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # A failing test that drew random inputs says how to draw them again (-q hides the header).
+    report = (yield).get_result()
+    if report.failed and "rng" in getattr(item, "fixturenames", ()):
+        report.sections.append(("rng", f"{SEED_ENV}={os.environ[SEED_ENV]} replays this test's random inputs"))
 
 
 def pytest_collection_modifyitems(config, items):
