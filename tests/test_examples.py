@@ -144,6 +144,38 @@ def test_shcsa_example_judges_gradients(monkeypatch):
         shcsa.main()
 
 
+@pytest.mark.parametrize("side, factor, message", [("output", 1 + 3e-5, "outputs disagree"),
+                                                    ("gradient", 1 + 5e-5, "input gradients disagree")])
+def test_shcsa_example_judges_small_errors(monkeypatch, side, factor, message):
+    # The bounds were 1e-4 on outputs and 1e-4 x the largest gradient (about 40) on gradients,
+    # 200x and 500x the gaps float32 gives (5e-7, 8e-6): jax's attention output scaled by
+    # 1 + 3e-5, or torch's attention backward by 1 + 5e-5, passed the example.
+    import torch
+
+    import ejkernel_jax
+    import ejkernel_torch
+    from examples import shcsa
+
+    if side == "output":
+        real = ejkernel_jax.padded_attention
+        monkeypatch.setattr(ejkernel_jax, "padded_attention", lambda *a: real(*a) * factor)
+    else:
+        attention = ejkernel_torch.padded_attention
+
+        class _ScaledBackward(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, grad):
+                return grad * factor
+
+        monkeypatch.setattr(ejkernel_torch, "padded_attention", lambda *a: _ScaledBackward.apply(attention(*a)))
+    with pytest.raises(AssertionError, match=message):
+        shcsa.main()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--only", "softmx"], "--only: unknown op name(s) softmx; expected some of "),
     (["--only", "softmax,nope"], "unknown op name(s) nope;"),
