@@ -25,7 +25,9 @@ from ejkernel_jax import grouped_matmul
 
 # Small on purpose: on CPU every kernel program runs in the (slow) Triton interpreter.
 TOKENS, DIM, HIDDEN, EXPERTS, TOP_K = 32, 16, 32, 4, 2
-TOLERANCE = 1e-4  # max |loss difference| over the run (float32)
+# max |loss difference| over the run (float32). The curves differ by 3e-8 to 6e-8 over 30 steps;
+# at 1e-4 an expert output scaled by 1 + 5e-5 passed (its curve 5e-5 off).
+TOLERANCE = 1e-5
 
 
 def grouped_experts(x, group_sizes, w_up, w_down):

@@ -208,14 +208,16 @@ def test_moe_examples_train_like_the_expert_loop(example):
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-2000:]
 
 
+@pytest.mark.parametrize("factor", [1.01, 1 + 5e-5])
 @pytest.mark.parametrize("example", ["torch_moe", "flax_moe"])
-def test_moe_examples_fail_wrong_experts(example, monkeypatch):
+def test_moe_examples_fail_wrong_experts(example, factor, monkeypatch):
     # The examples must exit non-zero when the grouped matmul's loss curve leaves the loop's.
+    # At a tolerance of 1e-4 (the curves agree within 6e-8), experts off by 5e-5 passed.
     import importlib
 
     module = importlib.import_module(f"examples.{example}")
     real = module.grouped_matmul
-    monkeypatch.setattr(module, "grouped_matmul", lambda *args, **kwargs: real(*args, **kwargs) * 1.01)
+    monkeypatch.setattr(module, "grouped_matmul", lambda *args, **kwargs: real(*args, **kwargs) * factor)
     monkeypatch.setattr(sys, "argv", [f"{example}.py", "--steps", "2"])
     with pytest.raises(SystemExit, match="loss curves disagree"):
         module.main()
