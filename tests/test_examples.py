@@ -121,6 +121,20 @@ def test_gpt_examples_fail_a_nan_loss(example):
     assert not judge({"ejkernel": good, "plain": [3.4, 3.2, math.nan]}, steps=3)[1]
 
 
+@pytest.mark.parametrize("example", ["torch_gpt", "flax_gpt"])
+def test_gpt_examples_fail_a_slightly_wrong_attention(example, monkeypatch):
+    # The judge's bound was 2e-3 on curves that agree within 5e-7: an attention output 2% off
+    # (5.4e-4 apart after 10 steps) passed. 10 steps: too short for the learning check.
+    import importlib
+
+    module = importlib.import_module(f"examples.{example}")
+    real = module.flash_attention
+    monkeypatch.setattr(module, "flash_attention", lambda *args, **kwargs: real(*args, **kwargs) * 1.02)
+    monkeypatch.setattr(sys, "argv", [f"{example}.py", "--steps", "10"])
+    with pytest.raises(SystemExit, match="loss curves disagree"):
+        module.main()
+
+
 def test_shcsa_example_judges_gradients(monkeypatch):
     # The input gradients were printed but not checked: a wrong torch backward passed.
     import torch
