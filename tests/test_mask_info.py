@@ -313,28 +313,29 @@ def test_rebuild_dynamic(is_dkv, rng):
 
 def test_invalid_inputs_raise():
     mask = M.MultiHeadMask([M.CausalMask((64, 64))] * 4)
-    with pytest.raises(ValueError, match="mask"):
+    rank = r"mask must be a MultiHeadMask or a 3-D numpy bool array \[heads, q_len, kv_len\], got "
+    with pytest.raises(ValueError, match=rank + r"CausalMask with shape \(64, 64\)"):
         I.process_mask(M.CausalMask((64, 64)), (16, 16))  # 2-D: wrong rank
-    with pytest.raises(ValueError, match="mask"):
+    with pytest.raises(ValueError, match=rank + r"ndarray with shape \(64, 64\)"):
         I.process_mask(np.ones((64, 64), bool), (16, 16))
     for process in (I.process_mask, I.process_mask_dkv):  # named "array" (NumpyMask's argument)
         with pytest.raises(TypeError, match="^mask must be boolean, got dtype int32"):
             process(np.ones((4, 64, 64), np.int32), (16, 16))
-    with pytest.raises(ValueError, match=r"block_shape\[0\]"):
+    with pytest.raises(ValueError, match=r"block_shape\[0\]=24 must divide q_len=64"):
         I.process_mask(mask, (24, 16))
-    with pytest.raises(ValueError, match=r"block_shape\[1\]"):
+    with pytest.raises(ValueError, match=r"block_shape\[1\]=48 must divide kv_len=64"):
         I.process_mask_dkv(mask, (16, 48))
-    with pytest.raises(ValueError, match="block_shape"):
+    with pytest.raises(ValueError, match=r"block_shape must be a \(block_q, block_kv\) pair, got \(16,\)"):
         I.process_mask(mask, (16,))
-    with pytest.raises(ValueError, match="block_shape"):
+    with pytest.raises(ValueError, match=r"block_shape entries must be positive, got \(0, 16\)"):
         I.process_mask(mask, (0, 16))
-    with pytest.raises(ValueError, match="head_shards"):
+    with pytest.raises(ValueError, match="head_shards=3 must divide the number of heads 4"):
         I.process_mask(mask, (16, 16), head_shards=3)
-    with pytest.raises(ValueError, match="q_seq_shards"):
+    with pytest.raises(ValueError, match="q_seq_shards=3 must divide the number of q blocks 4"):
         I.process_mask(mask, (16, 16), q_seq_shards=3)
-    with pytest.raises(ValueError, match="q_seq_shards"):
+    with pytest.raises(ValueError, match="q_seq_shards=4 must divide the number of q blocks 2"):
         I.process_mask(mask, (32, 16), q_seq_shards=4)  # 2 q blocks cannot split 4 ways
-    with pytest.raises(ValueError, match="mask"):
+    with pytest.raises(ValueError, match=r"mask must be 3-D \[heads, q_len, kv_len\], got shape \(64, 64\)"):
         I.process_dynamic_mask(jnp.ones((64, 64), bool), (16, 16))
     with pytest.raises(TypeError, match="mask must be boolean, got dtype int32"):  # a dtype: was a ValueError
         I.process_dynamic_mask(jnp.ones((2, 64, 64), jnp.int32), (16, 16))
