@@ -135,25 +135,31 @@ def test_gpt_examples_fail_a_slightly_wrong_attention(example, monkeypatch):
         module.main()
 
 
-def test_shcsa_example_judges_gradients(monkeypatch):
-    # The input gradients were printed but not checked: a wrong torch backward passed.
+def _scale_torch_attention_backward(monkeypatch, factor: float) -> None:
+    """ejkernel_torch.padded_attention with its input gradients scaled by ``factor``."""
     import torch
 
     import ejkernel_torch
-    from examples import shcsa
 
     attention = ejkernel_torch.padded_attention
 
-    class _WrongBackward(torch.autograd.Function):
+    class _ScaledBackward(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
             return x.clone()
 
         @staticmethod
         def backward(ctx, grad):
-            return grad * 1.01
+            return grad * factor
 
-    monkeypatch.setattr(ejkernel_torch, "padded_attention", lambda *a: _WrongBackward.apply(attention(*a)))
+    monkeypatch.setattr(ejkernel_torch, "padded_attention", lambda *a: _ScaledBackward.apply(attention(*a)))
+
+
+def test_shcsa_example_judges_gradients(monkeypatch):
+    # The input gradients were printed but not checked: a wrong torch backward passed.
+    from examples import shcsa
+
+    _scale_torch_attention_backward(monkeypatch, 1.01)
     with pytest.raises(AssertionError, match="input gradients disagree"):
         shcsa.main()
 
@@ -164,28 +170,14 @@ def test_shcsa_example_judges_small_errors(monkeypatch, side, factor, message):
     # The bounds were 1e-4 on outputs and 1e-4 x the largest gradient (about 40) on gradients,
     # 200x and 500x the gaps float32 gives (5e-7, 8e-6): jax's attention output scaled by
     # 1 + 3e-5, or torch's attention backward by 1 + 5e-5, passed the example.
-    import torch
-
     import ejkernel_jax
-    import ejkernel_torch
     from examples import shcsa
 
     if side == "output":
         real = ejkernel_jax.padded_attention
         monkeypatch.setattr(ejkernel_jax, "padded_attention", lambda *a: real(*a) * factor)
     else:
-        attention = ejkernel_torch.padded_attention
-
-        class _ScaledBackward(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                return x.clone()
-
-            @staticmethod
-            def backward(ctx, grad):
-                return grad * factor
-
-        monkeypatch.setattr(ejkernel_torch, "padded_attention", lambda *a: _ScaledBackward.apply(attention(*a)))
+        _scale_torch_attention_backward(monkeypatch, factor)
     with pytest.raises(AssertionError, match=message):
         shcsa.main()
 
