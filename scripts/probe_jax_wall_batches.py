@@ -7,9 +7,10 @@ events over 100 calls: a cost per batch (the first dispatch, the final wait) shr
 batches, a cost per call does not. Run it again with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``
 to take XLA's CUDA graphs out.
 
-    PYTHONPATH=. python scripts/probe_jax_wall_batches.py
+    PYTHONPATH=. python scripts/probe_jax_wall_batches.py [--shapes 8192:64:causal 4096:128:full ...] [--out PATH]
 
-Prints one JSON line per shape (bf16, the benchmark's shapes).
+Prints one JSON line per shape (bf16, the benchmark's batch x seq and heads); ``--out`` also
+writes them to a JSON file.
 """
 import argparse
 import json
@@ -64,14 +65,30 @@ def run(seq, head_dim, causal) -> dict:
             "jax/torch, 100 calls": median_ratio(samples, "jax100", "torch100")}
 
 
+def _shape(text: str) -> tuple[int, int, bool]:
+    seq, head_dim, mask = text.split(":")
+    if mask not in ("full", "causal"):
+        raise argparse.ArgumentTypeError(f"shape {text!r}: expected SEQ:HEAD_DIM:full|causal")
+    return int(seq), int(head_dim), mask == "causal"
+
+
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="*", type=_shape, default=list(SHAPES), help="SEQ:HEAD_DIM:full|causal")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
     import torch
 
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    for shape in SHAPES:
-        print(json.dumps(run(*shape)), flush=True)
+    rows = []
+    for shape in args.shapes:
+        rows.append(run(*shape))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        from benchmarks.common import device_name, write_json
+
+        write_json(args.out, {"device": device_name(), "torch": torch.__version__, "results": rows})
 
 
 if __name__ == "__main__":
