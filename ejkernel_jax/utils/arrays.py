@@ -136,8 +136,9 @@ def generate_attention_inputs(batch_size: int = 2, seq_len: int = 128, num_heads
 
 
 def _dtype(dtype):
-    """jnp.dtype of ``dtype``; None is jax's default float dtype, as in ``astype(None)``."""
+    """jnp.dtype of ``dtype``; None is jax's default float dtype, as in ``astype(None)`` (float64
+    with x64 on), found without making an array on the default device."""
     try:
-        return jnp.dtype(dtype) if dtype is not None else jnp.zeros(()).dtype
+        return jnp.dtype(dtype) if dtype is not None else jax.dtypes.canonicalize_dtype(jnp.float64)
     except TypeError:
         raise TypeError(f"dtype must be a dtype, got {dtype!r}") from None
