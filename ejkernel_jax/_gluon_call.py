@@ -5,7 +5,9 @@ kernels build their TMA descriptors. jaxlib's own ``TritonKernel`` takes a compi
 its scratch size (since jaxlib 0.11), so a Gluon plan is compiled by ``triton_kernels.aot`` (the
 specialization torch's launcher gives it: pointers 16-byte aligned, which XLA's buffers are, ints
 unspecialized but 1) and handed to the ``triton_kernel_call`` custom call through a primitive of
-our own. The same binary runs from torch, so both fronts give the same bits.
+our own. Torch launches the same PTX (assembled by Triton's ptxas, where jaxlib assembles it with
+XLA's PTX compiler), and both fronts give the same bits (``tests/test_flash_gluon.py`` checks it
+on a GPU).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """On a CUDA GPU: compiled kernels are correct, and torch-launched and jax-launched results are
-bitwise identical for the same inputs (same plan -> same binary). Skipped without a GPU."""
+bitwise identical for the same inputs (same plan -> same PTX). Skipped without a GPU."""
 import numpy as np
 import pytest
 

@@ -1,5 +1,5 @@
 """On a CUDA GPU: flash attention's compiled kernels are correct, and torch-launched and
-jax-launched outputs, lse and gradients are bitwise identical (same plan -> same binary).
+jax-launched outputs, lse and gradients are bitwise identical (same plan -> same PTX).
 Skipped without a GPU."""
 import numpy as np
 import pytest

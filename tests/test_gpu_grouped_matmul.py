@@ -1,5 +1,5 @@
 """On a CUDA GPU: the compiled grouped-matmul kernels are right (vs float64 loops), and torch- and
-jax-launched results are bitwise identical (same plan -> same binary). Skipped without a GPU."""
+jax-launched results are bitwise identical (same plan -> same PTX). Skipped without a GPU."""
 import numpy as np
 import pytest
 

@@ -3,7 +3,8 @@
 A ``LaunchPlan`` names the kernel, the grid, which kernel parameters are input arrays, runtime
 scalars, outputs and constexprs, and the compile options (``num_warps``, ``num_stages``,
 ``enable_fp_fusion``). The torch launcher and the jax launcher both obey a plan verbatim, so the
-same inputs compile to the same binary in both frameworks.
+same inputs compile to the same PTX in both frameworks (torch's launch assembles it with Triton's
+ptxas, jaxlib with XLA's PTX compiler; the GPU tests check that the results are bitwise equal).
 
 Kernel parameter order is fixed by jax-triton's calling convention, which the torch launcher
 follows too: input arrays and runtime scalars (in any order), then the outputs, then constexprs.

@@ -10,7 +10,7 @@ from ..padded_attention import _dot, _dot_acc
 from .tiles import (LN2_C, _dropout_keep, _full_key_range, _keep, _key_range, _load_bias, _load_kv,
                     _load_rows, _logits2, _row_base, _run_bounds, _segment_ids, _sequence, _store_rows)
 
-# Runtime ints: listed so torch and jax-triton compile the same binary (see triton_kernels.plan).
+# Runtime ints: listed so torch and jax-triton compile the same PTX (see triton_kernels.plan).
 RUNTIME_INTS = ["seq_q", "seq_k", "total_q", "total_k", "win_left", "win_right"]
 
 
