@@ -788,8 +788,8 @@ def _name_inner_static(b, args, kwargs, leaves, err: Exception) -> None:
     )
 
 
-def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
-    """The hot path. torch.compile graph-breaks here (documented; never traced by dynamo)."""
+def _refuse_graph_recorders(b: BridgedFunction) -> None:
+    """Tracers that record torch ops (torch.jit.trace, make_fx) would bake the JAX call in as a constant."""
     if torch._C._get_tracing_state() is not None:
         # torch.jit.trace records no DLPack exchange: the outputs would be baked into the
         # trace as constants, and the traced function would return them for any input.
@@ -804,12 +804,12 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
             f"{b!r} cannot be recorded by make_fx, torch.export or another graph tracer: the JAX "
             "call would become a constant; use torch.compile, which runs it eagerly between graphs"
         )
-    b.calls += 1
-    statics = ()
-    if b._static_specs:
-        args, kwargs, statics = b._split_static(args, kwargs)
-    leaves, treedef = _tree_flatten((args, kwargs))
 
+
+def _classify_leaves(b, args, kwargs, leaves):
+    """Returns ``(tpos, tensors, ints)``: the tensor leaves' positions, the tensors, and the
+    positions of the Python ints. Refuses the leaves jax.jit cannot take (or would take with an
+    error naming our internals), and checks the jax.Array leaves' devices."""
     tpos: list[int] = []
     tensors: list[torch.Tensor] = []
     ints: list[int] = []
@@ -849,50 +849,64 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
 
     if committed:
         _check_jax_array_devices(b, args, kwargs, leaves, committed, tpos, tensors)
+    return tpos, tensors, ints
+
+
+_NO_TENSORS = (None, False, False)
+
+
+def _scan_tensors(b, args, kwargs, tpos, tensors):
+    """Returns ``(device, need_grad, wide)`` of a call's tensors (``_NO_TENSORS`` without any):
+    their one device, whether the call records gradients, whether one is 64-bit. Refuses
+    forward-AD duals, tensors on several devices, and (recording gradients) torch.func
+    transforms and inference tensors."""
+    if not tensors:
+        return _NO_TENSORS
     need_grad = False
     wide = False
-    if tensors and _forward_ad._current_level >= 0:
+    if _forward_ad._current_level >= 0:
         _reject_tangents(b, args, kwargs, tpos, tensors)
-    if tensors:
-        device = tensors[0].device
-        grad_on = torch.is_grad_enabled()
-        for k, t in enumerate(tensors):
-            if t.device != device:
-                raise ValueError(
-                    f"{b._describe(args, kwargs, tpos[k])} is on {t.device} but "
-                    f"{b._argname(args, kwargs, tpos[0])} is on {device}; "
-                    "all tensors of one call must share a device"
-                )
-            if grad_on and t.requires_grad:
-                need_grad = True
-            if t.dtype in cv.WIDE_TORCH_DTYPES:
-                wide = True
-        if need_grad:
-            if _functorch_level() is not None:
-                _reject_functorch(b, args, kwargs, tpos, tensors)
-            _reject_inference(b, args, kwargs, tpos, tensors)
+    device = tensors[0].device
+    grad_on = torch.is_grad_enabled()
+    for k, t in enumerate(tensors):
+        if t.device != device:
+            raise ValueError(
+                f"{b._describe(args, kwargs, tpos[k])} is on {t.device} but "
+                f"{b._argname(args, kwargs, tpos[0])} is on {device}; "
+                "all tensors of one call must share a device"
+            )
+        if grad_on and t.requires_grad:
+            need_grad = True
+        if t.dtype in cv.WIDE_TORCH_DTYPES:
+            wide = True
+    if need_grad:
+        if _functorch_level() is not None:
+            _reject_functorch(b, args, kwargs, tpos, tensors)
+        _reject_inference(b, args, kwargs, tpos, tensors)
+    return device, need_grad, wide
 
-    if b.x64 is None:
-        use_x64 = wide and not cv.x64_enabled()
-    else:
-        use_x64 = b.x64 and not cv.x64_enabled()
-    if ints:
-        # jax.jit would raise an OverflowError naming our internals ("argument path is leaves[1]").
-        bits = 64 if use_x64 or cv.x64_enabled() else 32
-        for i in ints:
-            if not -(1 << (bits - 1)) <= leaves[i] < 1 << (bits - 1):
-                raise ValueError(
-                    f"{b._describe(args, kwargs, i)} is the Python int {leaves[i]}, which does not fit "
-                    f"in int{bits}, jax's integer type for this call"
-                    + ("" if bits == 64 else " (64-bit mode is off: pass x64=True to jax_to_torch)")
-                )
-    if wide and not use_x64 and not cv.x64_enabled():
-        # x64=False: canonicalize as jax does for numpy inputs. The import keeps 64-bit dtypes,
-        # and jax mishandles 64-bit arrays with x64 off (a * b stays float64, a[i]'s backward
-        # fails in scatter). A torch cast, so autograd carries gradients back to the input.
-        tensors = [t.to(cv.NARROW_TORCH_DTYPE[t.dtype]) if t.dtype in cv.WIDE_TORCH_DTYPES else t
-                   for t in tensors]
 
+def _check_int_leaves(b, args, kwargs, leaves, ints, use_x64: bool) -> None:
+    # jax.jit would raise an OverflowError naming our internals ("argument path is leaves[1]").
+    bits = 64 if use_x64 or cv.x64_enabled() else 32
+    for i in ints:
+        if not -(1 << (bits - 1)) <= leaves[i] < 1 << (bits - 1):
+            raise ValueError(
+                f"{b._describe(args, kwargs, i)} is the Python int {leaves[i]}, which does not fit "
+                f"in int{bits}, jax's integer type for this call"
+                + ("" if bits == 64 else " (64-bit mode is off: pass x64=True to jax_to_torch)")
+            )
+
+
+def _narrowed(tensors):
+    # x64=False: canonicalize as jax does for numpy inputs. The import keeps 64-bit dtypes,
+    # and jax mishandles 64-bit arrays with x64 off (a * b stays float64, a[i]'s backward
+    # fails in scatter). A torch cast, so autograd carries gradients back to the input.
+    return [t.to(cv.NARROW_TORCH_DTYPE[t.dtype]) if t.dtype in cv.WIDE_TORCH_DTYPES else t
+            for t in tensors]
+
+
+def _cache_entry(b, treedef, statics, use_x64: bool, tpos) -> _Entry:
     # tpos is in the key: whether a leaf is a tensor or a number changes what is traced. Static
     # values carry their types, as in jax.jit: 1 == True and 2 == 2.0, but they may trace apart.
     if statics:
@@ -903,26 +917,26 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
     entry = b._cache.get(key)
     if entry is None:
         entry = b._entry(key)
+    return entry
 
-    if tensors and device.type == "xla":
-        from . import _xla
 
-        if _xla.graph_route(device):  # TPU: no DLPack; run inside torch_xla's graph
-            return _xla.graph_call(b, entry, treedef, statics, leaves, tpos, tensors, use_x64, need_grad)
+def _call_without_grad(b, args, kwargs, entry, treedef, statics, leaves, tpos, tensors, use_x64: bool):
+    """Nothing records gradients: the entry's plain jitted function, no VJP."""
+    jleaves = _import_leaves(b, args, kwargs, leaves, tpos, tensors)
+    fn = entry.plain
+    if fn is None:
+        fn = entry.plain = b._make_plain(treedef, statics)
+    try:
+        out = _run(use_x64, fn, jleaves)
+    except Exception as err:
+        _name_traced_leaf(b, args, kwargs, leaves, err)
+        raise
+    _, out_tree, touts = _export_outputs(b, out, _data_ptrs(tensors), _xla_device(tensors))
+    return _tree_unflatten(out_tree, touts)
 
-    if not need_grad:
-        jleaves = _import_leaves(b, args, kwargs, leaves, tpos, tensors)
-        fn = entry.plain
-        if fn is None:
-            fn = entry.plain = b._make_plain(treedef, statics)
-        try:
-            out = _run(use_x64, fn, jleaves)
-        except Exception as err:
-            _name_traced_leaf(b, args, kwargs, leaves, err)
-            raise
-        _, out_tree, touts = _export_outputs(b, out, _data_ptrs(tensors), _xla_device(tensors))
-        return _tree_unflatten(out_tree, touts)
 
+def _call_with_grad(b, args, kwargs, entry, treedef, statics, leaves, tpos, tensors, use_x64: bool):
+    """Through _BridgeFunction (torch autograd), its per-call state in a _Call."""
     call = _Call()
     call.bridged = b
     call.entry = entry
@@ -942,6 +956,37 @@ def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
         _name_traced_leaf(b, args, kwargs, leaves, err)
         raise
     return _tree_unflatten(call.out_tree, list(touts))
+
+
+def _bridge_call(b: BridgedFunction, args: tuple, kwargs: dict):
+    """The hot path. torch.compile graph-breaks here (documented; never traced by dynamo)."""
+    _refuse_graph_recorders(b)
+    b.calls += 1
+    statics = ()
+    if b._static_specs:
+        args, kwargs, statics = b._split_static(args, kwargs)
+    leaves, treedef = _tree_flatten((args, kwargs))
+    tpos, tensors, ints = _classify_leaves(b, args, kwargs, leaves)
+    device, need_grad, wide = _scan_tensors(b, args, kwargs, tpos, tensors)
+
+    if b.x64 is None:
+        use_x64 = wide and not cv.x64_enabled()
+    else:
+        use_x64 = b.x64 and not cv.x64_enabled()
+    if ints:
+        _check_int_leaves(b, args, kwargs, leaves, ints, use_x64)
+    if wide and not use_x64 and not cv.x64_enabled():
+        tensors = _narrowed(tensors)
+    entry = _cache_entry(b, treedef, statics, use_x64, tpos)
+
+    if tensors and device.type == "xla":
+        from . import _xla
+
+        if _xla.graph_route(device):  # TPU: no DLPack; run inside torch_xla's graph
+            return _xla.graph_call(b, entry, treedef, statics, leaves, tpos, tensors, use_x64, need_grad)
+    if need_grad:
+        return _call_with_grad(b, args, kwargs, entry, treedef, statics, leaves, tpos, tensors, use_x64)
+    return _call_without_grad(b, args, kwargs, entry, treedef, statics, leaves, tpos, tensors, use_x64)
 
 
 _bridge_call = _compiler_disable(_bridge_call, _GRAPH_BREAK_REASON)
