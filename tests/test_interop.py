@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 
 import jax
 import jax.numpy as jnp
@@ -1297,6 +1298,20 @@ def test_python_ints_out_of_range_name_the_argument():
     assert b(x.double(), 2**40).tolist() == [2.0**40] * 2
     assert jax_to_torch(lambda x, n: x * n, x64=True)(x, 2**40).tolist() == [2.0**40] * 2
     assert b(x, True).tolist() == [1.0, 1.0]
+
+
+def test_int_subclasses_out_of_range_name_the_argument():
+    """An IntEnum (an int subclass) skipped the range check and got jax's OverflowError naming
+    'leaves[1]'; within range it computes as its int value."""
+    class Size(enum.IntEnum):
+        BIG = 2**40
+        SMALL = 3
+
+    b = jax_to_torch(lambda x, n: x * n)
+    x = torch.ones(2)
+    with pytest.raises(ValueError, match=rf"argument 'n' is the Python int {2**40}, which does not fit in int32"):
+        b(x, Size.BIG)
+    assert b(x, Size.SMALL).tolist() == [3.0, 3.0]
 
 
 

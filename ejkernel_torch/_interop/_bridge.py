@@ -818,7 +818,7 @@ def _classify_leaves(b, args, kwargs, leaves):
         if isinstance(leaf, torch.Tensor):
             tpos.append(i)
             tensors.append(leaf)
-        elif type(leaf) is int:  # not bool
+        elif isinstance(leaf, int) and not isinstance(leaf, bool):  # an IntEnum too
             ints.append(i)
         elif isinstance(leaf, jax.core.Tracer):
             # Called from JAX code (jax.jit, another bridged function): static_argnames would
@@ -892,7 +892,7 @@ def _check_int_leaves(b, args, kwargs, leaves, ints, use_x64: bool) -> None:
     for i in ints:
         if not -(1 << (bits - 1)) <= leaves[i] < 1 << (bits - 1):
             raise ValueError(
-                f"{b._describe(args, kwargs, i)} is the Python int {leaves[i]}, which does not fit "
+                f"{b._describe(args, kwargs, i)} is the Python int {int(leaves[i])}, which does not fit "
                 f"in int{bits}, jax's integer type for this call"
                 + ("" if bits == 64 else " (64-bit mode is off: pass x64=True to jax_to_torch)")
             )
