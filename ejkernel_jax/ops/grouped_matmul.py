@@ -15,6 +15,7 @@ into a valid-looking one.
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -310,6 +311,39 @@ def _pallas_tiling(params: FwdParams | None):
     return tuple(getattr(params, f) or 128 for f in ("blocksize_m", "blocksize_k", "blocksize_n"))
 
 
+class _Args(NamedTuple):
+    """The checked arguments of ``grouped_matmul`` or ``transposed_grouped_matmul`` (``_args``)."""
+    arrays: tuple  # (lhs, rhs, group_sizes, offset): the launch's arrays; offset an int32 [1] array
+    m: int
+    k: int
+    n: int
+    num_selected: int
+    out_dtype: str
+    pallas: bool
+    params: FwdParams | None
+
+
+def _args(check_shapes: Callable, option, lhs, rhs, group_sizes, group_offset, preferred_element_type,
+          fwd_params, platform, autotune, check_values) -> _Args:
+    """The argument handling both ops share, in their order of checks. ``check_shapes`` is
+    ``gm.check_gmm`` or ``gm.check_tgmm``, ``option`` its last argument (``transpose_rhs`` or
+    ``num_actual_groups``)."""
+    lhs, rhs = array_arg("lhs", lhs), array_arg("rhs", rhs)
+    group_sizes = array_arg("group_sizes", group_sizes)
+    same_device(lhs=lhs, rhs=rhs, group_sizes=group_sizes, group_offset=group_offset)
+    m, k, n, num_groups, num_selected = check_shapes(
+        tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
+        tuple(group_sizes.shape), name_of(group_sizes), option)
+    out_dtype = _out_dtype(preferred_element_type, name_of(lhs))
+    pallas = _platform(platform) == "tpu"
+    params = _fwd_params(fwd_params, pallas)
+    check_autotune(autotune)
+    check_values = checks.flag("check_values", check_values)
+    group_sizes = _group_sizes_arg(group_sizes, m, check_values)
+    offset = _group_offset_arg(group_offset, num_groups, num_selected, check_values)
+    return _Args((lhs, rhs, group_sizes, offset), m, k, n, num_selected, out_dtype, pallas, params)
+
+
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    preferred_element_type=None, transpose_rhs: bool = False,
                    group_offset: int | jax.Array | None = None,
@@ -342,33 +376,22 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     the value checks (a device-to-host copy on GPU): for values known valid.
     Differentiable in lhs and rhs.
     """
-    lhs, rhs = array_arg("lhs", lhs), array_arg("rhs", rhs)
-    group_sizes = array_arg("group_sizes", group_sizes)
-    same_device(lhs=lhs, rhs=rhs, group_sizes=group_sizes, group_offset=group_offset)
-    m, k, n, num_groups, num_selected = gm.check_gmm(
-        tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
-        tuple(group_sizes.shape), name_of(group_sizes), transpose_rhs)
-    out_dtype = _out_dtype(preferred_element_type, name_of(lhs))
-    pallas = _platform(platform) == "tpu"
-    params = _fwd_params(fwd_params, pallas)
-    check_autotune(autotune)
-    check_values = checks.flag("check_values", check_values)
-    group_sizes = _group_sizes_arg(group_sizes, m, check_values)
-    offset = _group_offset_arg(group_offset, num_groups, num_selected, check_values)
-    if pallas:
+    a = _args(gm.check_gmm, transpose_rhs, lhs, rhs, group_sizes, group_offset, preferred_element_type,
+              fwd_params, platform, autotune, check_values)
+    lhs, rhs, group_sizes, offset = arrays = a.arrays
+    if a.pallas:
         from ejkernel_jax.pallas.tpu import grouped_matmul as pallas_gm
 
         # check_values=False: the values were checked above if asked; read again there, they were
         # checked even with check_values=False (raising, and a device-to-host copy on TPU).
-        return pallas_gm.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.dtype(out_dtype),
-                                        tiling=_pallas_tiling(params), group_offset=offset[0],
+        return pallas_gm.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.dtype(a.out_dtype),
+                                        tiling=_pallas_tiling(a.params), group_offset=offset[0],
                                         transpose_rhs=bool(transpose_rhs), check_values=False)
-    problem = _gmm_problem(lhs, rhs, group_sizes, offset, bool(transpose_rhs), out_dtype)  # the launch's
-    gm.gmm_plan(*problem, device_facts(), params)  # bad fwd_params fail here, before tracing the op
-    _tuning.autotune(GMM, problem, (lhs, rhs, group_sizes, offset), autotune, params)
-    _autotune_grads(functools.partial(_gmm_grad_calls, lhs, rhs, group_sizes, offset, bool(transpose_rhs)),
-                    (lhs, rhs, group_sizes, offset), (m, n), autotune)
-    return _gmm(*vary_together((lhs, rhs, group_sizes, offset)), bool(transpose_rhs), out_dtype, params)
+    problem = _gmm_problem(*arrays, bool(transpose_rhs), a.out_dtype)  # the launch's
+    gm.gmm_plan(*problem, device_facts(), a.params)  # bad fwd_params fail here, before tracing the op
+    _tuning.autotune(GMM, problem, arrays, autotune, a.params)
+    _autotune_grads(functools.partial(_gmm_grad_calls, *arrays, bool(transpose_rhs)), arrays, (a.m, a.n), autotune)
+    return _gmm(*vary_together(arrays), bool(transpose_rhs), a.out_dtype, a.params)
 
 
 def transposed_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -385,28 +408,17 @@ def transposed_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.A
     as in ``grouped_matmul``.
     Differentiable in lhs and rhs.
     """
-    lhs, rhs = array_arg("lhs", lhs), array_arg("rhs", rhs)
-    group_sizes = array_arg("group_sizes", group_sizes)
-    same_device(lhs=lhs, rhs=rhs, group_sizes=group_sizes, group_offset=group_offset)
-    m, k, n, num_groups, num_selected = gm.check_tgmm(
-        tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
-        tuple(group_sizes.shape), name_of(group_sizes), num_actual_groups)
-    out_dtype = _out_dtype(preferred_element_type, name_of(lhs))
-    pallas = _platform(platform) == "tpu"
-    params = _fwd_params(fwd_params, pallas)
-    check_autotune(autotune)
-    check_values = checks.flag("check_values", check_values)
-    group_sizes = _group_sizes_arg(group_sizes, m, check_values)
-    offset = _group_offset_arg(group_offset, num_groups, num_selected, check_values)
-    if pallas:
+    a = _args(gm.check_tgmm, num_actual_groups, lhs, rhs, group_sizes, group_offset, preferred_element_type,
+              fwd_params, platform, autotune, check_values)
+    lhs, rhs, group_sizes, offset = arrays = a.arrays
+    if a.pallas:
         from ejkernel_jax.pallas.tpu import grouped_matmul as pallas_gm
 
         return pallas_gm.transposed_grouped_matmul(
-            lhs, rhs, group_sizes, preferred_element_type=jnp.dtype(out_dtype), tiling=_pallas_tiling(params),
-            group_offset=offset[0], num_actual_groups=num_selected, check_values=False)  # as in grouped_matmul
-    problem = _tgmm_problem(lhs, rhs, group_sizes, offset, num_selected, False, out_dtype)  # the launch's
-    gm.tgmm_plan(*problem, device_facts(), params)
-    _tuning.autotune(TGMM, problem, (lhs, rhs, group_sizes, offset), autotune, params)
-    _autotune_grads(functools.partial(_tgmm_grad_calls, lhs, rhs, group_sizes, offset, False),
-                    (lhs, rhs, group_sizes, offset), (num_selected, k, n), autotune)
-    return _tgmm(*vary_together((lhs, rhs, group_sizes, offset)), num_selected, False, out_dtype, params)
+            lhs, rhs, group_sizes, preferred_element_type=jnp.dtype(a.out_dtype), tiling=_pallas_tiling(a.params),
+            group_offset=offset[0], num_actual_groups=a.num_selected, check_values=False)  # as in grouped_matmul
+    problem = _tgmm_problem(*arrays, a.num_selected, False, a.out_dtype)  # the launch's
+    gm.tgmm_plan(*problem, device_facts(), a.params)
+    _tuning.autotune(TGMM, problem, arrays, autotune, a.params)
+    _autotune_grads(functools.partial(_tgmm_grad_calls, *arrays, False), arrays, (a.num_selected, a.k, a.n), autotune)
+    return _tgmm(*vary_together(arrays), a.num_selected, False, a.out_dtype, a.params)

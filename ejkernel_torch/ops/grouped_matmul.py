@@ -28,7 +28,7 @@ groups ``[0, group_offset + num_selected)``, so with an int ``group_offset`` the
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -433,6 +433,46 @@ def _out_dtype(preferred_element_type, default: torch.dtype) -> torch.dtype:
     return preferred_element_type
 
 
+class _Args(NamedTuple):
+    """The checked arguments of ``grouped_matmul`` or ``transposed_grouped_matmul`` (``_args``)."""
+    arrays: tuple  # (lhs, rhs, group_sizes, offset): contiguous; offset an int32 [1] tensor
+    m: int
+    k: int
+    n: int
+    num_selected: int
+    device: torch.device
+    out_dtype: torch.dtype
+    params: FwdParams | None
+    check_group_values: Callable[[], None]  # the value checks, to call before any kernel runs (_group_args)
+
+
+def _args(check_shapes: Callable, option, groups_read: Callable, lhs, rhs, group_sizes, group_offset,
+          preferred_element_type, fwd_params, autotune, check_values) -> _Args:
+    """The argument handling both ops share, in their order of checks. ``check_shapes`` is
+    ``gm.check_gmm`` or ``gm.check_tgmm``, ``option`` its last argument (``transpose_rhs`` or
+    ``num_actual_groups``); ``groups_read(rhs)`` is the number of selected groups that
+    ``_compile_time_groups`` takes."""
+    lhs, rhs, group_sizes = (tensor_arg(n, t) for n, t in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)))
+    lhs, rhs = autocast(lhs, rhs)
+    group_sizes = _compile_time_groups(group_sizes, group_offset, groups_read(rhs))
+    m, k, n, num_groups, num_selected = check_shapes(
+        tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
+        tuple(group_sizes.shape), name_of(group_sizes), option)
+    device = same_device(lhs=lhs, rhs=rhs)
+    group_sizes, offset, check_group_values = _group_args(group_sizes, group_offset, m, num_groups, num_selected,
+                                                          device, checks.flag("check_values", check_values))
+    out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
+    params = op_params(FwdParams, fwd_params, "fwd_params", gm.PARAM_FIELDS)  # {}: None, as if not given
+    check_autotune(autotune)
+    lhs, rhs = lhs.contiguous(), rhs.contiguous()
+    return _Args((lhs, rhs, group_sizes, offset), m, k, n, num_selected, device, out_dtype, params, check_group_values)
+
+
+def _gmm_groups_read(rhs: torch.Tensor) -> int:
+    """grouped_matmul's ``groups_read`` (``_args``): rhs's groups (0 for a bad rank: the checks refuse it)."""
+    return rhs.shape[0] if rhs.dim() == 3 else 0
+
+
 def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *,
                    preferred_element_type: torch.dtype | None = None, transpose_rhs: bool = False,
                    group_offset: int | torch.Tensor | None = None,
@@ -460,29 +500,19 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     (``torch.bincount(expert_ids, minlength=g)``) when ``group_offset`` is an int.
     Differentiable in lhs and rhs.
     """
-    lhs, rhs, group_sizes = (tensor_arg(n, t) for n, t in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)))
-    lhs, rhs = autocast(lhs, rhs)
-    group_sizes = _compile_time_groups(group_sizes, group_offset, rhs.shape[0] if rhs.dim() == 3 else 0)
-    m, k, n, num_groups, num_selected = gm.check_gmm(
-        tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
-        tuple(group_sizes.shape), name_of(group_sizes), transpose_rhs)
-    device = same_device(lhs=lhs, rhs=rhs)
-    group_sizes, offset, check_group_values = _group_args(group_sizes, group_offset, m, num_groups, num_selected,
-                                                          device, checks.flag("check_values", check_values))
-    out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
-    params = op_params(FwdParams, fwd_params, "fwd_params", gm.PARAM_FIELDS)  # {}: None, as if not given
-    check_autotune(autotune)
-    lhs, rhs = lhs.contiguous(), rhs.contiguous()
+    a = _args(gm.check_gmm, transpose_rhs, _gmm_groups_read, lhs, rhs, group_sizes, group_offset,
+              preferred_element_type, fwd_params, autotune, check_values)
+    arrays = a.arrays
     compiling = torch.compiler.is_compiling()
     if not compiling:  # bad fwd_params fail here (dynamo cannot trace plans)
-        problem = _gmm_problem(lhs, rhs, group_sizes, offset, bool(transpose_rhs), out_dtype)  # the op body's
-        gm.gmm_plan(*problem, device_facts(device), params)
-    check_group_values()  # before any kernel runs (autotuning's too)
+        problem = _gmm_problem(*arrays, bool(transpose_rhs), a.out_dtype)  # the op body's
+        gm.gmm_plan(*problem, device_facts(a.device), a.params)
+    a.check_group_values()  # before any kernel runs (autotuning's too)
     if not compiling:
-        _tuning.autotune(GMM, problem, device, (lhs, rhs, group_sizes, offset), autotune, params)
-        _autotune_grads(functools.partial(_gmm_grad_calls, lhs, rhs, group_sizes, offset, bool(transpose_rhs)),
-                        (lhs, rhs, group_sizes, offset), (m, n), autotune, device)
-    return _call_gmm(lhs, rhs, group_sizes, offset, bool(transpose_rhs), out_dtype, _encode(params))
+        _tuning.autotune(GMM, problem, a.device, arrays, autotune, a.params)
+        _autotune_grads(functools.partial(_gmm_grad_calls, *arrays, bool(transpose_rhs)),
+                        arrays, (a.m, a.n), autotune, a.device)
+    return _call_gmm(*arrays, bool(transpose_rhs), a.out_dtype, _encode(a.params))
 
 
 def transposed_grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *,
@@ -501,26 +531,16 @@ def transposed_grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes:
     (``torch.bincount``) when ``group_offset`` is an int and ``num_actual_groups`` is given.
     Differentiable in lhs and rhs.
     """
-    lhs, rhs, group_sizes = (tensor_arg(n, t) for n, t in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)))
-    lhs, rhs = autocast(lhs, rhs)
-    group_sizes = _compile_time_groups(group_sizes, group_offset, num_actual_groups)
-    m, k, n, num_groups, num_selected = gm.check_tgmm(
-        tuple(lhs.shape), name_of(lhs), tuple(rhs.shape), name_of(rhs),
-        tuple(group_sizes.shape), name_of(group_sizes), num_actual_groups)
-    device = same_device(lhs=lhs, rhs=rhs)
-    group_sizes, offset, check_group_values = _group_args(group_sizes, group_offset, m, num_groups, num_selected,
-                                                          device, checks.flag("check_values", check_values))
-    out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
-    params = op_params(FwdParams, fwd_params, "fwd_params", gm.PARAM_FIELDS)  # {}: None, as if not given
-    check_autotune(autotune)
-    lhs, rhs = lhs.contiguous(), rhs.contiguous()
+    a = _args(gm.check_tgmm, num_actual_groups, lambda rhs: num_actual_groups, lhs, rhs, group_sizes,
+              group_offset, preferred_element_type, fwd_params, autotune, check_values)
+    arrays = a.arrays
     compiling = torch.compiler.is_compiling()
     if not compiling:
-        problem = _tgmm_problem(lhs, rhs, group_sizes, offset, num_selected, False, out_dtype)  # the op body's
-        gm.tgmm_plan(*problem, device_facts(device), params)
-    check_group_values()
+        problem = _tgmm_problem(*arrays, a.num_selected, False, a.out_dtype)  # the op body's
+        gm.tgmm_plan(*problem, device_facts(a.device), a.params)
+    a.check_group_values()
     if not compiling:
-        _tuning.autotune(TGMM, problem, device, (lhs, rhs, group_sizes, offset), autotune, params)
-        _autotune_grads(functools.partial(_tgmm_grad_calls, lhs, rhs, group_sizes, offset, False),
-                        (lhs, rhs, group_sizes, offset), (num_selected, k, n), autotune, device)
-    return _call_tgmm(lhs, rhs, group_sizes, offset, num_selected, False, out_dtype, _encode(params))
+        _tuning.autotune(TGMM, problem, a.device, arrays, autotune, a.params)
+        _autotune_grads(functools.partial(_tgmm_grad_calls, *arrays, False),
+                        arrays, (a.num_selected, a.k, a.n), autotune, a.device)
+    return _call_tgmm(*arrays, a.num_selected, False, a.out_dtype, _encode(a.params))
