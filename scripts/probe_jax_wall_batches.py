@@ -4,8 +4,12 @@ The same compiled kernel runs from both fronts (``profile_flash_jax_vs_torch.py`
 clock over batches of 20 calls jax took up to 1.11x torch's time at seq 1024. This times ours from
 torch and from jax in interleaved rounds with batches of 20 and of 100 calls, beside torch's CUDA
 events over 100 calls: a cost per batch (the first dispatch, the final wait) shrinks with longer
-batches, a cost per call does not. Run it again with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``
-to take XLA's CUDA graphs out.
+batches, a cost per call does not. cuDNN's attention from both fronts (torch SDPA, and
+``jax.nn.dot_product_attention(implementation="cudnn")``) is timed in the same rounds as a
+baseline that is none of our code. Each row fits jax's excess over torch with a cost per batch
+and one per call (``*_excess_ms_per_batch``, ``*_excess_us_per_call``, from the two batch
+lengths' medians). Run it again with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` to take
+XLA's CUDA graphs out.
 
     PYTHONPATH=. python scripts/probe_jax_wall_batches.py [--shapes 8192:64:causal 4096:128:full ...] [--out PATH]
 
@@ -46,23 +50,43 @@ def run(seq, head_dim, causal) -> dict:
     import ejkernel_jax
     import ejkernel_torch
     from benchmarks.common import interleaved, median_ratio, wall_batch
-    from benchmarks.flash_attention import HIDDEN, TOKENS, _inputs
+    from benchmarks.flash_attention import HIDDEN, TOKENS, _inputs, _sdpa
 
     arrays = _inputs(TOKENS // seq, seq, HIDDEN // head_dim, head_dim)[:3]
     q, k, v = (torch.from_numpy(a).to("cuda", torch.bfloat16) for a in arrays)
     qj, kj, vj = (jnp.asarray(a).astype("bfloat16") for a in arrays)
     ours_jax = jax.jit(lambda a, b_, c: ejkernel_jax.flash_attention(a, b_, c, causal=causal))
     ours_torch = lambda: ejkernel_torch.flash_attention(q, k, v, causal=causal)  # noqa: E731
+    cudnn_jax = jax.jit(lambda a, b_, c: jax.nn.dot_product_attention(a, b_, c, is_causal=causal,
+                                                                      implementation="cudnn"))
+    heads_first = [t.transpose(1, 2) for t in (q, k, v)]  # SDPA's layout (views, as the benchmark's)
+    sdpa_cudnn = _sdpa("cudnn", causal)
+    cudnn_torch = lambda: sdpa_cudnn(*heads_first)  # noqa: E731
     timers = {}
     for calls in (20, 100):
         timers[f"torch{calls}"] = wall_batch(ours_torch, lambda _: torch.cuda.synchronize(), calls)
         timers[f"jax{calls}"] = wall_batch(lambda: ours_jax(qj, kj, vj), jax.block_until_ready, calls)
+        timers[f"cudnn_torch{calls}"] = wall_batch(cudnn_torch, lambda _: torch.cuda.synchronize(), calls)
+        timers[f"cudnn_jax{calls}"] = wall_batch(lambda: cudnn_jax(qj, kj, vj), jax.block_until_ready, calls)
     timers["torch_events100"] = _events_timer(ours_torch, 100)
     samples = interleaved(timers, rounds=7)
+    medians = {name: statistics.median(s) for name, s in samples.items()}
     return {"seq": seq, "head_dim": head_dim, "causal": causal, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            **{name: statistics.median(s) for name, s in samples.items()},
+            **medians,
             "jax/torch, 20 calls": median_ratio(samples, "jax20", "torch20"),
-            "jax/torch, 100 calls": median_ratio(samples, "jax100", "torch100")}
+            "jax/torch, 100 calls": median_ratio(samples, "jax100", "torch100"),
+            "cudnn jax/torch, 20 calls": median_ratio(samples, "cudnn_jax20", "cudnn_torch20"),
+            "cudnn jax/torch, 100 calls": median_ratio(samples, "cudnn_jax100", "cudnn_torch100"),
+            **_excess_fit("ours", medians, "jax", "torch"),
+            **_excess_fit("cudnn", medians, "cudnn_jax", "cudnn_torch")}
+
+
+def _excess_fit(label: str, medians: dict, jax_name: str, torch_name: str) -> dict:
+    """jax's time over torch's as ``per_batch + calls * per_call``, from 20- and 100-call batches
+    (milliseconds a call in ``medians``)."""
+    excess = {calls: calls * (medians[f"{jax_name}{calls}"] - medians[f"{torch_name}{calls}"]) for calls in (20, 100)}
+    per_call = (excess[100] - excess[20]) / 80
+    return {f"{label}_excess_ms_per_batch": excess[20] - 20 * per_call, f"{label}_excess_us_per_call": per_call * 1e3}
 
 
 def _shape(text: str) -> tuple[int, int, bool]:
