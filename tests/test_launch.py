@@ -184,6 +184,25 @@ def test_interpreted_launch_leaves_triton_language_intact(fw):
     assert "TRITON_INTERPRET" not in os.environ
 
 
+def test_interpreted_launch_patches_the_language_once_not_at_every_helper_call(fw, monkeypatch):
+    # The interpreter re-patched triton.language at every @triton.jit helper call (~2 ms each, 40%
+    # of a small training step). Four programs call _in_first_half and accumulate's tl.sum (Triton's
+    # standard library, whose globals hold triton.language.core, a module the kernel's do not).
+    from triton_kernels import interpret
+    patched = []
+    original = interpret._original_patch_lang
+    monkeypatch.setattr(interpret, "_original_patch_lang", lambda fn: (patched.append(fn.__name__), original(fn))[1])
+    plan = dataclasses.replace(kt.half_plan(10, kernel=kt.first_half_by_helper_kernel), grid=(4,))
+    np.testing.assert_array_equal(fw.to_numpy(_launch(fw, plan, np.arange(10, dtype=np.float32))[0])[:5],
+                                  np.arange(5))
+    assert patched == ["first_half_by_helper_kernel"]
+    patched.clear()
+    x = np.arange(1, 41, dtype=np.float32)
+    total, _ = _launch(fw, kt.accumulate_plan(40, block=8), x, np.zeros(40, np.float32))
+    assert fw.to_numpy(total)[0] == x.sum()
+    assert patched[0] == "accumulate_kernel" and len(patched) == 2  # then once for triton.language.core
+
+
 def test_plans_built_during_another_threads_interpreted_launch(fw):
     # An interpreted launch swaps interpreted twins into the kernels' modules. A plan built
     # meanwhile on another thread (jax runs a sharded jit's callbacks on threads of its own
