@@ -277,14 +277,11 @@ def _run_example(name, steps):
     assert "max |loss difference|" in result.stdout
 
 
-@pytest.mark.parametrize("name", ["torch_gpt.py", "flax_gpt.py"])
-def test_gpt_examples_run(name):
-    _run_example(name, steps=3)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["torch_gpt.py", "flax_gpt.py"])
 def test_gpt_examples_train_50_steps_like_plain_attention(name):
+    # The script as a user runs it. Without -m slow, test_examples.py's
+    # test_gpt_examples_fail_a_slightly_wrong_attention still runs each example's main().
     _run_example(name, steps=50)
 
 
