@@ -93,7 +93,7 @@ def train(model: GPT, params, data: np.ndarray, steps: int) -> list[float]:
         updates, state = opt.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
-    state, losses = opt.init(params), []
+    state, losses = jax.jit(opt.init)(params), []
     for x, y in batches(data, steps):
         params, state, loss = step(params, state, x, y)
         losses.append(float(loss))
@@ -106,7 +106,7 @@ def main():
     args = parser.parse_args()
     data = corpus(20_000)
     ours, plain = GPT(attention_fn=flash_attention), GPT(attention_fn=plain_attention)
-    params = plain.init(jax.random.PRNGKey(0), jnp.zeros((BATCH, SEQ), jnp.int32))  # same start for both
+    params = jax.jit(plain.init)(jax.random.PRNGKey(0), jnp.zeros((BATCH, SEQ), jnp.int32))  # same start for both
     curves = {"ejkernel": train(ours, params, data, args.steps), "plain": train(plain, params, data, args.steps)}
     print(f"{'step':>4}  {'ejkernel':>9}  {'plain':>9}")
     for i, (a, b) in enumerate(zip(*curves.values())):

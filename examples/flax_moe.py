@@ -84,7 +84,7 @@ def train(model: MoE, params, steps: int) -> list[float]:
         updates, state = opt.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
-    state, losses = opt.init(params), []
+    state, losses = jax.jit(opt.init)(params), []
     for x, y in batches(steps):
         params, state, loss = step(params, state, x, y)
         losses.append(float(loss))
@@ -96,7 +96,7 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     ours, plain = MoE(), MoE(looped_experts)
-    params = plain.init(jax.random.PRNGKey(0), jnp.zeros((TOKENS, DIM)))  # same start for both
+    params = jax.jit(plain.init)(jax.random.PRNGKey(0), jnp.zeros((TOKENS, DIM)))  # same start for both
     curves = {"ejkernel": train(ours, params, args.steps), "plain": train(plain, params, args.steps)}
     print(f"{'step':>4}  {'ejkernel':>9}  {'plain':>9}")
     for i, (a, b) in enumerate(zip(*curves.values())):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import math
 
-# max |loss difference| over the run (float32). The curves differ by 2.4e-7 (torch) / 4.8e-7
-# (flax) over the default 50 steps; at 2e-3 an attention output 2% off passed (5.4e-4 apart
+# max |loss difference| over the run (float32). The curves differ by 2.4e-7 (torch and flax)
+# over the default 50 steps; at 2e-3 an attention output 2% off passed (5.4e-4 apart
 # after 10 steps of torch_gpt).
 TOLERANCE = 1e-5
 
