@@ -14,6 +14,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The plain loop's matmuls in float32, as the kernel's (a GPU's default is TF32: the curves were
+# 1.0e-4 apart on an H200, ten times TOLERANCE). Set before jax is imported.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 import flax.linen as nn
 import jax
