@@ -107,6 +107,16 @@ def test_parity_report_fails_a_kernel_off_by_a_small_factor(tmp_path, monkeypatc
         assert parity_report.failed_rows([{**row, "rel_err_jax": 1.01 * bound[dtype]}]) != []
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["torch_gpt", "flax_gpt"])
+def test_gpt_examples_train_50_steps_like_plain_attention(example):
+    # The script as a user runs it. Without -m slow,
+    # test_gpt_examples_fail_a_slightly_wrong_attention still runs each example's main().
+    result = _run(f"examples/{example}.py", "--steps", "50", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-2000:]
+    assert "max |loss difference|" in result.stdout
+
+
 @pytest.mark.parametrize("example", ["torch_gpt", "flax_gpt"])
 def test_gpt_examples_fail_a_nan_loss(example):
     # max() skipped a NaN |loss difference| after the first step: a short run with NaN passed.

@@ -189,9 +189,13 @@ def test_interpreted_launch_patches_the_language_once_not_at_every_helper_call(f
     # of a small training step). Four programs call _in_first_half and accumulate's tl.sum (Triton's
     # standard library, whose globals hold triton.language.core, a module the kernel's do not).
     from triton_kernels import interpret
-    patched = []
-    original = interpret._original_patch_lang
-    monkeypatch.setattr(interpret, "_original_patch_lang", lambda fn: (patched.append(fn.__name__), original(fn))[1])
+    patched, original = [], interpret._original_patch_lang
+
+    def counted(fn):
+        patched.append(fn.__name__)
+        return original(fn)
+
+    monkeypatch.setattr(interpret, "_original_patch_lang", counted)
     plan = dataclasses.replace(kt.half_plan(10, kernel=kt.first_half_by_helper_kernel), grid=(4,))
     np.testing.assert_array_equal(fw.to_numpy(_launch(fw, plan, np.arange(10, dtype=np.float32))[0])[:5],
                                   np.arange(5))

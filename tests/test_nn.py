@@ -264,27 +264,6 @@ def test_layer_dtype_flash_attention_cannot_take_is_named():
     assert reference(torch.zeros(1, 5, 32, dtype=torch.float64)).dtype == torch.float64
 
 
-def _run_example(name, steps):
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, f"examples/{name}", "--steps", str(steps)], cwd=root, env=env,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-2000:]
-    assert "max |loss difference|" in result.stdout
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["torch_gpt.py", "flax_gpt.py"])
-def test_gpt_examples_train_50_steps_like_plain_attention(name):
-    # The script as a user runs it. Without -m slow, test_examples.py's
-    # test_gpt_examples_fail_a_slightly_wrong_attention still runs each example's main().
-    _run_example(name, steps=50)
-
-
 def test_zero_kv_heads_is_an_error():
     import jax
     import jax.numpy as jnp

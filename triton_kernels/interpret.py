@@ -116,7 +116,7 @@ def _patch_lang_tensor_fixed(tensor, scope):
 
 
 _original_patch_lang_tensor = getattr(_interpreter, "_patch_lang_tensor", None)
-_original_patch_lang = getattr(_interpreter, "_patch_lang", None)
+_original_patch_lang = getattr(_interpreter, "_patch_lang", None) if hasattr(_interpreter, "_LangPatchScope") else None
 
 
 def _patch_lang_once_per_launch():
@@ -175,7 +175,7 @@ def _interpreter_scope(fn):
     with _restored(_language_namespaces() + [_interpreter] + builder):
         if _original_patch_lang_tensor is not None:
             _interpreter._patch_lang_tensor = _patch_lang_tensor_fixed
-        if _original_patch_lang is not None and hasattr(_interpreter, "_LangPatchScope"):
+        if _original_patch_lang is not None:
             _interpreter._patch_lang = _patch_lang_once_per_launch()
         if builder:
             _builder_class.cast_impl = _cast_impl_fixed
