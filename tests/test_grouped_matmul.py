@@ -888,6 +888,59 @@ def test_torch_eager_fast_path_matches_registered_ops(torch_fw, rng, monkeypatch
         assert torch.equal(got, want)
 
 
+def test_torch_eager_plans_resolve_once_per_cache_generation(torch_fw, rng, isolated_config_cache, monkeypatch):
+    """A plain eager training step memoizes each launch's plan (one config cache check a launch,
+    nothing resolved or rebuilt) until the cache changes: an entry stored for the weight
+    gradient (as another process would) is launched at the next step, and clear_memo is seen."""
+    import importlib
+
+    import torch
+
+    import ejkernel_torch as ejk
+    from ejkernel_torch.utils import device_fingerprint
+    from triton_kernels import config_cache as cc
+    from triton_kernels import grouped_matmul as gm
+    from triton_kernels import tuning
+    from triton_kernels.params import FwdParams
+
+    mod = importlib.import_module("ejkernel_torch.ops.grouped_matmul")
+    resolves, generations, plans = [], [], []
+    real_resolve, real_generation = mod._tuning.resolve, cc.ConfigCache.generation
+    monkeypatch.setattr(mod._tuning, "resolve", lambda t, *a: resolves.append(t.op) or real_resolve(t, *a))
+    monkeypatch.setattr(cc.ConfigCache, "generation", lambda self: generations.append(1) or real_generation(self))
+    monkeypatch.setattr(mod, "launch_traceable", lambda plan, *a, real=mod.launch_traceable: plans.append(plan)
+                        or real(plan, *a))
+    m, k, n, groups = 37, 24, 20, 3
+    sizes = torch.from_numpy(ragged_sizes(rng, m, groups))
+    lhs, rhs, cot = torch.randn(m, k), torch.randn(groups, k, n), torch.randn(m, n)
+
+    def step():
+        a, b = lhs.clone().requires_grad_(True), rhs.clone().requires_grad_(True)
+        out = ejk.grouped_matmul(a, b, sizes, check_values=False)
+        return [out, *torch.autograd.grad(out, (a, b), cot)]
+
+    first = step()
+    assert sorted(resolves) == ["grouped_matmul", "grouped_matmul", "transposed_grouped_matmul"]
+    resolves.clear(), generations.clear(), plans.clear()
+    assert all(torch.equal(a, b) for a, b in zip(step(), first, strict=True))
+    assert resolves == [] and len(generations) == 3 and len(plans) == 3  # forward, d_lhs, d_rhs
+
+    problem = gm.tgmm_problem((m, k), (m, n), (groups,), groups, True, "float32", "float32")
+    tuned = FwdParams(blocksize_m=16, blocksize_n=32, blocksize_k=16)
+    tuned_plan = gm.tgmm_plan(*problem, mod.device_facts(lhs.device), tuned)
+    assert tuned_plan != plans[2]
+    cc.ConfigCache(isolated_config_cache).store(tuning.TGMM.cache_key(problem, device_fingerprint(lhs.device)),
+                                                tuned.to_dict())
+    plans.clear()
+    tuned_run = step()
+    assert plans[2] == tuned_plan
+    torch.testing.assert_close(tuned_run[2], first[2])
+    resolves.clear()
+    tuning.clear_memo()
+    step()
+    assert sorted(resolves) == ["grouped_matmul", "grouped_matmul", "transposed_grouped_matmul"]
+
+
 def test_torch_lazy_negation_and_zero_tensors_are_read_as_values(torch_fw, rng):
     # A lazy negation (the neg bit) or a ZeroTensor keeps its values out of its memory; the
     # registered ops' dispatcher fallbacks materialise them, but the eager fast path read the

@@ -39,10 +39,11 @@ from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, l
 from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import (autocast, autograd_function, clamp_to_int32, name_of, read_later,
                                         same_device, saved_tensors, tensor_arg, values_readable)
-from triton_kernels import checks
+from triton_kernels import checks, tuning
 from triton_kernels import grouped_matmul as gm
 from triton_kernels.config_cache import check_autotune
 from triton_kernels.params import FwdParams, op_params
+from triton_kernels.plan import LaunchPlan
 from triton_kernels.tuning import GMM, TGMM, autotune_enabled
 
 
@@ -104,20 +105,43 @@ def _tgmm_problem(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tenso
 def _gmm_body(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, group_offset: torch.Tensor,
               transpose_rhs: bool, out_dtype: torch.dtype, params: Optional[list[int]]) -> torch.Tensor:
     """One problem, or a batch of them (a 2-D ``group_sizes``: see ``_gmm_vmap``)."""
-    problem = _gmm_problem(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype)
-    batch, shared = gm.problem_batch(group_sizes.shape), rhs.dim() == 3
-    tuned = _tuning.resolve(GMM, gm.tuning_problem(problem, batch, shared), lhs.device, _decode(params))
-    plan = gm.gmm_plan(*problem, device_facts(lhs.device), tuned, batch=batch, shared_rhs=shared)
+    plan = _plan(_gmm_plan, lhs, rhs, group_sizes, transpose_rhs, out_dtype, params)
     return launch_traceable(plan, lhs.contiguous(), rhs.contiguous(), group_sizes, group_offset)[0]
 
 
 def _tgmm_body(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, group_offset: torch.Tensor,
                num_selected: int, lhs_mk: bool, out_dtype: torch.dtype, params: Optional[list[int]]) -> torch.Tensor:
     """``lhs`` is [k, m], or [m, k] when ``lhs_mk`` (the gmm backward's layout: no transpose copy)."""
-    problem = _tgmm_problem(lhs, rhs, group_sizes, group_offset, num_selected, lhs_mk, out_dtype)
-    plan = gm.tgmm_plan(*problem, device_facts(lhs.device), _tuning.resolve(TGMM, problem, lhs.device, _decode(params)),
-                        batch=gm.problem_batch(group_sizes.shape))
+    plan = _plan(_tgmm_plan, lhs, rhs, group_sizes, (num_selected, lhs_mk), out_dtype, params)
     return launch_traceable(plan, lhs.contiguous(), rhs.contiguous(), group_sizes, group_offset)[0]
+
+
+def _gmm_plan(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, transpose_rhs: bool,
+              out_dtype: torch.dtype, params: Optional[list[int]]) -> LaunchPlan:
+    problem = _gmm_problem(lhs, rhs, group_sizes, None, transpose_rhs, out_dtype)
+    batch, shared = gm.problem_batch(group_sizes.shape), rhs.dim() == 3
+    tuned = _tuning.resolve(GMM, gm.tuning_problem(problem, batch, shared), lhs.device, _decode(params))
+    return gm.gmm_plan(*problem, device_facts(lhs.device), tuned, batch=batch, shared_rhs=shared)
+
+
+def _tgmm_plan(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, options: tuple,
+               out_dtype: torch.dtype, params: Optional[list[int]]) -> LaunchPlan:
+    problem = _tgmm_problem(lhs, rhs, group_sizes, None, *options, out_dtype)
+    return gm.tgmm_plan(*problem, device_facts(lhs.device), _tuning.resolve(TGMM, problem, lhs.device, _decode(params)),
+                        batch=gm.problem_batch(group_sizes.shape))
+
+
+def _plan(build: Callable[..., LaunchPlan], lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor,
+          options, out_dtype: torch.dtype, params: Optional[list[int]]) -> LaunchPlan:
+    """``build(...)``: an op body's plan. In plain eager mode it is memoized on what ``build``
+    reads (sizes, dtypes, options, device) while the config cache keeps its generation, as
+    flash attention's ``_resolved``: one cache check instead of a problem, a lookup and a plan
+    per launch, three launches a training step (host time a small step waited on, on an H200)."""
+    if not plain_eager():  # traced sizes may be symbols: no key of them
+        return build(lhs, rhs, group_sizes, options, out_dtype, params)
+    key = (build.__name__, lhs.shape, rhs.shape, group_sizes.shape, lhs.dtype, options, out_dtype,
+           None if params is None else tuple(params), lhs.device)
+    return tuning.memoized(key, build, lhs, rhs, group_sizes, options, out_dtype, params)
 
 
 # Registered from named functions so that the eager fast path (``_call``) can run the bodies directly.
