@@ -2,6 +2,7 @@
 for jax, whose work runs on its own stream, and for side-by-side comparisons of the two)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -279,3 +280,11 @@ def variant_probe_main(description: str, kernel_file: str, checks: list[tuple], 
                  variant_timed_shapes(args.head_dims, args.seqs, tuple(c == "true" for c in args.causal))]
     if args.out:
         write_run(args.out, rows, triton=triton.__version__)
+
+
+def gmm_shape(text: str) -> tuple[int, int, int, int]:
+    """argparse type of a grouped-matmul shape ``experts,tokens,k,n``."""
+    values = tuple(int(x) for x in text.split(","))
+    if len(values) != 4:
+        raise argparse.ArgumentTypeError(f"expected experts,tokens,k,n, got {text!r}")
+    return values

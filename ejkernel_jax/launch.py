@@ -136,7 +136,7 @@ def _out_shapes(plan: LaunchPlan, every: bool = False):
 
 
 def _launch_gpu(plan: LaunchPlan, inputs: Sequence[jax.Array]):
-    if plan.is_gluon:
+    if plan.needs_scratch:  # jax-triton passes no global scratch
         from . import _gluon_call
 
         return plan.results(_gluon_call.launch(plan, _gpu_facts(), inputs))

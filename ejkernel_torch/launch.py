@@ -90,7 +90,7 @@ def _launch_compiled(plan: LaunchPlan, inputs, outputs) -> None:
     # addresses are read once, and the scratch allocator is set without a context manager. On an
     # H100 host that took an eager forward + backward from 933 to 852 us (tiny problem).
     key = _alignment_key(plan, inputs, outputs)
-    if not plan.is_gluon:
+    if not plan.needs_scratch:
         _launch_keyed(plan, key, inputs, outputs)
         return
     if not all(key[2:2 + len(inputs)]):  # the inputs' flags in the key; TMA needs 16-byte aligned bases
@@ -113,7 +113,7 @@ def _launch_keyed(plan: LaunchPlan, key: tuple, inputs, outputs) -> None:
     _remember(plan, key, compiled)
 
 
-# -- what Gluon kernels need from a launch -------------------------------------------------------
+# -- what Gluon kernels need from a launch (and Triton ones that make tensor descriptors) ---------
 #
 # They build TMA descriptors on the device, in global scratch that Triton's launcher asks its
 # allocator for on every launch. The allocator is a context variable: set here for the launch
@@ -257,7 +257,8 @@ def _on_device(device: torch.device):
 # ``launch_traceable`` is ``launch`` for the body of a ``torch.library.triton_op``: on CUDA the
 # kernel goes through ``wrap_triton`` (torch.compile sees it and traces no graph break); on CPU
 # the plan runs in the opaque ``ejkernel::interpret_plan`` op (the interpreter cannot be traced), and
-# so do Gluon plans on CUDA (``wrap_triton`` traces only ``@triton.jit`` kernels). The op kept its
+# so do plans that need global scratch on CUDA (``plan.needs_scratch``: ``wrap_triton`` traces only
+# ``@triton.jit`` kernels, and launches without a scratch allocator). The op kept its
 # first name when it took CUDA too: graphs torch cached on disk call it by name.
 # Plans cannot be op arguments, so that op receives the plan as JSON text: compiled graphs that
 # torch caches on disk stay valid in other processes.
@@ -381,7 +382,7 @@ def plan_text(plan: LaunchPlan) -> str:
         "outputs": [[o.name, o.shape, o.dtype, o.zeroed, o.returned] for o in plan.outputs],
         "scalars": plan.scalars, "constexprs": plan.constexprs, "num_warps": plan.num_warps,
         "num_stages": plan.num_stages, "enable_fp_fusion": plan.enable_fp_fusion, "maxnreg": plan.maxnreg,
-        "aliases": plan.aliases,
+        "aliases": plan.aliases, "global_scratch": plan.global_scratch,
     }
     return json.dumps(doc)
 
@@ -401,6 +402,7 @@ def plan_from_text(text: str) -> LaunchPlan:
         num_warps=doc["num_warps"],
         num_stages=doc["num_stages"], enable_fp_fusion=doc["enable_fp_fusion"], aliases=tuples(doc["aliases"]),
         maxnreg=doc.get("maxnreg"),  # absent from the texts in graphs cached before it existed
+        global_scratch=doc.get("global_scratch", False),  # (so is this)
     )
 
 
@@ -435,7 +437,7 @@ def launch_traceable(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Ten
     inputs, device = _check_inputs(plan, inputs, densify=True)
     if _plain_eager_state() and _plain_tensors(inputs, lazy_ok=True):  # plain_eager; lazy ones resolved above
         return _launch_on(plan, inputs, device)
-    if device.type == "cpu" or (device.type == "cuda" and plan.is_gluon):
+    if device.type == "cpu" or (device.type == "cuda" and plan.needs_scratch):
         return tuple(torch.ops.ejkernel.interpret_plan(list(inputs), plan_text(plan)))
     if device.type != "cuda":
         raise ValueError(f"{plan.name}: no Triton launcher for device {device}")

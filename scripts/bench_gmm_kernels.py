@@ -22,6 +22,8 @@ import sys
 
 sys.path.insert(0, os.getcwd())  # the tree the script is run from, so that trees can be compared
 
+from benchmarks.common import gmm_shape  # noqa: E402
+
 SHAPES = [(8, 65536, 4096, 2048), (16, 32768, 7168, 2048), (16, 16384, 4096, 4096), (64, 32768, 2048, 1408),
           (128, 65536, 7168, 2048)]
 
@@ -85,16 +87,9 @@ def _bench_shape(label: str, g: int, m: int, k: int, n: int, gmm_alts: list, tgm
     return rows
 
 
-def _shape(text: str) -> tuple[int, int, int, int]:
-    values = tuple(int(x) for x in text.split(","))
-    if len(values) != 4:
-        raise argparse.ArgumentTypeError(f"expected experts,tokens,k,n, got {text!r}")
-    return values
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", type=_shape, default=SHAPES)
+    parser.add_argument("--shapes", nargs="+", type=gmm_shape, default=SHAPES)
     parser.add_argument("--routing", default="balanced", choices=["balanced", "skewed"])
     parser.add_argument("--label", default="current")
     parser.add_argument("--gmm-params", type=json.loads, default=[])

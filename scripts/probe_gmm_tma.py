@@ -22,7 +22,8 @@ import triton.language as tl
 
 sys.path.insert(0, os.getcwd())
 
-from bench_gmm_kernels import SHAPES, _shape  # noqa: E402  (this folder: the same shapes and --shapes syntax)
+from bench_gmm_kernels import SHAPES  # noqa: E402  (this folder: the same shapes)
+from benchmarks.common import gmm_shape  # noqa: E402
 from triton_kernels.grouped_matmul import _first_selected, _group_end, _swizzle  # noqa: E402
 
 
@@ -152,7 +153,7 @@ VARIANTS = [dict(), dict(stages=4), dict(ws=True), dict(bm=128, bn=128, warps=4,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", type=_shape, default=SHAPES)
+    parser.add_argument("--shapes", nargs="+", type=gmm_shape, default=SHAPES)
     parser.add_argument("--variants", type=json.loads, default=VARIANTS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -27,6 +27,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks.common import gmm_shape  # noqa: E402
+
 CALLS = 200
 
 
@@ -136,13 +138,13 @@ def _summary(steps: list[list[dict]]) -> dict:
             for label, part in parts.items() if len(part) == third}
 
 
-def _inputs(shape: str):
+def _inputs(shape: tuple[int, int, int, int]):
     import numpy as np
     import torch
 
     from benchmarks.grouped_matmul import group_sizes
 
-    g, m, k, n = (int(x) for x in shape.split(","))
+    g, m, k, n = shape
     sizes = torch.from_numpy(group_sizes(m, g, "balanced", np.random.default_rng(0))).cuda()
     lhs = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     rhs = torch.randn(g, k, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -152,8 +154,9 @@ def _inputs(shape: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="64,32768,2048,1408", help="experts,tokens,k,n of the timed steps")
-    parser.add_argument("--host-shape", default="64,4096,256,256",
+    parser.add_argument("--shape", type=gmm_shape, default=(64, 32768, 2048, 1408),
+                        help="experts,tokens,k,n of the timed steps")
+    parser.add_argument("--host-shape", type=gmm_shape, default=(64, 4096, 256, 256),
                         help="experts,tokens,k,n of the layer timings: small, so that the host is what is timed")
     parser.add_argument("--reps", type=int, default=30, help="timed steps at --shape")
     parser.add_argument("--cprofile", action="store_true")

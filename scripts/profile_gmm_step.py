@@ -17,6 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks.common import gmm_shape  # noqa: E402
+
 STEPS = 10
 
 
@@ -88,16 +90,9 @@ def _profile_shape(g: int, m: int, k: int, n: int) -> dict:
     return result
 
 
-def _shape(text: str) -> tuple[int, int, int, int]:
-    values = tuple(int(x) for x in text.split(","))
-    if len(values) != 4:
-        raise argparse.ArgumentTypeError(f"expected experts,tokens,k,n, got {text!r}")
-    return values
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", type=_shape, default=[(8, 65536, 4096, 2048), (128, 65536, 7168, 2048)])
+    parser.add_argument("--shapes", nargs="+", type=gmm_shape, default=[(8, 65536, 4096, 2048), (128, 65536, 7168, 2048)])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 

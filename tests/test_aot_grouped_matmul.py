@@ -1,11 +1,14 @@
 """Every grouped-matmul plan at realistic MoE shapes (forward and both backward kernels, the
 benchmark's configs too) compiles ahead of time for Hopper (sm_90) and fits its shared memory."""
+import dataclasses
+
 import pytest
 
 from benchmarks.grouped_matmul import SWEEP_CONFIGS
 from triton_kernels import HOPPER
 from triton_kernels.aot import compile_plan, distinct_plans
 from triton_kernels.grouped_matmul import gmm_plan, tgmm_plan
+from triton_kernels.plan import DeviceFacts
 
 # (tokens m, k, n, experts g): bf16 MoE layers of the sizes the benchmark runs, plus odd ones.
 SHAPES = [(65536, 4096, 2048, 8), (16384, 4096, 2048, 64), (8192, 4096, 2048, 128),
@@ -13,11 +16,14 @@ SHAPES = [(65536, 4096, 2048, 8), (16384, 4096, 2048, 64), (8192, 4096, 2048, 12
           (32768, 2048, 1408, 64)]  # n = 1408: 256-wide tiles and a 128-wide last one
 
 
-def _training_plans(m, k, n, g, dtype, transpose_rhs=False, params=None):
+HOPPER_SCRATCH = dataclasses.replace(HOPPER, gluon=True)  # a front whose launches provide global scratch
+
+
+def _training_plans(m, k, n, g, dtype, transpose_rhs=False, params=None, facts=HOPPER):
     """The kernels one training step of a grouped matmul runs: forward, d_lhs, d_rhs."""
-    yield gmm_plan(m, k, n, g, g, transpose_rhs, dtype, dtype, HOPPER, params)
-    yield gmm_plan(m, n, k, g, g, not transpose_rhs, dtype, dtype, HOPPER)  # d_lhs
-    yield tgmm_plan(m, n if transpose_rhs else k, k if transpose_rhs else n, g, g, True, dtype, dtype, HOPPER)
+    yield gmm_plan(m, k, n, g, g, transpose_rhs, dtype, dtype, facts, params)
+    yield gmm_plan(m, n, k, g, g, not transpose_rhs, dtype, dtype, facts)  # d_lhs
+    yield tgmm_plan(m, n if transpose_rhs else k, k if transpose_rhs else n, g, g, True, dtype, dtype, facts)
 
 
 def _plans():
@@ -40,6 +46,12 @@ def _plans():
     yield tgmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER, batch=8)
     for params in SWEEP_CONFIGS:  # what benchmarks/grouped_matmul.py --sweep tries
         yield gmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER, params)
+    # weight gradients that store through tensor descriptors (fronts that provide global scratch)
+    for m, k, n, g in SHAPES[-2:]:
+        yield from _training_plans(m, k, n, g, "bfloat16", facts=HOPPER_SCRATCH)
+    yield tgmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER_SCRATCH, batch=8)
+    yield tgmm_plan(37, 19, 24, 4, 4, True, "bfloat16", "bfloat16", HOPPER_SCRATCH)  # k and n past the tile
+    yield from _training_plans(4096, 1024, 512, 8, "float32", facts=HOPPER_SCRATCH)
 
 
 PLANS = distinct_plans(_plans())
@@ -52,7 +64,7 @@ def _id(plan):
              if c["BATCH"] > 1 else "")
     return (f"{plan.name}-{plan.input_dtypes[0]}-{plan.outputs[0].dtype}-K{c['K']}-N{c['N']}-G{c['NUM_GROUPS']}"
             f"-S{c['NUM_SELECTED']}-{layout}-{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}-w{plan.num_warps}"
-            f"-s{plan.num_stages}{batch}")
+            f"-s{plan.num_stages}{batch}" + "-tma" * c.get("TMA_STORE", False))
 
 
 SM_SHARED = 228 * 1024  # shared memory of one H100 SM, shared by its resident programs
@@ -69,6 +81,26 @@ def test_compiles_for_hopper(plan):
     assert "cubin" in kernel.asm
     if plan.input_dtypes[0] != "float32":
         assert "wgmma" in kernel.asm["ptx"]  # Hopper tensor cores, not a fallback
+    # a TMA store exactly where the plan asks for one, and global scratch for its descriptor
+    tma = plan.constexpr_dict.get("TMA_STORE", False)
+    assert ("cp.async.bulk.tensor" in kernel.asm["ptx"]) == tma == plan.needs_scratch
+    assert (kernel.metadata.global_scratch_size > 0) == tma
+
+
+def test_weight_gradients_store_through_tma_where_a_front_provides_scratch():
+    tma = [p for p in PLANS if p.constexpr_dict.get("TMA_STORE")]
+    assert {p.input_dtypes[0] for p in tma} == {"bfloat16", "float32"}
+    assert all(p.name == "tgmm_kernel" and p.global_scratch for p in tma)
+
+    def tma_store(m, k, n, out_dtype="bfloat16", facts=HOPPER_SCRATCH, **kw):
+        return tgmm_plan(m, k, n, 64, 64, True, "bfloat16", out_dtype, facts, **kw).constexpr_dict["TMA_STORE"]
+
+    assert tma_store(32768, 2048, 1408)
+    assert not tma_store(32768, 2048, 1408, facts=HOPPER)  # the launcher provides no scratch
+    assert not tma_store(32768, 2048, 1408, facts=dataclasses.replace(HOPPER_SCRATCH, capability=(8, 0)))  # no TMA
+    assert not tma_store(32768, 2048, 1404)  # rows of 2808 bytes: not whole 16-byte units
+    assert not tma_store(32768, 2048, 1408, "float32")  # a 128 KB tile beside the pipeline's buffers: no room
+    assert not tma_store(64, 32, 32, facts=DeviceFacts.cpu())
 
 
 def test_grid_is_persistent():

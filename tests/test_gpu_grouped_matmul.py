@@ -129,3 +129,34 @@ def test_value_checks_read_what_the_stream_computed(torch_fw):
     rows = torch.arange(m, device="cuda") // (m // g)
     expected = torch.einsum("mk,mkn->mn", lhs.double(), rhs.double()[rows])
     assert ((out.double() - expected).norm() / expected.norm()).item() < TOLERANCE["bfloat16"]
+
+
+@pytest.mark.parametrize("m,k,n,groups", [(1000, 512, 1408, 16), (517, 19, 200, 5)])
+def test_weight_gradient_tma_store_writes_every_element(torch_fw, rng, m, k, n, groups):
+    """The weight gradient stores through tensor descriptors on a Hopper GPU (TMA, clipped at
+    each expert's k and n edges): into NaN-poisoned outputs, empty experts included, against a
+    float64 loop, with the plan's flag checked so that the path under test is the TMA one."""
+    import torch
+
+    import ejkernel_torch as ejk
+    from ejkernel_torch.launch import device_facts
+    from triton_kernels import debug
+    from triton_kernels.grouped_matmul import tgmm_plan
+
+    facts = device_facts(torch.device("cuda"))
+    if facts.capability < (9, 0) or not facts.gluon:
+        pytest.skip("needs Hopper's TMA and a Triton with Gluon")
+    assert tgmm_plan(m, k, n, groups, groups, True, "bfloat16", "bfloat16", facts).constexpr_dict["TMA_STORE"]
+    sizes = ragged_sizes(rng, m, groups)
+    sizes[[1, groups - 2]] = 0
+    lhs = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    rhs = torch.randn(groups, k, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cot = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    with debug.poison_outputs():
+        out = ejk.grouped_matmul(lhs, rhs, torch.from_numpy(sizes).cuda())
+        (d_rhs,) = torch.autograd.grad(out, rhs, cot)
+    want = ref.vjp(ref.grouped_matmul, [lhs.detach().float().cpu().numpy(), rhs.detach().float().cpu().numpy(),
+                                        sizes], cot.float().cpu().numpy(), n_diff=2)[1]
+    got = d_rhs.float().cpu().numpy()
+    assert not np.isnan(got).any()
+    assert rel_error(got, want) < TOLERANCE["bfloat16"]

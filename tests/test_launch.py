@@ -138,6 +138,23 @@ def test_plan_text_keeps_unreturned_outputs_and_reads_older_texts():
     assert [tuple(t.shape) for t in fake] == [(5,)]
 
 
+def test_plan_text_keeps_the_global_scratch_flag():
+    """A plan whose kernel makes tensor descriptors needs scratch from its launcher, also after
+    the JSON round trip torch.compile's opaque op makes; texts from before the flag read as False."""
+    import dataclasses
+
+    from ejkernel_torch.launch import plan_from_text, plan_text
+    from triton_kernels import HOPPER
+    from triton_kernels.grouped_matmul import tgmm_plan
+
+    plan = tgmm_plan(4096, 2048, 1408, 8, 8, True, "bfloat16", "bfloat16", dataclasses.replace(HOPPER, gluon=True))
+    assert plan.global_scratch and plan.needs_scratch and not plan.is_gluon
+    assert plan_from_text(plan_text(plan)) == plan
+    doc = json.loads(plan_text(kt.accumulate_plan(5)))
+    del doc["global_scratch"]
+    assert not plan_from_text(json.dumps(doc)).needs_scratch
+
+
 def test_float32_to_bfloat16_rounds_to_nearest_even(fw, rng):
     """As compiled kernels (and torch) do; Triton's interpreter alone truncated (interpret.py)."""
     special = np.array([0x3F808000, 0x3F818000, 0x3F80FFFF, 0xBF808000, 0x7F7FFFFF, 0x7F800000, 0xFF800000,

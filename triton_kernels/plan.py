@@ -72,7 +72,8 @@ class DeviceFacts:
     shared_memory: int = 1 << 30  # bytes one program may use; the interpreter has no limit
     num_sms: int = 1
     # The front's launcher can run this device's Gluon kernels (a Triton with Gluon, and for jax a
-    # jaxlib whose Triton call provides global scratch); plans pick them only then.
+    # jaxlib whose Triton call provides global scratch); plans pick them only then, and kernels
+    # that need global scratch for tensor descriptors too (``LaunchPlan.global_scratch``).
     gluon: bool = False
 
     __hash__, __getstate__ = hash_fields_once, state_without_hash
@@ -132,6 +133,9 @@ class LaunchPlan:
     maxnreg: int | None = None  # registers per thread, for warp-specialized kernels that move them
     # (input index, output index): the output starts as a copy of that input.
     aliases: tuple[tuple[int, int], ...] = field(default=())
+    # The kernel builds tensor descriptors on the device (TMA), in global scratch that its launch
+    # must provide, as a Gluon kernel's does (``needs_scratch``).
+    global_scratch: bool = False
 
     def __post_init__(self):
         # Built while another thread runs an interpreted launch, a plan function reads that
@@ -159,6 +163,13 @@ class LaunchPlan:
         """A Gluon kernel: compiled from GluonASTSource, never interpreted, and its launch
         provides global scratch (its TMA descriptors are built on the device). Asked per launch."""
         return getattr(self.kernel, "is_gluon", lambda: False)()
+
+    @functools.cached_property
+    def needs_scratch(self) -> bool:
+        """Its launch must provide global scratch: a Gluon kernel, or a Triton kernel that makes
+        tensor descriptors (``global_scratch``). jax-triton provides none, nor does torch's
+        ``wrap_triton``; both launchers route such plans as they route Gluon ones."""
+        return self.is_gluon or self.global_scratch
 
     @functools.cached_property
     def compile_options(self) -> dict[str, Any]:
