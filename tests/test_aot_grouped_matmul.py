@@ -46,10 +46,12 @@ def _plans():
     yield tgmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER, batch=8)
     for params in SWEEP_CONFIGS:  # what benchmarks/grouped_matmul.py --sweep tries
         yield gmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER, params)
-    # weight gradients that store through tensor descriptors (fronts that provide global scratch)
+    # stores through tensor descriptors (fronts that provide global scratch)
     for m, k, n, g in SHAPES[-2:]:
         yield from _training_plans(m, k, n, g, "bfloat16", facts=HOPPER_SCRATCH)
     yield tgmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER_SCRATCH, batch=8)
+    yield gmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER_SCRATCH, batch=8)
+    yield gmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER_SCRATCH, batch=8, shared_rhs=True)
     yield tgmm_plan(37, 19, 24, 4, 4, True, "bfloat16", "bfloat16", HOPPER_SCRATCH)  # k and n past the tile
     yield from _training_plans(4096, 1024, 512, 8, "float32", facts=HOPPER_SCRATCH)
 
@@ -87,10 +89,14 @@ def test_compiles_for_hopper(plan):
     assert (kernel.metadata.global_scratch_size > 0) == tma
 
 
-def test_weight_gradients_store_through_tma_where_a_front_provides_scratch():
+def test_kernels_store_through_tma_where_a_front_provides_scratch():
     tma = [p for p in PLANS if p.constexpr_dict.get("TMA_STORE")]
     assert {p.input_dtypes[0] for p in tma} == {"bfloat16", "float32"}
-    assert all(p.name == "tgmm_kernel" and p.global_scratch for p in tma)
+    assert {p.name for p in tma} == {"gmm_kernel", "tgmm_kernel"} and all(p.global_scratch for p in tma)
+    # gmm's group-major walk (a vmapped call with one rhs) gathers rows of several problems: no box
+    assert not any(p.constexpr_dict.get("GROUP_MAJOR") for p in tma)
+    assert any(p.constexpr_dict.get("GROUP_MAJOR") and p.global_scratch is False for p in PLANS
+               if p.name == "gmm_kernel" and p.constexpr_dict["BATCH"] == 8)
 
     def tma_store(m, k, n, out_dtype="bfloat16", facts=HOPPER_SCRATCH, **kw):
         return tgmm_plan(m, k, n, 64, 64, True, "bfloat16", out_dtype, facts, **kw).constexpr_dict["TMA_STORE"]

@@ -132,21 +132,26 @@ def test_value_checks_read_what_the_stream_computed(torch_fw):
 
 
 @pytest.mark.parametrize("m,k,n,groups", [(1000, 512, 1408, 16), (517, 19, 200, 5)])
-def test_weight_gradient_tma_store_writes_every_element(torch_fw, rng, m, k, n, groups):
-    """The weight gradient stores through tensor descriptors on a Hopper GPU (TMA, clipped at
-    each expert's k and n edges): into NaN-poisoned outputs, empty experts included, against a
-    float64 loop, with the plan's flag checked so that the path under test is the TMA one."""
+def test_tma_stores_write_every_element(torch_fw, rng, m, k, n, groups):
+    """On a Hopper GPU the kernels store through tensor descriptors (TMA): the forward and d_lhs
+    their whole tiles (a group's partial last tile from registers), d_rhs every tile, clipped at
+    each expert's k and n edges. Into NaN-poisoned outputs, with empty experts and rows past the
+    sizes' sum, against float64 loops; the plans' flags are checked so that the path under test
+    is the TMA one."""
     import torch
 
     import ejkernel_torch as ejk
     from ejkernel_torch.launch import device_facts
     from triton_kernels import debug
-    from triton_kernels.grouped_matmul import tgmm_plan
+    from triton_kernels.grouped_matmul import gmm_plan, tgmm_plan
 
     facts = device_facts(torch.device("cuda"))
     if facts.capability < (9, 0) or not facts.gluon:
         pytest.skip("needs Hopper's TMA and a Triton with Gluon")
-    assert tgmm_plan(m, k, n, groups, groups, True, "bfloat16", "bfloat16", facts).constexpr_dict["TMA_STORE"]
+    dt = "bfloat16"
+    assert gmm_plan(m, k, n, groups, groups, False, dt, dt, facts).constexpr_dict["TMA_STORE"]
+    assert gmm_plan(m, n, k, groups, groups, True, dt, dt, facts).constexpr_dict["TMA_STORE"] == ((k * 2) % 16 == 0)
+    assert tgmm_plan(m, k, n, groups, groups, True, dt, dt, facts).constexpr_dict["TMA_STORE"]
     sizes = ragged_sizes(rng, m, groups)
     sizes[[1, groups - 2]] = 0
     lhs = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -154,9 +159,11 @@ def test_weight_gradient_tma_store_writes_every_element(torch_fw, rng, m, k, n, 
     cot = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     with debug.poison_outputs():
         out = ejk.grouped_matmul(lhs, rhs, torch.from_numpy(sizes).cuda())
-        (d_rhs,) = torch.autograd.grad(out, rhs, cot)
-    want = ref.vjp(ref.grouped_matmul, [lhs.detach().float().cpu().numpy(), rhs.detach().float().cpu().numpy(),
-                                        sizes], cot.float().cpu().numpy(), n_diff=2)[1]
-    got = d_rhs.float().cpu().numpy()
-    assert not np.isnan(got).any()
-    assert rel_error(got, want) < TOLERANCE["bfloat16"]
+        grads = torch.autograd.grad(out, (lhs, rhs), cot)
+    arrays = [lhs.detach().float().cpu().numpy(), rhs.detach().float().cpu().numpy(), sizes]
+    want = [ref.forward(ref.grouped_matmul, *arrays),
+            *ref.vjp(ref.grouped_matmul, arrays, cot.float().cpu().numpy(), n_diff=2)]
+    for got, expected in zip([out, *grads], want, strict=True):
+        got = got.detach().float().cpu().numpy()
+        assert not np.isnan(got).any()
+        assert rel_error(got, expected) < TOLERANCE["bfloat16"]

@@ -29,9 +29,11 @@ without a recompile. Offsets that scale with ``m`` or the group index are int64.
 Speed note: in tgmm's public ``[k, m]`` layout the group's rows run along the contiguous axis, so
 the row mask differs per element and those loads are not vectorized. The training path (gmm's
 backward) reads ``[m, k]`` (``LHS_MK``), whose masks are per row and keep 16-byte async copies.
-On Hopper, where the launcher provides global scratch, tgmm stores its tiles through a tensor
-descriptor (``TMA_STORE``): many experts make its output large (a [k, n] matrix each) and the
-asynchronous store overlaps the next tile's loads (``_tgmm_tma_store``).
+On Hopper, where the launcher provides global scratch, both kernels store output tiles through a
+tensor descriptor (``TMA_STORE``), asynchronously, while the next tile's loads run: tgmm's output
+is a [k, n] matrix per expert, large at many experts (``_tma_store``). gmm does so for the tiles
+that lie wholly inside their group; a group's last, partial tile is masked from registers, as its
+box would cover the next group's rows.
 """
 from __future__ import annotations
 
@@ -90,16 +92,26 @@ def _swizzle(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _gmm_tile(lhs_ptr, rhs_ptr, out_ptr, start, rows, rhs_index, pm, pn,
+def _gmm_tile(lhs_ptr, rhs_ptr, out_ptr, out_desc, desc_row0, start, rows, rhs_index, pm, pn,
               K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, IS_ZERO: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
-    """One [BLOCK_M, BLOCK_N] output tile of the segment whose ``rows`` rows start at ``start``."""
+              DOT_PRECISION: tl.constexpr, TMA_STORE: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] output tile of the segment whose ``rows`` rows start at ``start``.
+    With ``TMA_STORE`` a tile wholly inside the segment is stored through ``out_desc`` (the
+    output's descriptor, where this problem's rows start at ``desc_row0``); a partial one is
+    masked from registers, as its box would cover the next segment's rows."""
     first_row = (start + pm * BLOCK_M).to(tl.int64)  # int64: a big group times K passes 2**31
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < rows - pm * BLOCK_M
-    _gmm_rows_tile(lhs_ptr, rhs_ptr, out_ptr, first_row, offs_m, m_mask, rhs_index, pn, K, N, TRANSPOSE_RHS,
-                   IS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+    acc = _gmm_rows_acc(lhs_ptr, rhs_ptr, first_row, offs_m, m_mask, rhs_index, pn, K, N, TRANSPOSE_RHS, IS_ZERO,
+                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+    if TMA_STORE:
+        if rows - pm * BLOCK_M >= BLOCK_M:
+            out_desc.store([(desc_row0 + first_row).to(tl.int32), pn * BLOCK_N], acc.to(out_desc.dtype))
+        else:
+            _gmm_store_rows(out_ptr, first_row, offs_m, m_mask, pn, acc, N, BLOCK_N)
+    else:
+        _gmm_store_rows(out_ptr, first_row, offs_m, m_mask, pn, acc, N, BLOCK_N)
 
 
 @triton.jit
@@ -107,8 +119,27 @@ def _gmm_rows_tile(lhs_ptr, rhs_ptr, out_ptr, row_base, row_offs, m_mask, rhs_in
                    K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, IS_ZERO: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
-    """The output tile of lhs rows ``row_base + row_offs`` (those in ``m_mask``) and n-tile ``pn``.
-    Row offsets that may pass 2**31 / K must be int64."""
+    """The output tile of lhs rows ``row_base + row_offs`` (those in ``m_mask``) and n-tile ``pn``,
+    stored from registers. Row offsets that may pass 2**31 / K must be int64."""
+    acc = _gmm_rows_acc(lhs_ptr, rhs_ptr, row_base, row_offs, m_mask, rhs_index, pn, K, N, TRANSPOSE_RHS, IS_ZERO,
+                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+    _gmm_store_rows(out_ptr, row_base, row_offs, m_mask, pn, acc, N, BLOCK_N)
+
+
+@triton.jit
+def _gmm_store_rows(out_ptr, row_base, row_offs, m_mask, pn, acc, N: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ptrs = out_ptr + row_base * N + row_offs[:, None] * N + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _gmm_rows_acc(lhs_ptr, rhs_ptr, row_base, row_offs, m_mask, rhs_index, pn,
+                  K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, IS_ZERO: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """The float32 tile of lhs rows ``row_base + row_offs`` (those in ``m_mask``) times n-tile
+    ``pn`` of rhs[rhs_index]; zeros for ``IS_ZERO``."""
     offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -140,8 +171,7 @@ def _gmm_rows_tile(lhs_ptr, rhs_ptr, out_ptr, row_base, row_offs, m_mask, rhs_in
                 b_ptrs += BLOCK_K
             else:
                 b_ptrs += BLOCK_K * N
-    out_ptrs = out_ptr + row_base * N + row_offs[:, None] * N + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    return acc
 
 
 @triton.jit
@@ -159,10 +189,10 @@ def _next_tile(tile, end):
 
 
 @triton.jit
-def _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, start, end, rhs_index,
+def _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, out_desc, desc_row0, tile, done, start, end, rhs_index,
                  K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, IS_ZERO: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_STORE: tl.constexpr):
     """Do this program's tiles among the ``[done, done + count)`` of rows ``[start, end)``, from
     ``tile``, the next global tile index it owns. Returns nothing: the caller advances ``tile``
     (``_next_tile``), so no index flows out of a call given the input pointers, which torch's
@@ -172,8 +202,8 @@ def _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, start, end, rhs_index,
     tiles_n = tl.cdiv(N, BLOCK_N)
     while tile < done + count:
         pm, pn = _swizzle(tile - done, tiles_m, tiles_n, GROUP_M)
-        _gmm_tile(lhs_ptr, rhs_ptr, out_ptr, start, end - start, rhs_index, pm, pn, K, N,
-                  TRANSPOSE_RHS, IS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        _gmm_tile(lhs_ptr, rhs_ptr, out_ptr, out_desc, desc_row0, start, end - start, rhs_index, pm, pn, K, N,
+                  TRANSPOSE_RHS, IS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA_STORE)
         tile += tl.num_programs(0)
 
 
@@ -185,18 +215,18 @@ def _after_segment(tile, done, start, end, N: tl.constexpr, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _gmm_zero_rows(lhs_ptr, rhs_ptr, out_ptr, tile, done, first, last, m,
+def _gmm_zero_rows(lhs_ptr, rhs_ptr, out_ptr, out_desc, desc_row0, tile, done, first, last, m,
                    K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_STORE: tl.constexpr):
     """Zeros for a problem's rows outside its selected groups: ``[0, first)``, then ``[last, m)``.
     Returns nothing, as ``_gmm_segment``; ``_after_zero_rows`` advances the walk."""
     zero = tl.zeros([], tl.int32)
-    _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, zero, first, zero, K, N, TRANSPOSE_RHS,
-                 True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+    _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, out_desc, desc_row0, tile, done, zero, first, zero, K, N,
+                 TRANSPOSE_RHS, True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, TMA_STORE)
     tile, done = _after_segment(tile, done, zero, first, N, BLOCK_M, BLOCK_N)
-    _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, tile, done, last, m, zero, K, N, TRANSPOSE_RHS,
-                 True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+    _gmm_segment(lhs_ptr, rhs_ptr, out_ptr, out_desc, desc_row0, tile, done, last, m, zero, K, N,
+                 TRANSPOSE_RHS, True, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, TMA_STORE)
 
 
 @triton.jit
@@ -207,11 +237,11 @@ def _after_zero_rows(tile, done, first, last, m, N: tl.constexpr, BLOCK_M: tl.co
 
 
 @triton.jit
-def _gmm_problem_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out_ptr,
+def _gmm_problem_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out_ptr, out_desc,
                        K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
                        TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       BATCH: tl.constexpr, SHARED_RHS: tl.constexpr):
+                       BATCH: tl.constexpr, SHARED_RHS: tl.constexpr, TMA_STORE: tl.constexpr):
     # Global tile order, per problem of the batch in turn: the selected groups' tiles, then the
     # zero rows before them, then the zero rows after them. Every program walks the groups
     # (scalar loads only) and does the tiles congruent to its id. SHARED_RHS: one rhs for all
@@ -231,12 +261,12 @@ def _gmm_problem_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, o
         row = first_row
         for i in range(0, NUM_SELECTED):
             end = _group_end(row, sizes_b, g0 + i, m, NUM_GROUPS)
-            _gmm_segment(lhs_b, rhs_b, out_b, tile, done, row, end, i, K, N, TRANSPOSE_RHS,
-                         False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+            _gmm_segment(lhs_b, rhs_b, out_b, out_desc, rows, tile, done, row, end, i, K, N, TRANSPOSE_RHS,
+                         False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, TMA_STORE)
             tile, done = _after_segment(tile, done, row, end, N, BLOCK_M, BLOCK_N)
             row = end
-        _gmm_zero_rows(lhs_b, rhs_b, out_b, tile, done, first_row, row, m, K, N, TRANSPOSE_RHS,
-                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION)
+        _gmm_zero_rows(lhs_b, rhs_b, out_b, out_desc, rows, tile, done, first_row, row, m, K, N, TRANSPOSE_RHS,
+                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, TMA_STORE)
         tile, done = _after_zero_rows(tile, done, first_row, row, m, N, BLOCK_M, BLOCK_N)
 
 
@@ -340,17 +370,23 @@ def gmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
                TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
                BATCH: tl.constexpr = 1, SHARED_RHS: tl.constexpr = False, BATCH_P2: tl.constexpr = 1,
-               GROUP_MAJOR: tl.constexpr = False):
+               GROUP_MAJOR: tl.constexpr = False, TMA_STORE: tl.constexpr = False):
     # The batch's constexprs have defaults (one problem): a graph torch.compile cached before
-    # they existed launches without them (see ejkernel_torch.launch.plan_from_text).
+    # they existed launches without them (see ejkernel_torch.launch.plan_from_text). TMA_STORE:
+    # whole tiles are stored through a descriptor of the output (problem-major walks only).
+    if TMA_STORE:
+        out_desc = tl.make_tensor_descriptor(out_ptr, shape=[BATCH * m, N], strides=[N, 1],
+                                             block_shape=[BLOCK_M, BLOCK_N])
+    else:
+        out_desc = out_ptr
     if GROUP_MAJOR:
         _gmm_group_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out_ptr, K, N, NUM_GROUPS,
                          NUM_SELECTED, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, BATCH,
                          BATCH_P2)
     else:
-        _gmm_problem_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out_ptr, K, N, NUM_GROUPS,
-                           NUM_SELECTED, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, BATCH,
-                           SHARED_RHS)
+        _gmm_problem_major(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out_ptr, out_desc, K, N,
+                           NUM_GROUPS, NUM_SELECTED, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION,
+                           BATCH, SHARED_RHS, TMA_STORE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -707,6 +743,7 @@ def gmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, transpo
     # Upper bound on the tiles: each group adds at most one partial row tile, and so does each
     # of the two zero segments.
     tiles = batch * cdiv(n, bn) * (cdiv(m, bm) + num_selected + 2) if m and n else 0
+    tma_store = not by_group and _tma_store(cfg, bm, n, out_dtype, facts)
     return LaunchPlan(
         kernel=gmm_kernel,
         grid=(_programs(tiles, cfg, facts),),
@@ -717,8 +754,8 @@ def gmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, transpo
                     ("TRANSPOSE_RHS", bool(transpose_rhs)), ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk),
                     ("GROUP_M", 8), ("DOT_PRECISION", _dot_precision(dtype, facts)), ("BATCH", batch),
                     ("SHARED_RHS", shared_rhs), ("BATCH_P2", triton.next_power_of_2(min(batch, GROUP_MAJOR_CHUNK))),
-                    ("GROUP_MAJOR", by_group)),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=True,
+                    ("GROUP_MAJOR", by_group), ("TMA_STORE", tma_store)),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=True, global_scratch=tma_store,
     )
 
 
@@ -737,7 +774,7 @@ def tgmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, lhs_mk
     cfg = _tgmm_config(k, n, dtype, facts, params)
     bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
     tiles = batch * num_selected * cdiv(k, bk) * cdiv(n, bn)
-    tma_store = _tgmm_tma_store(cfg, n, out_dtype, facts)
+    tma_store = _tma_store(cfg, bk, n, out_dtype, facts)
     return LaunchPlan(
         kernel=tgmm_kernel,
         grid=(_programs(tiles, cfg, facts),),
@@ -751,15 +788,15 @@ def tgmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, lhs_mk
     )
 
 
-def _tgmm_tma_store(cfg: dict, n: int, out_dtype: str, facts: DeviceFacts) -> bool:
-    """Whether tgmm stores its output tiles through a tensor descriptor (TMA from shared memory),
-    which overlaps a tile's store with the next tile's loads. Every weight-gradient tile sums only
-    its group's rows, so on many small experts the stores are a large part of the time: on an
-    H200 (scripts/probe_tgmm_store.py) 0.40 -> 0.38 ms at 64 experts x 512 rows, k 2048, n 1408,
+def _tma_store(cfg: dict, tile_rows: int, n: int, out_dtype: str, facts: DeviceFacts) -> bool:
+    """Whether a kernel stores its [tile_rows, blocksize_n] output tiles through a tensor
+    descriptor (TMA from shared memory, left in flight while the next tile's loads run). tgmm's
+    output is a [k, n] matrix per expert, large at many experts: on an H200
+    (scripts/probe_tgmm_store.py) 0.40 -> 0.38 ms at 64 experts x 512 rows, k 2048, n 1408, and
     0.42 -> 0.36 ms at 128 x 128 rows. It needs Hopper's TMA, a launcher that provides global
-    scratch (``facts.gluon``), rows of whole 16-byte units, and shared memory for the tile
-    beside the pipeline's buffers."""
-    size = itemsize(out_dtype)
+    scratch (``facts.gluon``), rows of whole 16-byte units, and shared memory for the tile beside
+    the pipeline's buffers."""
+    size, cols = itemsize(out_dtype), cfg["blocksize_n"]
     return (not facts.is_cpu and facts.gluon and facts.capability >= (9, 0) and (n * size) % 16 == 0
-            and max(cfg["blocksize_k"], cfg["blocksize_n"]) <= 256 and cfg["blocksize_n"] * size >= 16
-            and cfg["smem"] + cfg["blocksize_k"] * cfg["blocksize_n"] * size <= facts.shared_memory)
+            and max(tile_rows, cols) <= 256 and cols * size >= 16
+            and cfg["smem"] + tile_rows * cols * size <= facts.shared_memory)
