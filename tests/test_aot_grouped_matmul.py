@@ -107,6 +107,9 @@ def test_kernels_store_through_tma_where_a_front_provides_scratch():
     assert not tma_store(32768, 2048, 1404)  # rows of 2808 bytes: not whole 16-byte units
     assert not tma_store(32768, 2048, 1408, "float32")  # a 128 KB tile beside the pipeline's buffers: no room
     assert not tma_store(64, 32, 32, facts=DeviceFacts.cpu())
+    rows = 2**30  # a batch of two problems of as many rows: row coordinates past int32
+    assert gmm_plan(rows, 64, 64, 8, 8, False, "bfloat16", "bfloat16", HOPPER_SCRATCH).global_scratch
+    assert not gmm_plan(rows, 64, 64, 8, 8, False, "bfloat16", "bfloat16", HOPPER_SCRATCH, batch=2).global_scratch
 
 
 def test_grid_is_persistent():

@@ -743,7 +743,8 @@ def gmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, transpo
     # Upper bound on the tiles: each group adds at most one partial row tile, and so does each
     # of the two zero segments.
     tiles = batch * cdiv(n, bn) * (cdiv(m, bm) + num_selected + 2) if m and n else 0
-    tma_store = not by_group and _tma_store(cfg, bm, n, out_dtype, facts)
+    # (box coordinates are int32: rows of every problem must count below 2**31)
+    tma_store = not by_group and batch * m < 2**31 and _tma_store(cfg, bm, n, out_dtype, facts)
     return LaunchPlan(
         kernel=gmm_kernel,
         grid=(_programs(tiles, cfg, facts),),
