@@ -4,22 +4,24 @@
 
 The grouped weight gradient writes one [k, n] tile per expert: 369 MB of bf16 at 64 experts x
 2048 x 1408, where a dense weight gradient writes 5.8 MB; each 128x256 output tile sums only
-eight 64-row steps before its store. This probe runs ``tgmm_kernel``'s schedule (``[m, k]``
-lhs, one problem) three ways, timed side by side (do_bench, L2 flushed, bf16, balanced routing):
+eight 64-row steps before its store. This probe times ``tgmm_kernel``'s schedule (``[m, k]``
+lhs, one problem) three ways, side by side (do_bench, L2 flushed, bf16, balanced routing):
 
-* ``plan``: ``tgmm_kernel`` itself, as the plan launches it (through a tensor descriptor where
-  the plan sets ``TMA_STORE``, as it does on Hopper since this probe's first run);
-* ``store``: the probe's kernel storing as ``tgmm_kernel`` did before (``tl.store`` from registers);
-* ``no-store``: the same, its store behind a branch never taken (a floor, not a result);
-* ``tma-store``: the output written through a tensor descriptor (a TMA store from shared
-  memory, which can overlap the next tile's loads); launched from torch with a scratch
-  allocator for the descriptor.
+* ``registers``: the plan with ``TMA_STORE`` off (``tl.store`` from registers), as made for a
+  front whose launcher provides no global scratch;
+* ``tma``: the plan as made for this GPU, which stores through a tensor descriptor on Hopper (a
+  TMA store from shared memory, left in flight while the next tile's loads run);
+* ``no-store``: the same walk and products with the store behind a branch never taken (a floor,
+  not a result).
 
-The outputs of ``store`` and ``tma-store`` are compared with the plan's, bitwise.
+The two plans' outputs are compared bitwise. (The JSONs of the first runs, from an earlier form
+of this probe whose own kernel also stored both ways, name the modes ``store`` and
+``tma-store``; ``plan`` there is the plan of the time.)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -33,23 +35,18 @@ import triton.language as tl  # noqa: E402
 
 from triton_kernels.grouped_matmul import _first_selected, _group_end, _tgmm_acc  # noqa: E402
 
-MODES = {"store": 0, "no-store": 1, "tma-store": 2}
-
 
 @triton.jit
-def probe_tgmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out_ptr,
-                      K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, MODE: tl.constexpr):
-    # tgmm_kernel's walk for one problem with lhs [m, K] (LHS_MK)
+def no_store_tgmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, out_ptr,
+                         K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    # tgmm_kernel's walk for one problem with lhs [m, K] (LHS_MK); the store is compiled, not run
     g0, start = _first_selected(group_sizes_ptr, group_offset_ptr, m, NUM_GROUPS, NUM_SELECTED)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_group = tl.cdiv(K, BLOCK_K) * tiles_n
     current = tl.zeros([], tl.int32)
     end = _group_end(start, group_sizes_ptr, g0, m, NUM_GROUPS)
-    if MODE == 2:
-        desc = tl.make_tensor_descriptor(out_ptr, shape=[NUM_SELECTED, K, N], strides=[K * N, N, 1],
-                                         block_shape=[1, BLOCK_K, BLOCK_N])
     for tile in range(tl.program_id(0), NUM_SELECTED * per_group, tl.num_programs(0)):
         index = tile // per_group
         while current < index:
@@ -60,18 +57,11 @@ def probe_tgmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m, ou
         pk, pn = local // tiles_n, local % tiles_n
         acc = _tgmm_acc(lhs_ptr, rhs_ptr, m, start, end - start, pk, pn, K, N, True, BLOCK_M, BLOCK_N, BLOCK_K,
                         DOT_PRECISION)
-        out = acc.to(out_ptr.dtype.element_ty)
-        if MODE == 2:
-            desc.store([index, pk * BLOCK_K, pn * BLOCK_N], out.reshape(1, BLOCK_K, BLOCK_N))
-        else:
+        if pk < 0:  # never
             offs_k = pk * BLOCK_K + tl.arange(0, BLOCK_K)
             offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
             ptrs = out_ptr + tl.cast(index, tl.int64) * (K * N) + offs_k[:, None] * N + offs_n[None, :]
-            mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-            if MODE == 0:
-                tl.store(ptrs, out, mask=mask)
-            elif pk < 0:  # never: the store is compiled but not run
-                tl.store(ptrs, out, mask=mask)
+            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_k[:, None] < K) & (offs_n[None, :] < N))
 
 
 def _probe_shape(g: int, m: int, k: int, n: int) -> dict:
@@ -88,27 +78,21 @@ def _probe_shape(g: int, m: int, k: int, n: int) -> dict:
     offset = torch.zeros(1, dtype=torch.int32, device="cuda")
     gen = torch.Generator("cuda").manual_seed(m * 131 + g)
     lhs, cot = (torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=gen) for s in ((m, k), (m, n)))
-    plan = gm.tgmm_plan(m, k, n, g, g, True, "bfloat16", "bfloat16", facts)
+    plans = {"registers": gm.tgmm_plan(m, k, n, g, g, True, "bfloat16", "bfloat16",
+                                       dataclasses.replace(facts, gluon=False)),
+             "tma": gm.tgmm_plan(m, k, n, g, g, True, "bfloat16", "bfloat16", facts)}
+    plan = plans["registers"]
     c = plan.constexpr_dict
-    want = launch(plan, lhs, cot, sizes, offset)[0]
-
-    def run(mode: int, out=None):
-        if out is None:  # a poisoned one: unwritten elements show
-            out = torch.full((g, k, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        probe_tgmm_kernel[plan.grid](lhs, cot, sizes, offset, m, out, K=k, N=n, NUM_GROUPS=g, NUM_SELECTED=g,
-                                     BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-                                     DOT_PRECISION=c["DOT_PRECISION"], MODE=mode, num_warps=plan.num_warps,
-                                     num_stages=plan.num_stages)
-        return out
-
+    outs = {name: launch(p, lhs, cot, sizes, offset)[0] for name, p in plans.items()}
+    out = torch.empty_like(outs["registers"])
     row = {"shape": [g, m, k, n], "tile": [c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], plan.num_warps, plan.num_stages],
-           "ms": {}, "same_bits_as_plan": {}}
-    for name, mode in MODES.items():
-        if mode != 1:
-            row["same_bits_as_plan"][name] = bool(torch.equal(run(mode), want))
-    out = torch.empty_like(want)  # the timed runs write here, as the plan's launch allocates its own
-    timers = {"plan": lambda: launch(plan, lhs, cot, sizes, offset),
-              **{name: (lambda mode=mode: run(mode, out)) for name, mode in MODES.items()}}
+           "tma_store": plans["tma"].constexpr_dict["TMA_STORE"],
+           "same_bits": bool(torch.equal(outs["registers"], outs["tma"])), "ms": {}}
+    timers = {name: (lambda p=p: launch(p, lhs, cot, sizes, offset)) for name, p in plans.items()}
+    timers["no-store"] = lambda: no_store_tgmm_kernel[plan.grid](
+        lhs, cot, sizes, offset, m, out, K=k, N=n, NUM_GROUPS=g, NUM_SELECTED=g, BLOCK_M=c["BLOCK_M"],
+        BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], DOT_PRECISION=c["DOT_PRECISION"], num_warps=plan.num_warps,
+        num_stages=plan.num_stages)
     for _ in range(2):  # two rounds, side by side
         for name, fn in timers.items():
             row["ms"].setdefault(name, []).append(bench_torch(fn))
@@ -129,8 +113,6 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    # device-side tensor descriptors need global scratch
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     rows = [_probe_shape(*s) for s in args.shapes]
     if args.out:
         with open(args.out, "w") as f:
