@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from benchmarks.grouped_matmul import SWEEP_CONFIGS
-from triton_kernels import HOPPER
+from triton_kernels import HOPPER, HOPPER_GLUON
 from triton_kernels.aot import compile_plan, distinct_plans
 from triton_kernels.grouped_matmul import gmm_plan, tgmm_plan
 from triton_kernels.plan import DeviceFacts
@@ -14,9 +14,6 @@ from triton_kernels.plan import DeviceFacts
 SHAPES = [(65536, 4096, 2048, 8), (16384, 4096, 2048, 64), (8192, 4096, 2048, 128),
           (32768, 7168, 1408, 16), (8192, 2048, 4096, 128), (1000, 4096, 2048, 8),
           (32768, 2048, 1408, 64)]  # n = 1408: 256-wide tiles and a 128-wide last one
-
-
-HOPPER_SCRATCH = dataclasses.replace(HOPPER, gluon=True)  # a front whose launches provide global scratch
 
 
 def _training_plans(m, k, n, g, dtype, transpose_rhs=False, params=None, facts=HOPPER):
@@ -48,12 +45,12 @@ def _plans():
         yield gmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER, params)
     # stores through tensor descriptors (fronts that provide global scratch)
     for m, k, n, g in SHAPES[-2:]:
-        yield from _training_plans(m, k, n, g, "bfloat16", facts=HOPPER_SCRATCH)
-    yield tgmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER_SCRATCH, batch=8)
-    yield gmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER_SCRATCH, batch=8)
-    yield gmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER_SCRATCH, batch=8, shared_rhs=True)
-    yield tgmm_plan(37, 19, 24, 4, 4, True, "bfloat16", "bfloat16", HOPPER_SCRATCH)  # k and n past the tile
-    yield from _training_plans(4096, 1024, 512, 8, "float32", facts=HOPPER_SCRATCH)
+        yield from _training_plans(m, k, n, g, "bfloat16", facts=HOPPER_GLUON)
+    yield tgmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER_GLUON, batch=8)
+    yield gmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER_GLUON, batch=8)
+    yield gmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER_GLUON, batch=8, shared_rhs=True)
+    yield tgmm_plan(37, 19, 24, 4, 4, True, "bfloat16", "bfloat16", HOPPER_GLUON)  # k and n past the tile
+    yield from _training_plans(4096, 1024, 512, 8, "float32", facts=HOPPER_GLUON)
 
 
 PLANS = distinct_plans(_plans())
@@ -98,18 +95,18 @@ def test_kernels_store_through_tma_where_a_front_provides_scratch():
     assert any(p.constexpr_dict.get("GROUP_MAJOR") and p.global_scratch is False for p in PLANS
                if p.name == "gmm_kernel" and p.constexpr_dict["BATCH"] == 8)
 
-    def tma_store(m, k, n, out_dtype="bfloat16", facts=HOPPER_SCRATCH, **kw):
+    def tma_store(m, k, n, out_dtype="bfloat16", facts=HOPPER_GLUON, **kw):
         return tgmm_plan(m, k, n, 64, 64, True, "bfloat16", out_dtype, facts, **kw).constexpr_dict["TMA_STORE"]
 
     assert tma_store(32768, 2048, 1408)
     assert not tma_store(32768, 2048, 1408, facts=HOPPER)  # the launcher provides no scratch
-    assert not tma_store(32768, 2048, 1408, facts=dataclasses.replace(HOPPER_SCRATCH, capability=(8, 0)))  # no TMA
+    assert not tma_store(32768, 2048, 1408, facts=dataclasses.replace(HOPPER_GLUON, capability=(8, 0)))  # no TMA
     assert not tma_store(32768, 2048, 1404)  # rows of 2808 bytes: not whole 16-byte units
     assert not tma_store(32768, 2048, 1408, "float32")  # a 128 KB tile beside the pipeline's buffers: no room
     assert not tma_store(64, 32, 32, facts=DeviceFacts.cpu())
     rows = 2**30  # a batch of two problems of as many rows: row coordinates past int32
-    assert gmm_plan(rows, 64, 64, 8, 8, False, "bfloat16", "bfloat16", HOPPER_SCRATCH).global_scratch
-    assert not gmm_plan(rows, 64, 64, 8, 8, False, "bfloat16", "bfloat16", HOPPER_SCRATCH, batch=2).global_scratch
+    assert gmm_plan(rows, 64, 64, 8, 8, False, "bfloat16", "bfloat16", HOPPER_GLUON).global_scratch
+    assert not gmm_plan(rows, 64, 64, 8, 8, False, "bfloat16", "bfloat16", HOPPER_GLUON, batch=2).global_scratch
 
 
 def test_grid_is_persistent():

@@ -9,7 +9,7 @@ import pytest
 from tests import references as ref
 from tests.frameworks import TOLERANCE, rel_error
 from tests.test_gpu_flash_attention import GRAD_TOLERANCE, _inputs, _run
-from triton_kernels import HOPPER
+from triton_kernels import HOPPER, HOPPER_GLUON
 from triton_kernels import flash_attention as fa
 from triton_kernels.flash_attention import gluon_backward, gluon_forward
 from triton_kernels.flash_attention.plan import (GLUON_DQ_MIN_SEQ_K_D64, gluon_dkdv_plan, gluon_dq_plan,
@@ -18,7 +18,6 @@ from triton_kernels.flash_attention.plan import (GLUON_DQ_MIN_SEQ_K_D64, gluon_d
 from triton_kernels.flash_attention.schedule import claim_order, pair_walk, persistent_schedule, query_walk
 from triton_kernels.params import BwdParams, FwdParams
 
-HOPPER_GLUON = dataclasses.replace(HOPPER, gluon=True)
 needs_gluon = pytest.mark.skipif(not gluon_forward.AVAILABLE, reason="this Triton has no Gluon")
 
 

@@ -141,13 +141,11 @@ def test_plan_text_keeps_unreturned_outputs_and_reads_older_texts():
 def test_plan_text_keeps_the_global_scratch_flag():
     """A plan whose kernel makes tensor descriptors needs scratch from its launcher, also after
     the JSON round trip torch.compile's opaque op makes; texts from before the flag read as False."""
-    import dataclasses
-
     from ejkernel_torch.launch import plan_from_text, plan_text
-    from triton_kernels import HOPPER
+    from triton_kernels import HOPPER_GLUON
     from triton_kernels.grouped_matmul import tgmm_plan
 
-    plan = tgmm_plan(4096, 2048, 1408, 8, 8, True, "bfloat16", "bfloat16", dataclasses.replace(HOPPER, gluon=True))
+    plan = tgmm_plan(4096, 2048, 1408, 8, 8, True, "bfloat16", "bfloat16", HOPPER_GLUON)
     assert plan.global_scratch and plan.needs_scratch and not plan.is_gluon
     assert plan_from_text(plan_text(plan)) == plan
     doc = json.loads(plan_text(kt.accumulate_plan(5)))

@@ -80,10 +80,10 @@ def test_timeline_probe_instruments_the_plans_forward_kernel():
 
     if not gluon_forward.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
+    from triton_kernels import HOPPER_GLUON
     from triton_kernels import flash_attention as fa
     from triton_kernels.aot import compile_plan
     from triton_kernels.flash_attention.plan import gluon_forward_plan
-    from triton_kernels.plan import DeviceFacts
 
     probe = _timeline_script()
     with open(gluon_forward.__file__) as f:
@@ -92,7 +92,7 @@ def test_timeline_probe_instruments_the_plans_forward_kernel():
     assert all(f"{name} = _globaltimer()" in source for name in ("entry_ns", "setup_ns", "exit_ns"))
     module = probe._load(gluon_forward.__file__)
     assert "t0 = _clock()" in inspect.getsource(module)
-    h100 = dataclasses.replace(DeviceFacts.cuda((9, 0), 132), gluon=True)
+    h100 = HOPPER_GLUON
     for shape, dynamic in (((2, 256, 2, 64), False), ((16, 1024, 32, 64), True)):  # the static walk, claimed tiles
         spec = fa.dense_spec(shape, shape, shape, ("bfloat16",) * 3, causal=True)
         plan = dataclasses.replace(gluon_forward_plan(spec, h100), kernel=module.flash_fwd_gluon_kernel)
@@ -133,7 +133,6 @@ def test_timeline_probe_launch_summary():
 def test_backward_variants_probe_loads_a_copy_of_the_kernels_anywhere():
     """A variant is a copy of gluon_backward.py kept outside the package: the probe reads its
     relative imports as the package's, and its kernels drop into the plans and compile for sm_90."""
-    import dataclasses
     import importlib.util
     import shutil
 
@@ -141,9 +140,9 @@ def test_backward_variants_probe_loads_a_copy_of_the_kernels_anywhere():
 
     if not gluon_backward.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
+    from triton_kernels import HOPPER_GLUON
     from triton_kernels import flash_attention as fa
     from triton_kernels.aot import compile_plan
-    from triton_kernels.plan import DeviceFacts
 
     spec_ = importlib.util.spec_from_file_location(
         "probe_gluon_backward_variants", os.path.join(ROOT, "scripts", "probe_gluon_backward_variants.py"))
@@ -153,7 +152,7 @@ def test_backward_variants_probe_loads_a_copy_of_the_kernels_anywhere():
     shutil.copy(gluon_backward.__file__, variant)
     name, module = probe.load_kernel(variant)
     assert name == "same" and module.flash_bwd_dq_gluon_kernel is not gluon_backward.flash_bwd_dq_gluon_kernel
-    h100 = dataclasses.replace(DeviceFacts.cuda((9, 0), 132), gluon=True)
+    h100 = HOPPER_GLUON
     shape = (2, 256, 2, 128)
     spec = fa.dense_spec(shape, shape, shape, ("bfloat16",) * 3, causal=True)
     plans = probe.variant_plans(spec, h100, module)

@@ -97,6 +97,8 @@ class DeviceFacts:
 
 
 HOPPER = DeviceFacts.cuda((9, 0), 132)
+# The same H100 seen by a front whose launcher can run Gluon kernels and provide global scratch.
+HOPPER_GLUON = DeviceFacts.cuda((9, 0), 132, gluon=True)
 
 
 @dataclass(frozen=True)
