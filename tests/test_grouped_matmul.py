@@ -1068,6 +1068,7 @@ def test_benchmark_script_smoke(tmp_path):
     """benchmarks/grouped_matmul.py --smoke: tiny shapes on CPU, every method timed or its error recorded."""
     import json
     import os
+    import statistics
     import subprocess
     import sys
 
@@ -1080,6 +1081,15 @@ def test_benchmark_script_smoke(tmp_path):
         for name in ("ours_torch", "ours_jax", "dense_matmul", "jax.lax.ragged_dot"):
             assert f"fwd/{name}" in row["ms"] and f"fwd+bwd/{name}" in row["ms"], (name, row["errors"])
         assert len(row["sweep_fwd_ms"]) == 5
+        # the torch methods but the loop were timed side by side, and their ratios come from the rounds
+        rounds = row["rounds_ms"]
+        assert set(rounds) == {k for k in row["ms"] if k.split("/")[1] in (
+            "ours_torch", "ours_torch_unchecked", "torch._grouped_mm", "dense_matmul")}, (rounds, row["errors"])
+        assert all(len(samples) == 2 for samples in rounds.values())
+        for phase in ("fwd", "fwd+bwd"):
+            ours, dense = rounds[f"{phase}/ours_torch"], rounds[f"{phase}/dense_matmul"]
+            assert row[f"{phase}: ours_torch vs dense_matmul"] == pytest.approx(
+                statistics.median(d / o for d, o in zip(dense, ours)))
     assert (tmp_path / "gmm.svg").exists()
 
 
