@@ -3,6 +3,7 @@ for jax, whose work runs on its own stream, and for side-by-side comparisons of 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -64,6 +65,26 @@ def interleaved(timers: dict, rounds: int = 9, warmup: int = 1) -> dict[str, lis
         for name in (names if r % 2 == 0 else names[::-1]):
             samples[name].append(timers[name]())
     return samples
+
+
+# Rounds of CUDA-event timing (``event_rounds``): a method's figure is the median of its rounds.
+EVENT_ROUNDS = 5
+
+
+def event_rounds(calls: dict, errors: dict, rounds: int = EVENT_ROUNDS, timer=None) -> dict[str, list[float]]:
+    """``rounds`` samples of each of ``calls`` (name -> call without arguments), taken in turn
+    (``interleaved``), each sample ``timer(call)``: by default a ``do_bench`` of 200 / ``rounds``
+    ms, so a method gets the time one 200 ms ``do_bench`` gave it. Timed one after another, a
+    10 ms training step read 0.92-1.00x its baseline in three runs of one H200 start, depending on
+    what ran before it; within a round the two meet the same clock. Each call runs once first
+    (it compiles); one that fails is recorded in ``errors`` (by name) and left out."""
+    timer = timer or (lambda call: bench_torch(call, warmup_ms=10, rep_ms=200 // rounds))
+    timers = {}
+    for name, call in calls.items():
+        try_time({}, errors, name, call)
+        if name not in errors:
+            timers[name] = functools.partial(timer, call)
+    return interleaved(timers, rounds=rounds, warmup=0)
 
 
 def median_ratio(samples: dict[str, list[float]], numerator: str, denominator: str) -> float:

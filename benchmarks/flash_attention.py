@@ -11,12 +11,13 @@ counts 3.5x the forward (the backward is 2.5x).
     python benchmarks/flash_attention.py --overhead    # eager per-call cost vs a direct launch
     python benchmarks/flash_attention.py --smoke       # tiny shapes on CPU: checks the script runs
 
-Timing: torch by ``triton.testing.do_bench`` (CUDA events, median). The jax-vs-torch ratios come
-from wall clock over pipelined batches of calls, ours and cuDNN each launched from torch and from
-jax, the four sampled in interleaved rounds and each ratio taken within a round
-(``bench_side_by_side``): timed seconds apart, one method's timings wandered by as much as the
-differences in question. Writes
-benchmarks/results/flash_attention-<gpu>.json and SVG charts next to it.
+Timing: torch by ``triton.testing.do_bench`` (CUDA events), ours and SDPA's backends in
+interleaved rounds, ours over the best backend taken within a round (``event_rounds``). The
+jax-vs-torch ratios come from wall clock over pipelined batches of calls, ours and cuDNN each
+launched from torch and from jax, the four sampled in interleaved rounds and each ratio taken
+within a round (``bench_side_by_side``). Timed seconds apart, one method's timings wandered by as
+much as the differences in question. Writes benchmarks/results/flash_attention-<gpu>.json and SVG
+charts next to it.
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np
 
-from benchmarks.common import (bench_torch, calls_per_batch, device_name, host_ms, interleaved, median_ratio,
-                               pin_configs, try_time, value_and_pullback, wall_batch, write_bar_svg, write_json)
+from benchmarks.common import (EVENT_ROUNDS, calls_per_batch, device_name, event_rounds, host_ms, interleaved,
+                               median_ratio, pin_configs, try_time, value_and_pullback, wall_batch, write_bar_svg,
+                               write_json)
 from triton_kernels.params import BwdParams, FwdParams
 
 TOKENS = 16384
@@ -77,10 +79,12 @@ def _torch_step(fn, q, k, v, dout):
     return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
 
 
-def bench_torch_impls(q, k, v, dout, causal, fwd_params=None, bwd_params=None, only_ours=False) -> tuple[dict, dict]:
+def bench_torch_impls(q, k, v, dout, causal, fwd_params=None, bwd_params=None,
+                      only_ours=False) -> tuple[dict, dict, dict]:
+    """Ours and SDPA's backends from torch, timed by CUDA events side by side (``event_rounds``).
+    Returns (median ms by "phase/method", errors, the rounds' samples)."""
     import ejkernel_torch
 
-    times, errors = {}, {}
     ours = lambda a, b, c: ejkernel_torch.flash_attention(a, b, c, causal=causal, fwd_params=fwd_params,  # noqa: E731
                                                           bwd_params=bwd_params)
     impls = {"ours_torch": (ours, (q, k, v), dout)}
@@ -88,10 +92,10 @@ def bench_torch_impls(q, k, v, dout, causal, fwd_params=None, bwd_params=None, o
         heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
         for name in ("flash", "cudnn", "efficient"):
             impls[f"sdpa_{name}"] = (_sdpa(name, causal), heads_first[:3], heads_first[3])
-    for name, (fn, args, cot) in impls.items():
-        for phase in ("fwd", "fwd+bwd"):
-            try_time(times, errors, f"{phase}/{name}", lambda: bench_torch(_torch_call(fn, args, cot, phase)))
-    return times, errors
+    errors = {}
+    rounds = event_rounds({f"{phase}/{name}": _torch_call(fn, args, cot, phase)
+                           for name, (fn, args, cot) in impls.items() for phase in ("fwd", "fwd+bwd")}, errors)
+    return {name: statistics.median(samples) for name, samples in rounds.items()}, errors, rounds
 
 
 def _ours_and_cudnn(q, k, v, dout, causal) -> dict:
@@ -209,7 +213,7 @@ def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=Tr
     heads = HIDDEN // head_dim
     arrays = _inputs(batch, seq, heads, head_dim)
     q, k, v, dout = (torch.from_numpy(a).to("cuda", getattr(torch, dtype)) for a in arrays)
-    times, errors = bench_torch_impls(q, k, v, dout, causal)
+    times, errors, rounds = bench_torch_impls(q, k, v, dout, causal)
     side_ratios = host_costs(q, k, v, dout, causal, times)
     if with_jax:
         wall, ratios, wall_errors = bench_side_by_side(q, k, v, dout, arrays, dtype, causal, times)
@@ -217,15 +221,15 @@ def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=Tr
         times.update(wall)
         errors.update(wall_errors)
     row = {"batch": batch, "seq": seq, "heads": heads, "head_dim": head_dim, "causal": causal, "dtype": dtype,
-           "ms": times, "errors": errors,
+           "ms": times, "rounds_ms": rounds, "errors": errors,
            "tflops": {n: flops(batch, heads, seq, head_dim, causal, n.split("/")[0]) / (ms * 1e-3) / 1e12
                       for n, ms in times.items()}}
     for phase in ("fwd", "fwd+bwd"):
         sdpa = {n: times[f"{phase}/{n}"] for n in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
                 if f"{phase}/{n}" in times}
         if sdpa and f"{phase}/ours_torch" in times:
-            best = min(sdpa, key=sdpa.get)
-            row[f"{phase}: ours_torch vs best sdpa"] = sdpa[best] / times[f"{phase}/ours_torch"]
+            best = min(sdpa, key=sdpa.get)  # by its median; the ratio is taken within each round
+            row[f"{phase}: ours_torch vs best sdpa"] = median_ratio(rounds, f"{phase}/{best}", f"{phase}/ours_torch")
             row[f"{phase}: best sdpa"] = best
     row.update(side_ratios)  # time ratios > 1: jax is slower; "vs" ratios > 1: ours is faster
     if sweep:
@@ -240,10 +244,10 @@ def _label(p) -> str:
 def sweep_configs(q, k, v, dout, causal) -> dict:
     out = {"fwd": {}, "fwd+bwd": {}}
     for p in SWEEP_FWD:
-        t, e = bench_torch_impls(q, k, v, dout, causal, fwd_params=p, only_ours=True)
+        t, e, _ = bench_torch_impls(q, k, v, dout, causal, fwd_params=p, only_ours=True)
         out["fwd"][_label(p)] = t.get("fwd/ours_torch") or e.get("fwd/ours_torch")
     for p in SWEEP_BWD:
-        t, e = bench_torch_impls(q, k, v, dout, causal, bwd_params=p, only_ours=True)
+        t, e, _ = bench_torch_impls(q, k, v, dout, causal, bwd_params=p, only_ours=True)
         out["fwd+bwd"][_label(p)] = t.get("fwd+bwd/ours_torch") or e.get("fwd+bwd/ours_torch")
     return out
 
@@ -402,10 +406,12 @@ def _write(args, rows: list[dict], extras: dict) -> None:
     import torch
 
     payload = {"device": device_name(), "torch": torch.__version__, "jax": jax.__version__,
-               "method": "torch: triton.testing.do_bench median (CUDA events); jax and *_wall: median of "
-                         "pipelined batches of >= 25 ms (20-200 calls), the four wall-clock methods in 9 interleaved rounds, "
-                         "jax/torch ratios the median of per-round ratios; TFLOP/s on 4*B*H*S^2*D (x0.5 causal, "
-                         "x3.5 fwd+bwd)",
+               "method": f"torch: triton.testing.do_bench (CUDA events, L2 flushed), the methods in {EVENT_ROUNDS} "
+                         f"interleaved rounds of {200 // EVENT_ROUNDS} ms (rounds_ms), each one's ms the median of its "
+                         f"rounds, ours vs best sdpa the median of the per-round ratios; jax and *_wall: median of "
+                         "pipelined batches of >= 25 ms (20-200 calls), the four wall-clock methods in 9 interleaved "
+                         "rounds, jax/torch ratios the median of per-round ratios; TFLOP/s on 4*B*H*S^2*D (x0.5 "
+                         "causal, x3.5 fwd+bwd)",
                "ratios": _summary(rows), "failed": _failures(rows), "results": rows, **extras}
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"flash_attention-{device_name()}.json")
     write_json(out, payload)

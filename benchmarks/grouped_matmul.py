@@ -2,7 +2,7 @@
 a per-expert torch.matmul loop, a dense torch.matmul of equal FLOPs and jax.lax.ragged_dot.
 Forward and forward+backward, TFLOP/s on the useful FLOPs (2 * sum(group_sizes) * k * n per matmul).
 The torch methods compared by the goals are timed side by side in rounds, and their ratios taken
-within a round (``ROUNDS``).
+within a round (``benchmarks.common.event_rounds``).
 
     python benchmarks/grouped_matmul.py [--shapes quick|default|full] [--only 0 2 ..] [--sweep] [--out PATH]
     python benchmarks/grouped_matmul.py --smoke     # tiny shapes on CPU: checks the script runs
@@ -32,8 +32,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.3")
 
 import numpy as np
 
-from benchmarks.common import (bench_jax, bench_torch, device_name, interleaved, median_ratio, pin_configs, try_time,
-                               value_and_pullback, write_bar_svg, write_json)
+from benchmarks.common import (EVENT_ROUNDS, bench_jax, bench_torch, device_name, event_rounds, median_ratio,
+                               pin_configs, try_time, value_and_pullback, write_bar_svg, write_json)
 from triton_kernels.params import FwdParams
 
 # (experts g, tokens m, k, n): MoE layers from the issue's ranges, largest balanced ones first.
@@ -69,16 +69,9 @@ def group_sizes(m: int, g: int, routing: str, rng: np.random.Generator) -> np.nd
 # timing: CUDA events (torch) / pipelined wall clock (jax) on GPU; a plain loop in --smoke
 
 
-# The torch methods other than the loop are timed side by side: ROUNDS do_bench runs of each, taken
-# in turn (``interleaved``), ratios taken within a round. Timed one after another for 200 ms each,
-# a 10 ms training step at 128 experts / 64k / 7168 read 0.92-1.00x `_grouped_mm` in three runs of
-# one machine start, depending on what ran before it (the GPU's clock sinks under sustained load).
-ROUNDS = 5
-
-
-def _time_torch(fn, smoke: bool, rep_ms: int = 200) -> float:
+def _time_torch(fn, smoke: bool) -> float:
     if not smoke:
-        return bench_torch(fn, warmup_ms=10, rep_ms=rep_ms)
+        return bench_torch(fn)
     fn()
     start = time.perf_counter()
     fn()
@@ -149,7 +142,8 @@ def _torch_calls(lhs, rhs, cot, sizes_np, device) -> dict:
 
 def _bench_torch(lhs_np, rhs_np, sizes_np, dtype, smoke, rng):
     """Median ms of each torch method (``times``), failures (``errors``), and the side-by-side
-    rounds' samples (``rounds``: every method but the loop, whose step takes up to 0.4 s)."""
+    rounds' samples (``rounds``, ``event_rounds``: every method but the loop, whose step takes up
+    to 0.4 s), of which the goals' ratios are taken."""
     import torch
 
     device = "cpu" if smoke else "cuda"
@@ -162,11 +156,12 @@ def _bench_torch(lhs_np, rhs_np, sizes_np, dtype, smoke, rng):
     for key, call in _torch_calls(lhs, rhs, cot, sizes_np, device).items():
         if key.endswith("/torch_loop"):
             try_time(times, errors, key, lambda: _time_torch(call, smoke))
-        else:  # one call first: it compiles, and a method missing here is recorded, not timed
-            try_time({}, errors, key, call)
-            if key not in errors:
-                side_by_side[key] = functools.partial(_time_torch, call, smoke, 200 // ROUNDS)
-    rounds = interleaved(side_by_side, rounds=2 if smoke else ROUNDS, warmup=0)
+        else:
+            side_by_side[key] = call
+    if smoke:
+        rounds = event_rounds(side_by_side, errors, rounds=2, timer=functools.partial(_time_torch, smoke=True))
+    else:
+        rounds = event_rounds(side_by_side, errors)
     times.update({key: statistics.median(samples) for key, samples in rounds.items()})
     return times, errors, rounds, (lhs, rhs, cot)
 
@@ -327,10 +322,10 @@ def _write(args, device: str, rows: list[dict], configs: dict) -> None:
         ratios[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
     write_json(out, {"device": device, "torch": torch.__version__, "jax": jax.__version__, **configs,
                      "method": f"torch: triton.testing.do_bench median (events, L2 flushed), every method but "
-                               f"torch_loop in {ROUNDS} interleaved rounds of 40 ms (rounds_ms), its ratios the "
-                               f"median of the ratios within a round, its ms the median of the rounds; jax: median "
-                               f"of 9 batches of 50 pipelined calls; TFLOP/s on 2*sum(group_sizes)*k*n per matmul "
-                               f"(x3 for fwd+bwd)",
+                               f"torch_loop in {EVENT_ROUNDS} interleaved rounds of {200 // EVENT_ROUNDS} ms "
+                               f"(rounds_ms), its ratios the median of the ratios within a round, its ms the median "
+                               f"of the rounds; jax: median of 9 batches of 50 pipelined calls; TFLOP/s on "
+                               f"2*sum(group_sizes)*k*n per matmul (x3 for fwd+bwd)",
                      "ratios": ratios, "results": rows})
     for phase, suffix in (("fwd", ""), ("fwd+bwd", "-fwd-bwd")):
         write_bar_svg(out.removesuffix(".json") + f"{suffix}.svg", rows, phase,
