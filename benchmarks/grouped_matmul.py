@@ -109,7 +109,9 @@ def _torch_methods(rhs, sizes_np, device):
             (a.shape[0] - total, b.shape[2]))])
 
     return {
-        "ours_torch": lambda a, b: ejkernel_torch.grouped_matmul(a, b, gs),
+        # Checked: a fresh tensor of sizes each call, as a router's counts are each step (the
+        # values of a tensor read before and not written since are not read again).
+        "ours_torch": lambda a, b: ejkernel_torch.grouped_matmul(a, b, gs.clone()),
         # Without the value checks on group_sizes (one host sync per call), as a training loop with
         # a trusted router would call it.
         "ours_torch_unchecked": lambda a, b: ejkernel_torch.grouped_matmul(a, b, gs, check_values=False),

@@ -740,6 +740,29 @@ def test_bad_varlen_input(fw, kwargs, error, match):
                                       args["max_k"], bias=None if bias is None else fw.asarray(bias))
 
 
+def test_torch_varlen_reads_cu_seqlens_once_until_written(torch_fw, monkeypatch):
+    # Every attention layer of a packed batch gets the same cu_seqlens; each read is a host sync.
+    # Read once per tensor and version: a bad value written in place is still refused by name.
+    import torch
+
+    from ejkernel_torch.ops import _common
+
+    reads = []
+    real_values = _common._values
+    monkeypatch.setattr(_common, "_values", lambda t: reads.append(t.tolist()) or real_values(t))
+    x = torch.randn(10, 2, 16, device=torch_fw.device)
+    cu = torch.tensor([0, 5, 8, 10], dtype=torch.int32, device=torch_fw.device)
+    first = torch_fw.ops.flash_attention_varlen(x, x, x, cu, cu, 5, 5)
+    assert torch.equal(torch_fw.ops.flash_attention_varlen(x, x, x, cu, cu, 5, 5), first)
+    assert reads == [[0, 5, 8, 10]] * 2  # one read of the two arguments, in the first call
+    with pytest.raises(ValueError, match="length 5 > max_seqlen 4"):  # checked again on the values read
+        torch_fw.ops.flash_attention_varlen(x, x, x, cu, cu, 4, 5)
+    cu[2] = 4
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        torch_fw.ops.flash_attention_varlen(x, x, x, cu, cu, 5, 5)
+    assert len(reads) == 4
+
+
 def test_varlen_vmap_over_cu_seqlens(fw, rng):
     # torch.func.vmap over cu_seqlens failed reading them for the value checks ("Cannot access
     # data pointer of Tensor that doesn't have storage"); jax.vmap worked. Batched values are not

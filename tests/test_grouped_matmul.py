@@ -976,6 +976,48 @@ def test_torch_lazy_negation_and_zero_tensors_are_read_as_values(torch_fw, rng):
     assert torch.equal(got, torch.zeros(k, m))
 
 
+def test_torch_reads_a_sizes_tensor_once_until_it_is_written(torch_fw, rng, monkeypatch):
+    # An MoE layer passes one tensor of router counts to its gate, up and down projections; each
+    # read of the values is a host sync. A tensor read before and not written since is not read
+    # again, and one written in place is: a bad size written there is still refused by name.
+    import torch
+
+    import ejkernel_torch as ejk
+    from ejkernel_torch.ops import _common
+
+    reads = []
+    real_values = _common._values
+    monkeypatch.setattr(_common, "_values", lambda t: reads.append(t.tolist()) or real_values(t))
+    device = torch_fw.device
+    m, k, n = 20, 8, 6
+    sizes = torch.tensor([7, 0, 10], dtype=torch.int32, device=device)
+    lhs, rhs, cot = (torch.randn(*shape, device=device) for shape in ((m, k), (3, k, n), (m, n)))
+    first = ejk.grouped_matmul(lhs, rhs, sizes)
+    assert torch.equal(ejk.grouped_matmul(lhs, rhs, sizes), first)
+    ejk.transposed_grouped_matmul(lhs.t().contiguous(), cot, sizes)
+    assert reads == [[7, 0, 10]]
+    sizes[0] = -1  # in place: torch moves the version counter
+    with pytest.raises(ValueError, match="group_sizes must be non-negative, got a size of -1"):
+        ejk.grouped_matmul(lhs, rhs, sizes)
+    sizes[0] = 11  # 21 rows of 20
+    with pytest.raises(ValueError, match="sum\\(group_sizes\\) = 21 exceeds the 20 rows"):
+        ejk.transposed_grouped_matmul(lhs.t().contiguous(), cot, sizes)
+    with pytest.raises(ValueError, match="sum\\(group_sizes\\) = 21 exceeds the 20 rows"):  # refused, not read
+        ejk.grouped_matmul(lhs, rhs, sizes)
+    assert reads == [[7, 0, 10], [-1, 0, 10], [11, 0, 10]]
+    sizes[0] = 7
+    same_values = sizes.clone()  # another tensor: read
+    assert torch.equal(ejk.grouped_matmul(lhs, rhs, same_values), first)
+    assert len(reads) == 4
+    with torch.inference_mode():  # an inference tensor has no version counter: read every call
+        counts = torch.tensor([7, 0, 10], dtype=torch.int32, device=device)
+        ejk.grouped_matmul(lhs, rhs, counts)
+        counts[1] = -2
+        with pytest.raises(ValueError, match="got a size of -2"):
+            ejk.grouped_matmul(lhs, rhs, counts)
+    assert len(reads) == 6
+
+
 def test_torch_func_functionalize(torch_fw, rng):
     # torch.func.functionalize differentiates nothing, yet the ops took their torch.func autograd
     # function there, which torch refuses ("NYI: Functionalize rule for custom_function_call");

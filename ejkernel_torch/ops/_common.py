@@ -5,6 +5,7 @@ import functools
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, plain_eager, reject_forward_ad,
                                   vmap_only)
@@ -91,22 +92,56 @@ def values_readable(*tensors: torch.Tensor) -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
+# Values read_later has read, by tensor object: (the version counter it had then, the values). A
+# model passes one tensor of sizes to many calls (an MoE layer's router counts to its gate, up and
+# down projections; one cu_seqlens to every attention layer), and each read is a host sync that
+# drains the launch queue; one read per tensor and version is enough. An in-place write through
+# torch bumps the version, so the tensor is read again; a write torch does not count (a raw kernel
+# launch on its data pointer, a write through ``.data`` or through a numpy array sharing its
+# memory) is not noticed. Weak keys: an entry lives as long as its tensor.
+_READ = WeakIdKeyDictionary()
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter; None for an inference tensor, which has none (not remembered)."""
+    return None if t.is_inference() else t._version
+
+
+def _remembered(t: torch.Tensor):
+    entry = _READ.get(t)
+    return entry[1] if entry is not None and entry[0] == _version(t) else None
+
+
 def read_later(*tensors: torch.Tensor):
     """Start copying ``tensors`` (one device) to the host and return a function that waits for the
     copies and returns their values as (nested) lists of Python numbers. On CUDA each copy is
     queued without waiting (into pinned memory), so the host work between the two calls runs
     while the GPU gets to it: a check that must read values before a launch (a host sync) then
     leaves the GPU idle only for what follows the wait, not for the whole argument handling. The
-    values are copied as they are and reduced on the host: no kernel launches ahead of the copy."""
+    values are copied as they are and reduced on the host: no kernel launches ahead of the copy.
+    Tensors read before and not written since (``_READ``) are not read again: with all of them
+    known, nothing is copied and the wait is free."""
+    known = [_remembered(t) for t in tensors]
+    if all(values is not None for values in known):
+        return lambda: known
+    versions = [_version(t) for t in tensors]  # as the copies see them: queued after every write so far
     if tensors[0].device.type != "cuda":
-        return lambda: [_values(t) for t in tensors]
-    host = [t.to("cpu", non_blocking=True) for t in tensors]  # device-to-host: pinned, asynchronous
-    copied = torch.cuda.Event()
-    copied.record()
+        read = lambda: [_values(t) for t in tensors]  # noqa: E731
+    else:
+        host = [t.to("cpu", non_blocking=True) for t in tensors]  # device-to-host: pinned, asynchronous
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def read() -> list:
+            copied.synchronize()
+            return [_values(t) for t in host]
 
     def wait() -> list:
-        copied.synchronize()
-        return [_values(t) for t in host]
+        values = read()
+        for t, version, v in zip(tensors, versions, values):
+            if version is not None:
+                _READ[t] = (version, v)
+        return values
     return wait
 
 

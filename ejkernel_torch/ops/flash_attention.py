@@ -32,7 +32,8 @@ from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, l
                                    launch_traceable, plain_eager, reject_forward_ad, torch_dtype, vmap_only)
 from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import (KernelOp, autocast, autograd_function, first_order, name_of,
-                                        no_grad_op, same_device, saved_tensors, tensor_arg, values_readable)
+                                        no_grad_op, read_later, same_device, saved_tensors, tensor_arg,
+                                        values_readable)
 from ejkernel_torch.ops._folding import fold, in_chunks, unfold
 from triton_kernels import checks, flash_attention as fa, tuning
 from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
@@ -528,8 +529,9 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     """``flash_attention`` over packed sequences: q ``[total_q, heads_q, head_dim]``, k/v
     ``[total_k, heads_kv, head_dim]``; sequence i is tokens ``cu_seqlens[i]:cu_seqlens[i+1]``
     (int32, ``[n_seq + 1]``, starting at 0, non-decreasing; checked on the host, a sync on
-    CUDA; not checked under torch.compile or CUDA graph capture, where the kernels clamp them as under
-    jax.jit). ``max_seqlen_*`` bound the lengths. lse is ``[heads_q, total_q]``; tokens past
+    CUDA once per tensor object and version: the layers of a model given the same unwritten
+    tensor check the values read by the first; not checked under torch.compile or CUDA graph
+    capture, where the kernels clamp them as under jax.jit). ``max_seqlen_*`` bound the lengths. lse is ``[heads_q, total_q]``; tokens past
     ``cu_seqlens[-1]`` give 0. Dropout offsets are those of the padded ``[n_seq, heads_q,
     max_seqlen_q, max_seqlen_k]`` problem. Bias and segment ids are not supported here.
     ``fwd_params``/``bwd_params``/``autotune`` as in ``flash_attention`` (cache keys count the
@@ -545,9 +547,10 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         *shapes, dtypes, tuple(cu_q.shape), name_of(cu_q), tuple(cu_k.shape), name_of(cu_k), max_seqlen_q,
         max_seqlen_k, causal=causal, softmax_scale=softmax_scale, sliding_window=fa.window_arg(sliding_window),
         logits_soft_cap=logits_soft_cap, dropout_p=dropout_p)
-    if values_readable(cu_q, cu_k):
-        fa.cu_seqlens_values("cu_seqlens_q", cu_q.tolist(), spec.total_q, max_seqlen_q)
-        fa.cu_seqlens_values("cu_seqlens_k", cu_k.tolist(), spec.total_k, max_seqlen_k)
+    if values_readable(cu_q, cu_k):  # one host sync for both (none for tensors read before: read_later)
+        values_q, values_k = read_later(cu_q, cu_k)()
+        fa.cu_seqlens_values("cu_seqlens_q", values_q, spec.total_q, max_seqlen_q)
+        fa.cu_seqlens_values("cu_seqlens_k", values_k, spec.total_k, max_seqlen_k)
     return_lse = checks.flag("return_lse", return_lse)  # "no" is truthy
     params = _params(spec, fwd_params, bwd_params, device)
     seed = _seed(dropout_seed, spec.dropout_p, device)

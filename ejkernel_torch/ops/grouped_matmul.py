@@ -16,7 +16,10 @@ traces, while a CUDA graph is captured, or when the caller passes ``check_values
 known valid, e.g. a router's ``bincount``: the sync stalls the launch queue; the copy it waits
 for is queued before the rest of the argument handling, which then overlaps it, yet on an H200 the
 checked forward still ran at 0.77x the unchecked one's speed at 128 experts of 128 rows, 0.96-0.98x
-at 8-16 experts of 2-8k rows). Unchecked bad values are clamped by the kernels (no
+at 8-16 experts of 2-8k rows). A tensor is read once: later calls given the same tensor object,
+not written since (its version counter unchanged: an MoE layer's gate, up and down projections
+on one router's counts), check the values read then, with no sync; a write through torch is
+seen, one torch does not count (a raw kernel's, through ``.data`` or a numpy view) is not. Unchecked bad values are clamped by the kernels (no
 out-of-bounds access, meaningless result); a tensor ``group_offset`` is clamped before it is
 narrowed to int32, so an int64 offset past int32 is not wrapped into a valid-looking one.
 
@@ -520,7 +523,8 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     ``EJKERNEL_AUTOTUNE``) times candidates on a cache miss and stores the fastest, for the
     gradients' launches too when an input requires grad (eager only; see
     ``triton_kernels.tuning``). ``check_values=False`` skips reading ``group_sizes`` (and a
-    tensor ``group_offset``) for the value checks, a host sync on CUDA: for values known valid.
+    tensor ``group_offset``) for the value checks, a host sync on CUDA (once per tensor and
+    version, see the module docstring): for values known valid.
     Under ``torch.compile``, ``group_sizes`` may have a length that depends on values
     (``torch.bincount(expert_ids, minlength=g)``) when ``group_offset`` is an int.
     Differentiable in lhs and rhs.
