@@ -45,6 +45,7 @@ GPU_ONLY = {
     "scripts/probe_gmm_shared_batch.py": ["--out", os.devnull],
     "scripts/profile_gmm_host.py": ["--out", os.devnull],
     "scripts/probe_tgmm_store.py": ["--out", os.devnull],
+    "scripts/probe_moe_value_checks.py": ["--out", os.devnull],
     "scripts/probe_gluon_forward_timeline.py": ["--shapes", "1,128,128,1,64,false", "--out", os.devnull],
     "scripts/probe_gluon_backward_variants.py": ["--no-time", "--out", os.devnull],
 }
