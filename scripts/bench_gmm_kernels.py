@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.getcwd())  # the tree the script is run from, so that trees can be compared
 
-from benchmarks.common import gmm_shape  # noqa: E402
+from benchmarks.common import gmm_shape, write_run  # noqa: E402
 
 SHAPES = [(8, 65536, 4096, 2048), (16, 32768, 7168, 2048), (16, 16384, 4096, 4096), (64, 32768, 2048, 1408),
           (128, 65536, 7168, 2048)]
@@ -105,10 +105,7 @@ def main() -> None:
     rows = [row for s in args.shapes
             for row in _bench_shape(args.label, *s, args.gmm_params, args.tgmm_params, args.routing)]
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                       "command": "python scripts/bench_gmm_kernels.py " + " ".join(sys.argv[1:]), "rows": rows},
-                      f, indent=1)
+        write_run(args.out, rows, triton=triton.__version__)
 
 
 if __name__ == "__main__":

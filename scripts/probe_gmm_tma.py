@@ -23,7 +23,7 @@ import triton.language as tl
 sys.path.insert(0, os.getcwd())
 
 from bench_gmm_kernels import SHAPES  # noqa: E402  (this folder: the same shapes)
-from benchmarks.common import gmm_shape  # noqa: E402
+from benchmarks.common import gmm_shape, write_run  # noqa: E402
 from triton_kernels.grouped_matmul import _first_selected, _group_end, _swizzle  # noqa: E402
 
 
@@ -165,10 +165,7 @@ def main() -> None:
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     rows = [row for s in args.shapes for row in _bench_shape(*s, args.variants)]
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                       "command": "python scripts/probe_gmm_tma.py " + " ".join(sys.argv[1:]), "rows": rows},
-                      f, indent=1)
+        write_run(args.out, rows, triton=triton.__version__)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.common import gmm_shape  # noqa: E402
+from benchmarks.common import gmm_shape, write_run  # noqa: E402
 
 STEPS = 10
 
@@ -102,10 +102,7 @@ def main() -> None:
         sys.exit("needs a CUDA GPU")
     rows = [_profile_shape(*s) for s in args.shapes]
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "command": "python scripts/profile_gmm_step.py " + " ".join(sys.argv[1:]), "rows": rows},
-                      f, indent=1)
+        write_run(args.out, rows)
 
 
 if __name__ == "__main__":
