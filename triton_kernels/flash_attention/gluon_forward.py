@@ -193,17 +193,6 @@ if AVAILABLE:
         ONE_COPY: gl.constexpr = HEAD_DIM == 64  # _softmax_at
 
         causal_offset = seq_k - seq_q
-        if CAUSAL:
-            # A causal warpgroup reads the tile's key blocks only up to its own last visible key
-            # (the tile's are its last row's): a block past it is only released, and a last block
-            # whose second half is past it is computed on its first half (_half_block), as the
-            # first warpgroup's diagonal block is wherever seq_k - seq_q is a multiple of BLOCK_N.
-            my_last = gl.minimum(row0 + ROWS, seq_q) - 1 + causal_offset
-            my_blocks = my_last // BLOCK_N + 1
-            half = (my_blocks > 1) & (my_last % BLOCK_N < BLOCK_N // 2)
-            full_blocks = my_blocks - half.to(gl.int32)
-        else:
-            full_blocks = n_blocks
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -219,7 +208,7 @@ if AVAILABLE:
                                          s_layout, BLOCK_N, CAUSAL, KEY_TAIL, ONE_COPY)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-        for j in range(1, full_blocks):
+        for j in range(1, n_blocks):
             c = ring + j
             stage = c % STAGES
             prev = (c - 1) % STAGES
@@ -237,74 +226,17 @@ if AVAILABLE:
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(prev), count=1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-
-        c = ring + full_blocks - 1  # the last whole block's ring position
-        if CAUSAL:
-            if half:
-                acc, m_i, l_i = _half_block(q, acc, p_op, alpha, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty,
-                                            v_empty, q_empty, logit_scale, row0, full_blocks, c + 1, seq_k,
-                                            causal_offset, STAGES, RELEASE_Q)
-            else:
-                acc = _last_pv(acc, alpha, p_op, v_smem, v_ready, v_empty, q_empty, c, STAGES, RELEASE_Q)
-            _pass_blocks(k_ready, v_ready, k_empty, v_empty, q_empty, n_blocks - my_blocks, ring + my_blocks, STAGES,
-                         False)
-        else:
-            acc = _last_pv(acc, alpha, p_op, v_smem, v_ready, v_empty, q_empty, c, STAGES, RELEASE_Q)
-        return acc, m_i, l_i
-
-    @gluon.jit
-    def _rescaled_pv(acc, alpha, p_op, v, v_ready, c, STAGES: gl.constexpr):
-        """Issue PV of the block at ring position ``c`` (``v``: its V stage, or part of it) onto
-        ``acc`` rescaled by the block's ``alpha``, once the stage is filled."""
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
-        mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
-        return warpgroup_mma(p_op, v, acc, is_async=True)
-
-    @gluon.jit
-    def _last_pv(acc, alpha, p_op, v_smem, v_ready, v_empty, q_empty, c, STAGES: gl.constexpr,
-                 RELEASE_Q: gl.constexpr):
-        """``_attend``'s last PV (block at ring position ``c``), q released first if asked."""
         if RELEASE_Q:
             mbarrier.arrive(q_empty, count=1)
+
+        c = ring + n_blocks - 1
         last = c % STAGES
-        acc = _rescaled_pv(acc, alpha, p_op, v_smem.index(last), v_ready, c, STAGES)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        mbarrier.wait(v_ready.index(last), (c // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last), count=1)
-        return acc
-
-    @gluon.jit
-    def _half_block(q, acc, p_op, alpha, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty,
-                    logit_scale, row0, j, c, seq_k, causal_offset, STAGES: gl.constexpr, RELEASE_Q: gl.constexpr):
-        """``_attend``'s last block ``j`` (ring position ``c``) on the first half of its keys, the
-        rest being past every one of the warpgroup's rows: QK^T and PV of half the width, with
-        the previous block's PV issued beside its QK^T as in the loop. At seq_q == seq_k that is
-        the first warpgroup's diagonal block in every tile, a quarter of the tile's work there
-        that the mask would discard."""
-        ROWS: gl.constexpr = q.shape[0]
-        HALF: gl.constexpr = k_smem.shape[1] // 2
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HALF, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
-        stage = c % STAGES
-        prev = (c - 1) % STAGES
-        mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
-        s = warpgroup_mma(q, k_smem.index(stage).slice(0, HALF).permute((1, 0)),
-                          gl.zeros([ROWS, HALF], gl.float32, s_layout), use_acc=False, is_async=True)
-        acc = _rescaled_pv(acc, alpha, p_op, v_smem.index(prev), v_ready, c - 1, STAGES)
-        s = warpgroup_mma_wait(1, deps=(s,))
-        mbarrier.arrive(k_empty.index(stage), count=1)
-        if RELEASE_Q:
-            mbarrier.arrive(q_empty, count=1)
-        rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-        p, m_h, l_h, alpha = _softmax(s, gl.convert_layout(m_i, rows), gl.convert_layout(l_i, rows), logit_scale, row0,
-                                      j * k_smem.shape[1], seq_k, causal_offset, s_layout, HALF, True, True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-        acc = _rescaled_pv(acc, alpha, p_op, v_smem.index(stage).slice(0, HALF), v_ready, c, STAGES)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(stage), count=1)
-        return acc, gl.convert_layout(m_h, m_i.type.layout), gl.convert_layout(l_h, l_i.type.layout)
+        return acc, m_i, l_i
 
     @gluon.jit
     def _stage_rows(o_desc, lse_ptr, o_smem, acc, m_i, l_i, row0, seq_q, b, col, lse_base, BLOCK_N: gl.constexpr):
