@@ -220,7 +220,7 @@ def _plan_summary(m, k, n, g, dtype, smoke) -> dict:
     plans = {"fwd": gmm_plan(m, k, n, g, g, False, dtype, dtype, facts),
              "d_lhs": gmm_plan(m, n, k, g, g, True, dtype, dtype, facts),
              "d_rhs": tgmm_plan(m, k, n, g, g, True, dtype, dtype, facts)}
-    return {name: {**{c: v for c, v in p.constexprs if c.startswith("BLOCK")}, "num_warps": p.num_warps,
+    return {name: {"kernel": p.name, **{c: v for c, v in p.constexprs if c.startswith("BLOCK")}, "num_warps": p.num_warps,
                    "num_stages": p.num_stages, "grid": p.grid[0]} for name, p in plans.items()}
 
 

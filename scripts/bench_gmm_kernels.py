@@ -70,7 +70,8 @@ def _bench_shape(label: str, g: int, m: int, k: int, n: int, gmm_alts: list, tgm
                 out = launch(plan, *args)[0]
                 c = plan.constexpr_dict
                 ms = bench_torch(lambda: launch(plan, *args))
-                row.update(tile=[c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], plan.num_warps, plan.num_stages],
+                tile = [c.get("BLOCK_M"), c["BLOCK_N"], c.get("BLOCK_K"), plan.num_warps, plan.num_stages]
+                row.update(kernel_name=plan.name, tile=tile,
                            ms=ms, tflops=2 * m * k * n / ms / 1e9, digest=_digest(out) if params is None else None)
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -9,12 +9,15 @@ lhs, one problem) three ways, side by side (do_bench, L2 flushed, bf16, balanced
 
 * ``registers``: the plan with ``TMA_STORE`` off (``tl.store`` from registers), as made for a
   front whose launcher provides no global scratch;
-* ``tma``: the plan as made for this GPU, which stores through a tensor descriptor on Hopper (a
-  TMA store from shared memory, left in flight while the next tile's loads run);
+* ``tma``: the plan as made for this GPU with default params given (which keep the Triton
+  kernel), storing through a tensor descriptor on Hopper (a TMA store from shared memory, left
+  in flight while the next tile's loads run);
+* ``gluon``: the plan the op runs on an sm_90 GPU with Gluon, ``tgmm_gluon_kernel`` (a loader
+  warp runs ahead across tiles; TMA loads and stores), where ``uses_gluon_tgmm`` picks it;
 * ``no-store``: the same walk and products with the store behind a branch never taken (a floor,
   not a result).
 
-The two plans' outputs are compared bitwise. (The JSONs of the first runs, from an earlier form
+The plans' outputs are compared bitwise with the register store's. (The JSONs of the first runs, from an earlier form
 of this probe whose own kernel also stored both ways, name the modes ``store`` and
 ``tma-store``; ``plan`` there is the plan of the time.)
 """
@@ -72,6 +75,7 @@ def _probe_shape(g: int, m: int, k: int, n: int) -> dict:
     from benchmarks.grouped_matmul import group_sizes
     from ejkernel_torch.launch import device_facts, launch
     from triton_kernels import grouped_matmul as gm
+    from triton_kernels.params import FwdParams
 
     facts = device_facts(torch.device("cuda"))
     sizes = torch.from_numpy(group_sizes(m, g, "balanced", np.random.default_rng(0))).cuda()
@@ -80,14 +84,18 @@ def _probe_shape(g: int, m: int, k: int, n: int) -> dict:
     lhs, cot = (torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=gen) for s in ((m, k), (m, n)))
     plans = {"registers": gm.tgmm_plan(m, k, n, g, g, True, "bfloat16", "bfloat16",
                                        dataclasses.replace(facts, gluon=False)),
-             "tma": gm.tgmm_plan(m, k, n, g, g, True, "bfloat16", "bfloat16", facts)}
+             "tma": gm.tgmm_plan(m, k, n, g, g, True, "bfloat16", "bfloat16", facts, FwdParams())}
+    if gm.uses_gluon_tgmm(m, k, n, g, True, "bfloat16", "bfloat16", facts):
+        plans["gluon"] = gm.tgmm_plan(m, k, n, g, g, True, "bfloat16", "bfloat16", facts)
     plan = plans["registers"]
     c = plan.constexpr_dict
     outs = {name: launch(p, lhs, cot, sizes, offset)[0] for name, p in plans.items()}
     out = torch.empty_like(outs["registers"])
     row = {"shape": [g, m, k, n], "tile": [c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], plan.num_warps, plan.num_stages],
            "tma_store": plans["tma"].constexpr_dict["TMA_STORE"],
-           "same_bits": bool(torch.equal(outs["registers"], outs["tma"])), "ms": {}}
+           "same_bits": {name: bool(torch.equal(outs["registers"], o)) for name, o in outs.items() if name != "registers"},
+           "max_abs_diff": {name: float((outs["registers"].float() - o.float()).abs().max()) for name, o in outs.items()},
+           "ms": {}}
     timers = {name: (lambda p=p: launch(p, lhs, cot, sizes, offset)) for name, p in plans.items()}
     timers["no-store"] = lambda: no_store_tgmm_kernel[plan.grid](
         lhs, cot, sizes, offset, m, out, K=k, N=n, NUM_GROUPS=g, NUM_SELECTED=g, BLOCK_M=c["BLOCK_M"],

@@ -58,6 +58,9 @@ PLANS = distinct_plans(_plans())
 
 def _id(plan):
     c = plan.constexpr_dict
+    if plan.is_gluon:  # tgmm_gluon_kernel: [m, k] lhs, one problem, fixed tiles
+        return (f"{plan.name}-{plan.input_dtypes[0]}-K{c['K']}-N{c['N']}-G{c['NUM_GROUPS']}-S{c['NUM_SELECTED']}"
+                f"-{c['BLOCK_N']}-s{c['STAGES']}")
     layout = f"T{int(c['TRANSPOSE_RHS'])}" if "TRANSPOSE_RHS" in c else f"MK{int(c['LHS_MK'])}"
     batch = (f"-b{c['BATCH']}" + "-shared" * c.get("SHARED_RHS", False) + "-groupmajor" * c.get("GROUP_MAJOR", False)
              if c["BATCH"] > 1 else "")
@@ -72,7 +75,8 @@ SM_SHARED = 228 * 1024  # shared memory of one H100 SM, shared by its resident p
 @pytest.mark.parametrize("plan", PLANS, ids=_id)
 def test_compiles_for_hopper(plan):
     kernel = compile_plan(plan)
-    assert kernel.metadata.num_warps == plan.num_warps
+    # a Gluon plan's num_warps is its default partition's: two consumer warpgroups and the loader's
+    assert kernel.metadata.num_warps == (3 * plan.num_warps if plan.is_gluon else plan.num_warps)
     assert kernel.metadata.shared <= HOPPER.shared_memory, (kernel.metadata.shared, HOPPER.shared_memory)
     # The persistent grid assumes its programs are all resident at once: check the real usage.
     per_sm = -(-plan.grid[0] // HOPPER.num_sms)
@@ -80,8 +84,9 @@ def test_compiles_for_hopper(plan):
     assert "cubin" in kernel.asm
     if plan.input_dtypes[0] != "float32":
         assert "wgmma" in kernel.asm["ptx"]  # Hopper tensor cores, not a fallback
-    # a TMA store exactly where the plan asks for one, and global scratch for its descriptor
-    tma = plan.constexpr_dict.get("TMA_STORE", False)
+    # a TMA store exactly where the plan asks for one (the Gluon kernel's loads and stores are
+    # all TMA), and global scratch for its descriptors
+    tma = plan.is_gluon or plan.constexpr_dict.get("TMA_STORE", False)
     assert ("cp.async.bulk.tensor" in kernel.asm["ptx"]) == tma == plan.needs_scratch
     assert (kernel.metadata.global_scratch_size > 0) == tma
 
@@ -95,8 +100,8 @@ def test_kernels_store_through_tma_where_a_front_provides_scratch():
     assert any(p.constexpr_dict.get("GROUP_MAJOR") and p.global_scratch is False for p in PLANS
                if p.name == "gmm_kernel" and p.constexpr_dict["BATCH"] == 8)
 
-    def tma_store(m, k, n, out_dtype="bfloat16", facts=HOPPER_GLUON, **kw):
-        return tgmm_plan(m, k, n, 64, 64, True, "bfloat16", out_dtype, facts, **kw).constexpr_dict["TMA_STORE"]
+    def tma_store(m, k, n, out_dtype="bfloat16", facts=HOPPER_GLUON, **kw):  # the public [k, m] layout
+        return tgmm_plan(m, k, n, 64, 64, False, "bfloat16", out_dtype, facts, **kw).constexpr_dict["TMA_STORE"]
 
     assert tma_store(32768, 2048, 1408)
     assert not tma_store(32768, 2048, 1408, facts=HOPPER)  # the launcher provides no scratch
@@ -107,6 +112,27 @@ def test_kernels_store_through_tma_where_a_front_provides_scratch():
     rows = 2**30  # a batch of two problems of as many rows: row coordinates past int32
     assert gmm_plan(rows, 64, 64, 8, 8, False, "bfloat16", "bfloat16", HOPPER_GLUON).global_scratch
     assert not gmm_plan(rows, 64, 64, 8, 8, False, "bfloat16", "bfloat16", HOPPER_GLUON, batch=2).global_scratch
+
+
+def test_weight_gradient_runs_the_gluon_kernel_where_it_can():
+    def gluon(m=32768, k=2048, n=1408, lhs_mk=True, dtype="bfloat16", out_dtype=None, facts=HOPPER_GLUON, **kw):
+        plan = tgmm_plan(m, k, n, 64, 64, lhs_mk, dtype, out_dtype or dtype, facts, **kw)
+        assert plan.is_gluon == (plan.name == "tgmm_gluon_kernel")
+        return plan.is_gluon
+
+    assert gluon() and gluon(dtype="float16") and gluon(m=700, k=128, n=1024) and gluon(k=264, n=200)
+    assert tgmm_plan(32768, 2048, 1408, 64, 64, True, "bfloat16", "bfloat16", HOPPER_GLUON).grid == (132,)
+    assert not gluon(facts=HOPPER)  # no launcher with global scratch (jax-triton)
+    assert not gluon(facts=dataclasses.replace(HOPPER_GLUON, capability=(10, 0)))  # sm_90 only
+    assert not gluon(lhs_mk=False)  # the public [k, m] layout
+    assert not gluon(dtype="float32") and not gluon(out_dtype="float32")
+    assert not gluon(batch=8)  # vmap's batch of problems
+    assert not gluon(k=2044) and not gluon(n=1404)  # rows of whole 16-byte units only
+    assert not gluon(m=0)
+    assert gluon(m=64 * 1024) and not gluon(m=64 * 1024 + 1)  # long experts: the Triton kernel's main loop wins
+    from triton_kernels.params import FwdParams
+
+    assert not gluon(params=FwdParams(blocksize_n=128))  # explicit params tune the Triton kernel
 
 
 def test_grid_is_persistent():

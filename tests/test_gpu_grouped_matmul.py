@@ -151,7 +151,8 @@ def test_tma_stores_write_every_element(torch_fw, rng, m, k, n, groups):
     dt = "bfloat16"
     assert gmm_plan(m, k, n, groups, groups, False, dt, dt, facts).constexpr_dict["TMA_STORE"]
     assert gmm_plan(m, n, k, groups, groups, True, dt, dt, facts).constexpr_dict["TMA_STORE"] == ((k * 2) % 16 == 0)
-    assert tgmm_plan(m, k, n, groups, groups, True, dt, dt, facts).constexpr_dict["TMA_STORE"]
+    d_rhs_plan = tgmm_plan(m, k, n, groups, groups, True, dt, dt, facts)  # Gluon's stores are TMA ones too
+    assert d_rhs_plan.is_gluon == (k % 8 == 0) and (d_rhs_plan.is_gluon or d_rhs_plan.constexpr_dict["TMA_STORE"])
     sizes = ragged_sizes(rng, m, groups)
     sizes[[1, groups - 2]] = 0
     lhs = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -167,3 +168,49 @@ def test_tma_stores_write_every_element(torch_fw, rng, m, k, n, groups):
         got = got.detach().float().cpu().numpy()
         assert not np.isnan(got).any()
         assert rel_error(got, expected) < TOLERANCE["bfloat16"]
+
+
+@pytest.mark.parametrize("m,k,n,groups,held,offset", [
+    (3000, 512, 1408, 16, 16, 0),  # 256-wide tiles, a half-used last one; empty experts
+    (2500, 264, 200, 12, 5, 4),  # one shard's experts; k and n not multiples of a tile
+    (700, 128, 1024, 8, 8, 0),  # experts of fewer rows than the ring has stages
+])
+def test_gluon_weight_gradient_is_right_and_reads_no_other_rows(rng, m, k, n, groups, held, offset):
+    """On Hopper the gmm backward's weight gradient runs ``tgmm_gluon_kernel``, whose TMA loads
+    are bounded at each group's end row: rows of unselected groups and past the sizes' sum hold
+    inf and NaN here and must not reach any sum. Into NaN-poisoned outputs, against a float64
+    loop, and beside the Triton kernel (explicit params select it)."""
+    import torch
+
+    from ejkernel_torch.launch import device_facts, launch
+    from triton_kernels import debug
+    from triton_kernels.grouped_matmul import tgmm_plan
+    from triton_kernels.params import FwdParams
+
+    facts = device_facts(torch.device("cuda"))
+    if facts.capability != (9, 0) or not facts.gluon:
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    dt = "bfloat16"
+    plan = tgmm_plan(m, k, n, groups, held, True, dt, dt, facts)
+    triton_plan = tgmm_plan(m, k, n, groups, held, True, dt, dt, facts, FwdParams())
+    assert plan.is_gluon and not triton_plan.is_gluon
+    sizes = ragged_sizes(rng, m, groups, spare=37)
+    sizes[offset + 2] = 0
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    lhs = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    rhs = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    first, last = int(bounds[offset]), int(bounds[offset + held])
+    for x in (lhs, rhs):
+        x[:first] = float("inf")
+        x[last:] = float("nan")
+    args = (lhs, rhs, torch.from_numpy(sizes).cuda(), torch.tensor([offset], dtype=torch.int32, device="cuda"))
+    with debug.poison_outputs():
+        (got,) = launch(plan, *args)
+        (beside,) = launch(triton_plan, *args)
+    want = np.stack([lhs[bounds[g]:bounds[g + 1]].double().cpu().numpy().T
+                     @ rhs[bounds[g]:bounds[g + 1]].double().cpu().numpy() for g in range(offset, offset + held)])
+    got, beside = got.float().cpu().numpy(), beside.float().cpu().numpy()
+    assert not np.isnan(got).any()
+    assert rel_error(got, want) < TOLERANCE[dt]
+    assert rel_error(beside, want) < TOLERANCE[dt]
+    assert not got[2].any()  # the empty expert

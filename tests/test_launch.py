@@ -145,9 +145,11 @@ def test_plan_text_keeps_the_global_scratch_flag():
     from triton_kernels import HOPPER_GLUON
     from triton_kernels.grouped_matmul import tgmm_plan
 
-    plan = tgmm_plan(4096, 2048, 1408, 8, 8, True, "bfloat16", "bfloat16", HOPPER_GLUON)
+    plan = tgmm_plan(4096, 2048, 1408, 8, 8, False, "bfloat16", "bfloat16", HOPPER_GLUON)  # Triton, TMA store
     assert plan.global_scratch and plan.needs_scratch and not plan.is_gluon
     assert plan_from_text(plan_text(plan)) == plan
+    gluon = tgmm_plan(4096, 2048, 1408, 8, 8, True, "bfloat16", "bfloat16", HOPPER_GLUON)  # the backward's
+    assert gluon.is_gluon and gluon.needs_scratch and plan_from_text(plan_text(gluon)) == gluon
     doc = json.loads(plan_text(kt.accumulate_plan(5)))
     del doc["global_scratch"]
     assert not plan_from_text(json.dumps(doc)).needs_scratch

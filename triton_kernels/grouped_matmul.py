@@ -33,7 +33,10 @@ On Hopper, where the launcher provides global scratch, both kernels store output
 tensor descriptor (``TMA_STORE``), asynchronously, while the next tile's loads run: tgmm's output
 is a [k, n] matrix per expert, large at many experts (``_tma_store``). gmm does so for the tiles
 that lie wholly inside their group; a group's last, partial tile is masked from registers, as its
-box would cover the next group's rows.
+box would cover the next group's rows. On an sm_90 GPU with Gluon the gmm backward's weight
+gradient at up to 1024 rows an expert runs ``gluon_grouped_matmul.tgmm_gluon_kernel`` instead
+(``uses_gluon_tgmm``): the same tile order and bits, with a loader warp that runs ahead across
+tiles, which pays where a tile sums few row steps.
 """
 from __future__ import annotations
 
@@ -772,6 +775,8 @@ def tgmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, lhs_mk
     """
     check_float_dtype("lhs", dtype)
     check_out_dtype(out_dtype)
+    if uses_gluon_tgmm(m, k, n, num_selected, lhs_mk, dtype, out_dtype, facts, params, batch):
+        return _tgmm_gluon_plan(m, k, n, num_groups, num_selected, dtype, facts)
     cfg = _tgmm_config(k, n, dtype, facts, params)
     bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
     tiles = batch * num_selected * cdiv(k, bk) * cdiv(n, bn)
@@ -801,3 +806,55 @@ def _tma_store(cfg: dict, tile_rows: int, n: int, out_dtype: str, facts: DeviceF
     return (not facts.is_cpu and facts.gluon and facts.capability >= (9, 0) and (n * size) % 16 == 0
             and max(tile_rows, cols) <= 256 and cols * size >= 16
             and cfg["smem"] + tile_rows * cols * size <= facts.shared_memory)
+
+
+def uses_gluon_tgmm(m: int, k: int, n: int, num_selected: int, lhs_mk: bool, dtype: str, out_dtype: str,
+                    facts: DeviceFacts, params: FwdParams | None = None, batch: int = 1) -> bool:
+    """Whether ``tgmm_plan`` picks ``gluon_grouped_matmul.tgmm_gluon_kernel``: on Hopper with a
+    Triton that has Gluon (``facts.gluon``), for the gmm backward's weight gradient (``lhs_mk``,
+    one problem) in fp16/bf16 with an output of the same dtype, k and n multiples of 8 (TMA's
+    16-byte strides), without explicit ``fwd_params`` (those tune the Triton kernel), and at
+    most ``GLUON_TGMM_MAX_ROWS`` rows an expert on average.
+
+    Its loader runs ahead across output tiles, which pays where a tile sums few row steps. On an
+    H200, bf16, balanced, against ``tgmm_kernel`` with its TMA store (scripts/probe_tgmm_store.py,
+    probe_tgmm_gluon-*.json, best of two rounds; the same bits): 1.03-1.05x as fast at 128 rows
+    an expert, 1.09x and 1.21x at 192, 1.00-1.02x at 512, 1.01x at 1024, but 0.96x at 8192 (8
+    experts of 64k tokens), where the Triton kernel's main loop is the faster one."""
+    return (facts.gluon and not facts.is_cpu and facts.capability == (9, 0) and lhs_mk and batch == 1
+            and dtype in ("float16", "bfloat16") and out_dtype == dtype and params is None
+            and min(m, k, n, num_selected) > 0 and k % 8 == 0 and n % 8 == 0
+            and m <= GLUON_TGMM_MAX_ROWS * num_selected and _gluon_tgmm_smem(n, dtype) <= facts.shared_memory)
+
+
+GLUON_TGMM_MAX_ROWS = 1024  # rows an expert, on average, up to which uses_gluon_tgmm picks the Gluon kernel
+
+
+def _gluon_tgmm_block_n(n: int) -> int:
+    return 256 if n >= 1024 else 128  # as _tgmm_config
+
+
+def _gluon_tgmm_smem(n: int, dtype: str) -> int:
+    from . import gluon_grouped_matmul as ggm
+
+    bn = _gluon_tgmm_block_n(n)
+    ring = ggm.STAGES * ggm.STEP * (ggm.TILE_K + bn) * itemsize(dtype)
+    return ring + ggm.TILE_K * bn * itemsize(dtype) + 1024  # + output staging, barriers
+
+
+def _tgmm_gluon_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, dtype: str,
+                     facts: DeviceFacts) -> LaunchPlan:
+    from . import gluon_grouped_matmul as ggm
+
+    bn = _gluon_tgmm_block_n(n)
+    tiles = num_selected * cdiv(k, ggm.TILE_K) * cdiv(n, bn)
+    return LaunchPlan(
+        kernel=ggm.tgmm_gluon_kernel,
+        grid=(min(tiles, facts.num_sms),),
+        **_group_inputs(dtype),
+        scalars=(("m", m),),
+        outputs=(Output("out_ptr", (num_selected, k, n), dtype),),
+        constexprs=(("K", k), ("N", n), ("NUM_GROUPS", num_groups), ("NUM_SELECTED", num_selected),
+                    ("BLOCK_N", bn), ("STAGES", ggm.STAGES)),
+        num_warps=4, num_stages=1, maxnreg=ggm.MAXNREG,
+    )

@@ -380,6 +380,14 @@ def _tgmm_plan(problem, facts, params):
     return tgmm_plan(*problem, facts, params)
 
 
+def _tgmm_untuned(problem, facts):
+    # The Gluon weight gradient takes no params: not tuned, as the Gluon flash kernels.
+    from .grouped_matmul import uses_gluon_tgmm
+
+    m, k, n, _, num_selected, lhs_mk, dtype, out_dtype = problem
+    return uses_gluon_tgmm(m, k, n, num_selected, lhs_mk, dtype, out_dtype, facts)
+
+
 def _single_plan_workload(plan_fn):
     def workload(problem, facts, arrays, launch):
         return lambda params: launch(plan_fn(problem, facts, params), *arrays)
@@ -390,7 +398,7 @@ def _single_plan_workload(plan_fn):
 GMM = Tunable("grouped_matmul", 1, FwdParams, lambda p: dict(zip(_GMM_FIELDS, p)), _gmm_plan, _MNK,
               _table(_GMM, _GMM_GPU), _single_plan_workload(_gmm_plan))
 TGMM = Tunable("transposed_grouped_matmul", 1, FwdParams, lambda p: dict(zip(_TGMM_FIELDS, p)), _tgmm_plan, _MNK,
-               _table(_GMM, _TGMM_GPU), _single_plan_workload(_tgmm_plan))
+               _table(_GMM, _TGMM_GPU), _single_plan_workload(_tgmm_plan), _tgmm_untuned)
 
 TUNABLES = {t.op: t for t in (FLASH_FWD, FLASH_BWD, PADDED_FWD, PADDED_BWD, GMM, TGMM)}
 
