@@ -65,6 +65,12 @@ if AVAILABLE:
         return g0, row
 
     @gluon.jit
+    def _walk_start(group_sizes_ptr, group_offset_ptr, m, NUM_GROUPS: gl.constexpr, NUM_SELECTED: gl.constexpr):
+        """Where every partition's walk starts: (g0, index 0 among the selected, its start and end rows)."""
+        g0, start = _first_selected(group_sizes_ptr, group_offset_ptr, m, NUM_GROUPS, NUM_SELECTED)
+        return g0, gl.to_tensor(0), start, _group_end(start, group_sizes_ptr, g0, m, NUM_GROUPS)
+
+    @gluon.jit
     def _walk(tile, per_group, current, start, end, g0, group_sizes_ptr, m, NUM_GROUPS: gl.constexpr):
         """The group of ``tile`` (tiles only move forward): (its index among the selected, start
         row, end row)."""
@@ -114,11 +120,9 @@ if AVAILABLE:
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """This program's tiles, two at a time: each of the two ``_load_tile`` calls has its own
         descriptor slot."""
-        g0, start = _first_selected(group_sizes_ptr, group_offset_ptr, m, NUM_GROUPS, NUM_SELECTED)
-        end = _group_end(start, group_sizes_ptr, g0, m, NUM_GROUPS)
-        current = gl.to_tensor(0)
+        g0, current, start, end = _walk_start(group_sizes_ptr, group_offset_ptr, m, NUM_GROUPS, NUM_SELECTED)
         tiles_n: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-        per_group: gl.constexpr = (K + _TILE_K - 1) // _TILE_K * tiles_n
+        per_group: gl.constexpr = (K + _TILE_K - 1) // _TILE_K * tiles_n  # an expert's output tiles
         programs = gl.num_programs(0)
         ring = gl.to_tensor(0)
         last_a = gl.to_tensor(-1)
@@ -169,11 +173,9 @@ if AVAILABLE:
         out_desc = tma.make_tensor_descriptor(
             out_ptr, [NUM_SELECTED, K, N], [gl.to_tensor(K).to(gl.int64) * N, N, 1], [1, _ROWS, BLOCK_N],
             gl.NVMMASharedLayout.get_default_for([1, _ROWS, BLOCK_N], dtype))
-        g0, start = _first_selected(group_sizes_ptr, group_offset_ptr, m, NUM_GROUPS, NUM_SELECTED)
-        end = _group_end(start, group_sizes_ptr, g0, m, NUM_GROUPS)
-        current = gl.to_tensor(0)
+        g0, current, start, end = _walk_start(group_sizes_ptr, group_offset_ptr, m, NUM_GROUPS, NUM_SELECTED)
         tiles_n: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-        per_group: gl.constexpr = (K + _TILE_K - 1) // _TILE_K * tiles_n
+        per_group: gl.constexpr = (K + _TILE_K - 1) // _TILE_K * tiles_n  # an expert's output tiles
         ring = gl.to_tensor(0)
         o_rows = o_smem.index(WG)
         for tile in range(gl.program_id(0), NUM_SELECTED * per_group, gl.num_programs(0)):
