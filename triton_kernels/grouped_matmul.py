@@ -701,12 +701,17 @@ def _tgmm_config(k: int, n: int, dtype: str, facts: DeviceFacts, params) -> dict
     else:
         # 128 x 256 output tiles: 0.90-1.08x torch._grouped_mm on an H100 where 128 x 128 gave
         # 0.77-0.90x (scripts/sweep_gmm_backward.py, benchmarks/results/sweep_gmm_backward-*.json).
-        bn = 256 if n >= 1024 else 128
+        bn = _tgmm_block_n(n)
         base = dict(blocksize_m=64, blocksize_n=bn, blocksize_k=128, num_warps=8, num_stages=None,
                     max_stages=3 if bn == 256 else 4)
     cfg = _merge({**base, "max_stages": base.get("max_stages", 1)}, params, facts, "transposed_grouped_matmul")
     bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
     return _finish(cfg, bk * bm, bm * bn, dtype, params, facts, "transposed_grouped_matmul")
+
+
+def _tgmm_block_n(n: int) -> int:
+    """The 16-bit weight gradient's output tile width, Triton's and Gluon's kernels alike."""
+    return 256 if n >= 1024 else 128
 
 
 def programs_per_sm(cfg: dict, facts: DeviceFacts) -> int:
@@ -808,6 +813,7 @@ def _tma_store(cfg: dict, tile_rows: int, n: int, out_dtype: str, facts: DeviceF
             and cfg["smem"] + tile_rows * cols * size <= facts.shared_memory)
 
 
+@functools.lru_cache(maxsize=512)  # asked on every tuning lookup of a weight gradient (tuning._tgmm_untuned)
 def uses_gluon_tgmm(m: int, k: int, n: int, num_selected: int, lhs_mk: bool, dtype: str, out_dtype: str,
                     facts: DeviceFacts, params: FwdParams | None = None, batch: int = 1) -> bool:
     """Whether ``tgmm_plan`` picks ``gluon_grouped_matmul.tgmm_gluon_kernel``: on Hopper with a
@@ -830,14 +836,10 @@ def uses_gluon_tgmm(m: int, k: int, n: int, num_selected: int, lhs_mk: bool, dty
 GLUON_TGMM_MAX_ROWS = 1024  # rows an expert, on average, up to which uses_gluon_tgmm picks the Gluon kernel
 
 
-def _gluon_tgmm_block_n(n: int) -> int:
-    return 256 if n >= 1024 else 128  # as _tgmm_config
-
-
 def _gluon_tgmm_smem(n: int, dtype: str) -> int:
     from . import gluon_grouped_matmul as ggm
 
-    bn = _gluon_tgmm_block_n(n)
+    bn = _tgmm_block_n(n)
     ring = ggm.STAGES * ggm.STEP * (ggm.TILE_K + bn) * itemsize(dtype)
     return ring + ggm.TILE_K * bn * itemsize(dtype) + 1024  # + output staging, barriers
 
@@ -846,7 +848,7 @@ def _tgmm_gluon_plan(m: int, k: int, n: int, num_groups: int, num_selected: int,
                      facts: DeviceFacts) -> LaunchPlan:
     from . import gluon_grouped_matmul as ggm
 
-    bn = _gluon_tgmm_block_n(n)
+    bn = _tgmm_block_n(n)
     tiles = num_selected * cdiv(k, ggm.TILE_K) * cdiv(n, bn)
     return LaunchPlan(
         kernel=ggm.tgmm_gluon_kernel,
