@@ -459,3 +459,23 @@ def test_plan_text_cached_by_an_older_kernel_version(torch_fw, rng):
     sizes, offset = torch_fw.asarray(np.array([10, 0, 20], np.int32)), torch_fw.asarray(np.zeros(1, np.int32))
     np.testing.assert_array_equal(torch_fw.to_numpy(launch(old, lhs, rhs, sizes, offset)[0]),
                                   torch_fw.to_numpy(launch(plan, lhs, rhs, sizes, offset)[0]))
+
+
+def test_interpreter_lists_triton_language_while_another_thread_imports(monkeypatch):
+    """The interpreter lists triton.language's modules from sys.modules at every launch; jax runs
+    host callbacks on several threads, and an import landing in the middle of that listing raised
+    "dictionary changed size during iteration" (a flaky CI failure of a two-device shard_map test).
+    The listing now copies sys.modules in one C call first."""
+    import types
+
+    from triton_kernels import interpret
+
+    class Growing(dict):
+        def items(self):  # an import from another thread at every step of a Python-level walk
+            for item in super().items():
+                self[f"_ejkernel_test_module_{len(self)}"] = None
+                yield item
+
+    monkeypatch.setattr(interpret, "sys", types.SimpleNamespace(modules=Growing(sys.modules)))
+    names = {getattr(m, "__name__", "") for m in interpret._language_namespaces()}
+    assert "triton.language" in names and "triton.language.core" in names

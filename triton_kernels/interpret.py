@@ -64,7 +64,9 @@ def _twin(jit_function: JITFunction) -> _Twin:
 
 
 def _language_namespaces() -> list[Any]:
-    modules = [m for name, m in list(sys.modules.items()) if name.startswith("triton.language") and m]
+    # A copy in one C call: another thread's import (jax runs host callbacks on several threads)
+    # can land while a Python-level iteration walks sys.modules ("dictionary changed size").
+    modules = [m for name, m in sys.modules.copy().items() if name.startswith("triton.language") and m]
     classes = [v for v in vars(tl.core).values() if inspect.isclass(v)]
     return modules + classes
 
