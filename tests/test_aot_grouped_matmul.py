@@ -1,6 +1,7 @@
 """Every grouped-matmul plan at realistic MoE shapes (forward and both backward kernels, the
 benchmark's configs too) compiles ahead of time for Hopper (sm_90) and fits its shared memory."""
 import dataclasses
+import re
 
 import pytest
 
@@ -50,6 +51,8 @@ def _plans():
     yield gmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER_GLUON, batch=8)
     yield gmm_plan(m, k, n, g, g, False, "bfloat16", "bfloat16", HOPPER_GLUON, batch=8, shared_rhs=True)
     yield tgmm_plan(37, 19, 24, 4, 4, True, "bfloat16", "bfloat16", HOPPER_GLUON)  # k and n past the tile
+    yield gmm_plan(37, 24, 200, 4, 4, False, "bfloat16", "bfloat16", HOPPER_GLUON)  # TMA loads past k and n
+    yield gmm_plan(m, k, n, g, g, False, "bfloat16", "float32", HOPPER_GLUON)  # TMA loads, stores from registers
     yield from _training_plans(4096, 1024, 512, 8, "float32", facts=HOPPER_GLUON)
 
 
@@ -66,7 +69,7 @@ def _id(plan):
              if c["BATCH"] > 1 else "")
     return (f"{plan.name}-{plan.input_dtypes[0]}-{plan.outputs[0].dtype}-K{c['K']}-N{c['N']}-G{c['NUM_GROUPS']}"
             f"-S{c['NUM_SELECTED']}-{layout}-{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}-w{plan.num_warps}"
-            f"-s{plan.num_stages}{batch}" + "-tma" * c.get("TMA_STORE", False))
+            f"-s{plan.num_stages}{batch}" + "-tma" * c.get("TMA_STORE", False) + "-tmaload" * c.get("TMA_LOAD", False))
 
 
 SM_SHARED = 228 * 1024  # shared memory of one H100 SM, shared by its resident programs
@@ -84,11 +87,14 @@ def test_compiles_for_hopper(plan):
     assert "cubin" in kernel.asm
     if plan.input_dtypes[0] != "float32":
         assert "wgmma" in kernel.asm["ptx"]  # Hopper tensor cores, not a fallback
-    # a TMA store exactly where the plan asks for one (the Gluon kernel's loads and stores are
-    # all TMA), and global scratch for its descriptors
-    tma = plan.is_gluon or plan.constexpr_dict.get("TMA_STORE", False)
-    assert ("cp.async.bulk.tensor" in kernel.asm["ptx"]) == tma == plan.needs_scratch
-    assert (kernel.metadata.global_scratch_size > 0) == tma
+    # TMA stores and loads exactly where the plan asks for them (the Gluon kernel's are all TMA),
+    # and global scratch for their descriptors
+    c, ptx = plan.constexpr_dict, kernel.asm["ptx"]
+    stores = re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx) is not None
+    loads = re.search(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global", ptx) is not None
+    assert stores == (plan.is_gluon or c.get("TMA_STORE", False))
+    assert loads == (plan.is_gluon or c.get("TMA_LOAD", False))
+    assert (stores or loads) == plan.needs_scratch == (kernel.metadata.global_scratch_size > 0)
 
 
 def test_kernels_store_through_tma_where_a_front_provides_scratch():
@@ -104,6 +110,7 @@ def test_kernels_store_through_tma_where_a_front_provides_scratch():
         return tgmm_plan(m, k, n, 64, 64, False, "bfloat16", out_dtype, facts, **kw).constexpr_dict["TMA_STORE"]
 
     assert tma_store(32768, 2048, 1408)
+    assert any(p.constexpr_dict.get("TMA_LOAD") and not p.constexpr_dict["TMA_STORE"] for p in PLANS)  # f32 out
     assert not tma_store(32768, 2048, 1408, facts=HOPPER)  # the launcher provides no scratch
     assert not tma_store(32768, 2048, 1408, facts=dataclasses.replace(HOPPER_GLUON, capability=(8, 0)))  # no TMA
     assert not tma_store(32768, 2048, 1404)  # rows of 2808 bytes: not whole 16-byte units
@@ -112,6 +119,25 @@ def test_kernels_store_through_tma_where_a_front_provides_scratch():
     rows = 2**30  # a batch of two problems of as many rows: row coordinates past int32
     assert gmm_plan(rows, 64, 64, 8, 8, False, "bfloat16", "bfloat16", HOPPER_GLUON).global_scratch
     assert not gmm_plan(rows, 64, 64, 8, 8, False, "bfloat16", "bfloat16", HOPPER_GLUON, batch=2).global_scratch
+
+
+def test_gmm_loads_through_tma_for_one_16bit_problem_where_a_front_provides_scratch():
+    def tma_load(m=32768, k=2048, n=1408, transpose_rhs=False, dtype="bfloat16", out_dtype=None, facts=HOPPER_GLUON,
+                 **kw):
+        plan = gmm_plan(m, k, n, 64, 64, transpose_rhs, dtype, out_dtype or dtype, facts, **kw)
+        c = plan.constexpr_dict
+        assert not c["TMA_LOAD"] or plan.global_scratch  # descriptors are made in global scratch
+        return c["TMA_LOAD"]
+
+    assert tma_load() and tma_load(transpose_rhs=True) and tma_load(dtype="float16") and tma_load(m=700, k=264, n=200)
+    assert tma_load(out_dtype="float32")  # its tile has no room for a TMA store; the loads do not need one
+    assert [p.name for p in PLANS if p.constexpr_dict.get("TMA_LOAD")]  # and the AOT test compiles some
+    assert not tma_load(facts=HOPPER)  # no launcher with global scratch (jax-triton)
+    assert not tma_load(facts=dataclasses.replace(HOPPER_GLUON, capability=(8, 0)))  # no TMA
+    assert not tma_load(dtype="float32")  # measured for 16-bit inputs only
+    assert not tma_load(k=2044) and not tma_load(n=1404, out_dtype="float32")  # rows of whole 16-byte units only
+    assert not tma_load(batch=8) and not tma_load(batch=8, shared_rhs=True)  # vmap's batches of problems
+    assert not tma_load(facts=DeviceFacts.cpu())
 
 
 def test_weight_gradient_runs_the_gluon_kernel_where_it_can():

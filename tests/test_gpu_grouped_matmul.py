@@ -170,6 +170,55 @@ def test_tma_stores_write_every_element(torch_fw, rng, m, k, n, groups):
         assert rel_error(got, expected) < TOLERANCE["bfloat16"]
 
 
+@pytest.mark.parametrize("m,k,n,groups,held,offset,transpose_rhs,out_dtype", [
+    (6000, 512, 1408, 16, 16, 0, False, "bfloat16"),  # 128 x 256 tiles, a half-used last one; empty experts
+    (2500, 200, 264, 12, 5, 4, True, "bfloat16"),  # one shard's experts; k and n not multiples of a tile
+    (4000, 136, 1408, 10, 10, 0, False, "float32"),  # an f32 output: TMA loads, stores from registers
+    (700, 128, 1024, 40, 40, 0, True, "bfloat16"),  # 64-row tiles (small experts)
+])
+def test_tma_loads_are_right_and_no_read_row_leaks(rng, m, k, n, groups, held, offset, transpose_rhs, out_dtype):
+    """On Hopper gmm reads its operands through tensor descriptors: a tile's boxes cover whole
+    ``BLOCK_M`` rows, past its group's end into the next group's rows (never stored), and read
+    zeros past k and past the array. Rows outside the selected groups and past the sizes' sum hold
+    inf and NaN here: their outputs must be zeros, and no other row's. Into NaN-poisoned outputs,
+    against a float64 loop, and bitwise equal to the pointer-load kernel (same tiles, same order)."""
+    import dataclasses
+
+    import torch
+
+    from ejkernel_torch.launch import device_facts, launch
+    from triton_kernels import debug
+    from triton_kernels.grouped_matmul import gmm_plan
+
+    facts = device_facts(torch.device("cuda"))
+    if facts.capability < (9, 0) or not facts.gluon:
+        pytest.skip("needs Hopper's TMA and a Triton with Gluon")
+    plan = gmm_plan(m, k, n, groups, held, transpose_rhs, "bfloat16", out_dtype, facts)
+    pointer = dataclasses.replace(plan, constexprs=tuple((c, False if c == "TMA_LOAD" else v)
+                                                         for c, v in plan.constexprs))
+    assert plan.constexpr_dict["TMA_LOAD"]
+    sizes = ragged_sizes(rng, m, groups, spare=37)
+    sizes[offset + 2] = 0
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    first, last = int(bounds[offset]), int(bounds[offset + held])
+    lhs = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    lhs[:first] = float("inf")
+    lhs[last:] = float("nan")
+    rhs = torch.randn((held, n, k) if transpose_rhs else (held, k, n), device="cuda", dtype=torch.bfloat16)
+    args = (lhs, rhs, torch.from_numpy(sizes).cuda(), torch.tensor([offset], dtype=torch.int32, device="cuda"))
+    with debug.poison_outputs():
+        (got,) = launch(plan, *args)
+        (beside,) = launch(pointer, *args)
+    assert got.dtype == getattr(torch, out_dtype)
+    want = ref.forward(ref.grouped_matmul, lhs.float().cpu().numpy(), rhs.float().cpu().numpy(), sizes,
+                       transpose_rhs=transpose_rhs, group_offset=offset)  # slices the selected groups' rows
+    got_np = got.float().cpu().numpy()
+    assert not np.isnan(got_np).any()
+    assert not got_np[:first].any() and not got_np[last:].any()
+    assert rel_error(got_np, want) < TOLERANCE["bfloat16"]
+    assert torch.equal(got, beside)
+
+
 @pytest.mark.parametrize("m,k,n,groups,held,offset", [
     (3000, 512, 1408, 16, 16, 0),  # 256-wide tiles, a half-used last one; empty experts
     (2500, 264, 200, 12, 5, 4),  # one shard's experts; k and n not multiples of a tile
