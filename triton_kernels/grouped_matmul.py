@@ -870,9 +870,9 @@ def _has_tma(facts: DeviceFacts) -> bool:
 def _tma_load(k: int, n: int, dtype: str, facts: DeviceFacts) -> bool:
     """Whether gmm reads lhs and rhs through tensor descriptors (TMA) rather than pointer loads
     (``cp.async``), for one problem: 16-bit inputs whose rows (k long in lhs, n or k in rhs) are
-    whole 16-byte units. On an H200 (bf16, balanced, ``scripts/probe_gmm_tma.py``) TMA loads
-    gave 1.02-1.08x the speed of pointer loads for the forward and d_lhs at 8-128 experts of
-    >= 512 rows, with the same bits."""
+    whole 16-byte units. On an H200 (bf16, balanced, ``scripts/probe_gmm_tma.py``, side by side)
+    TMA loads gave 1.00-1.055x the speed of pointer loads for the forward and d_lhs at 8-128
+    experts of 128-8192 rows, with the same bits."""
     return _has_tma(facts) and itemsize(dtype) == 2 and k % 8 == 0 and n % 8 == 0
 
 
