@@ -10,6 +10,7 @@ from triton_kernels import HOPPER, HOPPER_GLUON
 from triton_kernels.aot import compile_plan, distinct_plans
 from triton_kernels.grouped_matmul import gmm_plan, tgmm_plan
 from triton_kernels.plan import DeviceFacts
+from triton_kernels.tuning import GMM
 
 # (tokens m, k, n, experts g): bf16 MoE layers of the sizes the benchmark runs, plus odd ones.
 SHAPES = [(65536, 4096, 2048, 8), (16384, 4096, 2048, 64), (8192, 4096, 2048, 128),
@@ -53,6 +54,9 @@ def _plans():
     yield tgmm_plan(37, 19, 24, 4, 4, True, "bfloat16", "bfloat16", HOPPER_GLUON)  # k and n past the tile
     yield gmm_plan(37, 24, 200, 4, 4, False, "bfloat16", "bfloat16", HOPPER_GLUON)  # TMA loads past k and n
     yield gmm_plan(m, k, n, g, g, False, "bfloat16", "float32", HOPPER_GLUON)  # TMA loads, stores from registers
+    problem = (m, k, n, g, g, False, "bfloat16", "bfloat16")
+    for params in GMM.candidate_params(problem, HOPPER_GLUON):  # the autotuner's, with TMA loads and stores
+        yield gmm_plan(*problem, HOPPER_GLUON, params)
     yield from _training_plans(4096, 1024, 512, 8, "float32", facts=HOPPER_GLUON)
 
 

@@ -35,10 +35,11 @@ is a [k, n] matrix per expert, large at many experts (``_tma_store``). gmm does 
 that lie wholly inside their group; a group's last, partial tile is masked from registers, as its
 box would cover the next group's rows. gmm also reads its operands through descriptors there
 (``TMA_LOAD``, one problem of 16-bit inputs): its rows are independent, so a box that runs past
-the group only reads rows whose results are never stored. On an sm_90 GPU with Gluon the gmm backward's weight
-gradient at up to 1024 rows an expert runs ``gluon_grouped_matmul.tgmm_gluon_kernel`` instead
-(``uses_gluon_tgmm``): the same tile order and bits, with a loader warp that runs ahead across
-tiles, which pays where a tile sums few row steps.
+the group only reads rows whose results are never stored. On an sm_90 GPU with Gluon the gmm
+backward's weight gradient at up to 1024 rows an expert runs
+``gluon_grouped_matmul.tgmm_gluon_kernel`` instead (``uses_gluon_tgmm``): the same tile order
+and bits, with a loader warp that runs ahead across tiles, which pays where a tile sums few row
+steps.
 """
 from __future__ import annotations
 
