@@ -173,6 +173,46 @@ def test_other_groups_values_never_leak(fw, rng):
     assert np.isfinite(out).all() and not out[:20].any() and not out[50:].any()
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_hopper_tma_plan_under_the_interpreter(fw, rng, transpose_rhs):
+    """The gmm plan an sm_90 GPU with global scratch runs reads through tensor descriptors and
+    stores whole tiles through one (TMA): its boxes run past a group's rows, past k and past n.
+    The Triton interpreter runs that plan here, so that CPU CI checks its logic; only its dot
+    precision is the interpreter's (under "tf32" the interpreter multiplies bf16 bit patterns).
+    Rows outside the selected groups hold inf and NaN. Bitwise equal to the same plan with
+    pointer loads and register stores."""
+    if frameworks.cuda_available():
+        pytest.skip("on a GPU, tests/test_gpu_grouped_matmul.py runs these plans compiled")
+    import dataclasses
+
+    from triton_kernels import HOPPER_GLUON
+    from triton_kernels.grouped_matmul import gmm_plan
+
+    m, k, n, held, offset = 700, 72, 200, 4, 1
+    sizes = np.array([50, 120, 0, 230, 150, 100], np.int32)  # rows [50, 550) selected, 50 past the sum
+    plan = gmm_plan(m, k, n, len(sizes), held, transpose_rhs, "bfloat16", "bfloat16", HOPPER_GLUON)
+    c = plan.constexpr_dict
+    assert c["TMA_LOAD"] and c["TMA_STORE"] and k % c["BLOCK_K"] and n % c["BLOCK_N"]
+
+    def interpretable(**changes):
+        changes["DOT_PRECISION"] = "upcast"
+        return dataclasses.replace(plan, constexprs=tuple((name, changes.get(name, v)) for name, v in plan.constexprs))
+
+    lhs_np = rng.standard_normal((m, k))
+    lhs_np[:50], lhs_np[550:] = np.inf, np.nan
+    rhs_np = rng.standard_normal((held, n, k) if transpose_rhs else (held, k, n))
+    args = (fw.asarray(lhs_np, "bfloat16"), fw.asarray(rhs_np, "bfloat16"), fw.asarray(sizes),
+            fw.asarray(np.array([offset], np.int32)))
+    (tma,) = fw.launch(interpretable(), *args)
+    (pointer,) = fw.launch(interpretable(TMA_LOAD=False, TMA_STORE=False), *args)
+    got = fw.to_numpy(tma)
+    want = ref.forward(ref.grouped_matmul, fw.to_numpy(args[0]), fw.to_numpy(args[1]), sizes,
+                       transpose_rhs=transpose_rhs, group_offset=offset)  # slices the selected rows
+    assert np.isfinite(got).all() and not got[:50].any() and not got[550:].any()
+    assert _err(got, want, "bfloat16")
+    assert np.array_equal(got, fw.to_numpy(pointer))
+
+
 # ---------------------------------------------------------------------------------------------
 # zero sizes
 
