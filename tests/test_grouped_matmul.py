@@ -4,6 +4,7 @@ selection, zero sizes, torch-vs-jax parity, bad input, jit/compile, and the Pall
 Outputs are poisoned with NaN before every launch (conftest), so a row the kernels forget to
 write, e.g. past sum(group_sizes), fails the comparisons.
 """
+import dataclasses
 import re
 import warnings
 
@@ -173,6 +174,12 @@ def test_other_groups_values_never_leak(fw, rng):
     assert np.isfinite(out).all() and not out[:20].any() and not out[50:].any()
 
 
+def _interpretable(plan, **changes):
+    """``plan`` with ``changes`` to its constexprs and the interpreter's dot precision."""
+    changes["DOT_PRECISION"] = "upcast"
+    return dataclasses.replace(plan, constexprs=tuple((name, changes.get(name, v)) for name, v in plan.constexprs))
+
+
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 def test_hopper_tma_plan_under_the_interpreter(fw, rng, transpose_rhs):
     """The gmm plan an sm_90 GPU with global scratch runs reads through tensor descriptors and
@@ -183,8 +190,6 @@ def test_hopper_tma_plan_under_the_interpreter(fw, rng, transpose_rhs):
     pointer loads and register stores."""
     if frameworks.cuda_available():
         pytest.skip("on a GPU, tests/test_gpu_grouped_matmul.py runs these plans compiled")
-    import dataclasses
-
     from triton_kernels import HOPPER_GLUON
     from triton_kernels.grouped_matmul import gmm_plan
 
@@ -194,23 +199,48 @@ def test_hopper_tma_plan_under_the_interpreter(fw, rng, transpose_rhs):
     c = plan.constexpr_dict
     assert c["TMA_LOAD"] and c["TMA_STORE"] and k % c["BLOCK_K"] and n % c["BLOCK_N"]
 
-    def interpretable(**changes):
-        changes["DOT_PRECISION"] = "upcast"
-        return dataclasses.replace(plan, constexprs=tuple((name, changes.get(name, v)) for name, v in plan.constexprs))
-
     lhs_np = rng.standard_normal((m, k))
     lhs_np[:50], lhs_np[550:] = np.inf, np.nan
     rhs_np = rng.standard_normal((held, n, k) if transpose_rhs else (held, k, n))
     args = (fw.asarray(lhs_np, "bfloat16"), fw.asarray(rhs_np, "bfloat16"), fw.asarray(sizes),
             fw.asarray(np.array([offset], np.int32)))
-    (tma,) = fw.launch(interpretable(), *args)
-    (pointer,) = fw.launch(interpretable(TMA_LOAD=False, TMA_STORE=False), *args)
+    (tma,) = fw.launch(_interpretable(plan), *args)
+    (pointer,) = fw.launch(_interpretable(plan, TMA_LOAD=False, TMA_STORE=False), *args)
     got = fw.to_numpy(tma)
     want = ref.forward(ref.grouped_matmul, fw.to_numpy(args[0]), fw.to_numpy(args[1]), sizes,
                        transpose_rhs=transpose_rhs, group_offset=offset)  # slices the selected rows
     assert np.isfinite(got).all() and not got[:50].any() and not got[550:].any()
     assert _err(got, want, "bfloat16")
     assert np.array_equal(got, fw.to_numpy(pointer))
+
+
+def test_hopper_tgmm_tma_store_plan_under_the_interpreter(fw, rng):
+    """As above for the weight gradient's Triton kernel in the public ``[k, m]`` layout, which
+    stores each expert's tiles through a descriptor of the ``[experts, k, n]`` output, clipped
+    at k and n."""
+    if frameworks.cuda_available():
+        pytest.skip("on a GPU, tests/test_gpu_grouped_matmul.py runs these plans compiled")
+    from triton_kernels import HOPPER_GLUON
+    from triton_kernels.grouped_matmul import tgmm_plan
+
+    m, k, n, held, offset = 700, 72, 200, 4, 1
+    sizes = np.array([50, 120, 0, 230, 150, 100], np.int32)
+    plan = tgmm_plan(m, k, n, len(sizes), held, False, "bfloat16", "bfloat16", HOPPER_GLUON)
+    c = plan.constexpr_dict
+    assert plan.name == "tgmm_kernel" and c["TMA_STORE"] and k % c["BLOCK_K"] and n % c["BLOCK_N"]
+
+    lhs_np = rng.standard_normal((k, m))
+    lhs_np[:, :50], lhs_np[:, 550:] = np.inf, np.nan
+    args = (fw.asarray(lhs_np, "bfloat16"), fw.asarray(rng.standard_normal((m, n)), "bfloat16"), fw.asarray(sizes),
+            fw.asarray(np.array([offset], np.int32)))
+    (tma,) = fw.launch(_interpretable(plan), *args)
+    (registers,) = fw.launch(_interpretable(plan, TMA_STORE=False), *args)
+    got = fw.to_numpy(tma)
+    want = ref.forward(ref.transposed_grouped_matmul, fw.to_numpy(args[0]), fw.to_numpy(args[1]), sizes,
+                       group_offset=offset, num_actual_groups=held)
+    assert np.isfinite(got).all() and not got[1].any()  # the empty expert
+    assert _err(got, want, "bfloat16")
+    assert np.array_equal(got, fw.to_numpy(registers))
 
 
 # ---------------------------------------------------------------------------------------------
