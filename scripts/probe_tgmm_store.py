@@ -11,9 +11,7 @@ lhs, one problem) three ways, side by side (do_bench, L2 flushed, bf16, balanced
   front whose launcher provides no global scratch;
 * ``tma``: the plan as made for this GPU with default params given (which keep the Triton
   kernel), storing through a tensor descriptor on Hopper (a TMA store from shared memory, left
-  in flight while the next tile's loads run), and reading through descriptors bounded at each
-  group's rows (``TMA_LOAD``);
-* ``tma-store``: the same plan with pointer loads (``TMA_LOAD`` off), where ``tma`` has TMA loads;
+  in flight while the next tile's loads run);
 * ``gluon``: the plan the op runs on an sm_90 GPU with Gluon, ``tgmm_gluon_kernel`` (a loader
   warp runs ahead across tiles; TMA loads and stores), where ``uses_gluon_tgmm`` picks it;
 * ``no-store``: the same walk and products with the store behind a branch never taken (a floor,
@@ -87,9 +85,6 @@ def _probe_shape(g: int, m: int, k: int, n: int) -> dict:
     plans = {"registers": gm.tgmm_plan(m, k, n, g, g, True, "bfloat16", "bfloat16",
                                        dataclasses.replace(facts, gluon=False)),
              "tma": gm.tgmm_plan(m, k, n, g, g, True, "bfloat16", "bfloat16", facts, FwdParams())}
-    if plans["tma"].constexpr_dict.get("TMA_LOAD"):  # the same plan with pointer loads (a TMA store)
-        plans["tma-store"] = dataclasses.replace(plans["tma"], constexprs=tuple(
-            (c, False if c == "TMA_LOAD" else v) for c, v in plans["tma"].constexprs))
     if gm.uses_gluon_tgmm(m, k, n, g, True, "bfloat16", "bfloat16", facts):
         plans["gluon"] = gm.tgmm_plan(m, k, n, g, g, True, "bfloat16", "bfloat16", facts)
     plan = plans["registers"]

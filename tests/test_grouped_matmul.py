@@ -214,40 +214,33 @@ def test_hopper_tma_plan_under_the_interpreter(fw, rng, transpose_rhs):
     assert np.array_equal(got, fw.to_numpy(pointer))
 
 
-@pytest.mark.parametrize("lhs_mk", [False, True])
-def test_hopper_tgmm_tma_plan_under_the_interpreter(fw, rng, lhs_mk):
-    """As above for the weight gradient's Triton kernel: it stores each expert's tiles through a
-    descriptor of the ``[experts, k, n]`` output, clipped at k and n, and in the ``[m, k]``
-    layout (the gmm backward's; explicit params keep it off the Gluon kernel) reads through
-    descriptors bounded at each group's rows, so the inf/NaN rows next to them read as zeros."""
+def test_hopper_tgmm_tma_store_plan_under_the_interpreter(fw, rng):
+    """As above for the weight gradient's Triton kernel in the public ``[k, m]`` layout, which
+    stores each expert's tiles through a descriptor of the ``[experts, k, n]`` output, clipped
+    at k and n."""
     if frameworks.cuda_available():
         pytest.skip("on a GPU, tests/test_gpu_grouped_matmul.py runs these plans compiled")
     from triton_kernels import HOPPER_GLUON
     from triton_kernels.grouped_matmul import tgmm_plan
-    from triton_kernels.params import FwdParams
 
     m, k, n, held, offset = 700, 72, 200, 4, 1
     sizes = np.array([50, 120, 0, 230, 150, 100], np.int32)
-    plan = tgmm_plan(m, k, n, len(sizes), held, lhs_mk, "bfloat16", "bfloat16", HOPPER_GLUON, FwdParams())
+    plan = tgmm_plan(m, k, n, len(sizes), held, False, "bfloat16", "bfloat16", HOPPER_GLUON)
     c = plan.constexpr_dict
-    assert plan.name == "tgmm_kernel" and c["TMA_STORE"] and c["TMA_LOAD"] == lhs_mk
-    assert k % c["BLOCK_K"] and n % c["BLOCK_N"] and sizes[3] % c["BLOCK_M"]  # boxes past k, n and a group
+    assert plan.name == "tgmm_kernel" and c["TMA_STORE"] and k % c["BLOCK_K"] and n % c["BLOCK_N"]
 
-    lhs_np = rng.standard_normal((m, k))
-    lhs_np[:50], lhs_np[550:] = np.inf, np.nan
-    rhs_np = rng.standard_normal((m, n))
-    rhs_np[:50], rhs_np[550:] = np.nan, np.inf
-    args = (fw.asarray(lhs_np if lhs_mk else lhs_np.T, "bfloat16"), fw.asarray(rhs_np, "bfloat16"),
-            fw.asarray(sizes), fw.asarray(np.array([offset], np.int32)))
+    lhs_np = rng.standard_normal((k, m))
+    lhs_np[:, :50], lhs_np[:, 550:] = np.inf, np.nan
+    args = (fw.asarray(lhs_np, "bfloat16"), fw.asarray(rng.standard_normal((m, n)), "bfloat16"), fw.asarray(sizes),
+            fw.asarray(np.array([offset], np.int32)))
     (tma,) = fw.launch(_interpretable(plan), *args)
-    (plain,) = fw.launch(_interpretable(plan, TMA_STORE=False, TMA_LOAD=False), *args)
+    (registers,) = fw.launch(_interpretable(plan, TMA_STORE=False), *args)
     got = fw.to_numpy(tma)
-    lhs_km = fw.to_numpy(args[0]).T if lhs_mk else fw.to_numpy(args[0])
-    want = ref.forward(ref.transposed_grouped_matmul, lhs_km, fw.to_numpy(args[1]), sizes, group_offset=offset,
-                       num_actual_groups=held)  # slices each group's rows
+    want = ref.forward(ref.transposed_grouped_matmul, fw.to_numpy(args[0]), fw.to_numpy(args[1]), sizes,
+                       group_offset=offset, num_actual_groups=held)
     assert np.isfinite(got).all() and not got[1].any()  # the empty expert
     assert _err(got, want, "bfloat16")
-    assert np.array_equal(got, fw.to_numpy(plain))
+    assert np.array_equal(got, fw.to_numpy(registers))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -449,14 +449,10 @@ def gmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
 def _tgmm_tile(lhs_ptr, rhs_ptr, out, m, start, rows, index, pk, pn,
                K: tl.constexpr, N: tl.constexpr, LHS_MK: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, TMA_STORE: tl.constexpr, TMA_LOAD: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, TMA_STORE: tl.constexpr):
     """out[index][k-tile pk, n-tile pn] = lhs[k-tile, rows of the group] @ rhs[rows, n-tile].
     ``out``: the output's pointer, or with ``TMA_STORE`` its [outputs, K, N] tensor descriptor."""
-    if TMA_LOAD:
-        acc = _tgmm_desc_acc(lhs_ptr, rhs_ptr, start, rows, pk, pn, K, N, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-    else:
-        acc = _tgmm_acc(lhs_ptr, rhs_ptr, m, start, rows, pk, pn, K, N, LHS_MK, BLOCK_M, BLOCK_N, BLOCK_K,
-                        DOT_PRECISION)
+    acc = _tgmm_acc(lhs_ptr, rhs_ptr, m, start, rows, pk, pn, K, N, LHS_MK, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
     if TMA_STORE:  # from shared memory, asynchronously: the next tile's loads start meanwhile
         out.store([index, pk * BLOCK_K, pn * BLOCK_N], acc.to(out.dtype).reshape(1, BLOCK_K, BLOCK_N))
     else:
@@ -503,33 +499,12 @@ def _tgmm_acc(lhs_ptr, rhs_ptr, m, start, rows, pk, pn,
     return acc
 
 
-@triton.jit
-def _tgmm_desc_acc(lhs_ptr, rhs_ptr, start, rows, pk, pn, K: tl.constexpr, N: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
-    """``_tgmm_acc`` of ``[m, K]`` lhs read through descriptors (TMA) made for the group's rows:
-    their shape ends at the group's last row, so boxes past it read zeros, never another
-    group's rows. (Their bases are 16-byte aligned: K and N are multiples of 8.)"""
-    acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
-    if rows > 0:
-        lhs_desc = tl.make_tensor_descriptor(lhs_ptr + start.to(tl.int64) * K, shape=[rows, K], strides=[K, 1],
-                                             block_shape=[BLOCK_M, BLOCK_K])
-        rhs_desc = tl.make_tensor_descriptor(rhs_ptr + start.to(tl.int64) * N, shape=[rows, N], strides=[N, 1],
-                                             block_shape=[BLOCK_M, BLOCK_N])
-        for r0 in range(0, rows, BLOCK_M):
-            a = tl.trans(lhs_desc.load([r0, pk * BLOCK_K]))
-            b = rhs_desc.load([r0, pn * BLOCK_N])
-            acc += _dot(a, b, DOT_PRECISION)
-    return acc
-
-
 @triton.jit(do_not_specialize_on_alignment=["m"])
 def tgmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
                 out_ptr,
                 K: tl.constexpr, N: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_SELECTED: tl.constexpr,
                 LHS_MK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, BATCH: tl.constexpr = 1, TMA_STORE: tl.constexpr = False,
-                TMA_LOAD: tl.constexpr = False):
+                DOT_PRECISION: tl.constexpr, BATCH: tl.constexpr = 1, TMA_STORE: tl.constexpr = False):
     # (constexpr defaults: as gmm_kernel's.) Tiles are ordered problem-major, then group-major, so
     # a program's tiles visit groups in increasing order and the group's row range follows from a
     # running cumsum (one pass over each problem's groups in total).
@@ -568,7 +543,7 @@ def tgmm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, m,
         rows = tl.cast(problem, tl.int64) * m
         _tgmm_tile(lhs_ptr + rows * K, rhs_ptr + rows * N, out,
                    m, start, end - start, problem * NUM_SELECTED + index, local // tiles_n, local % tiles_n,
-                   K, N, LHS_MK, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA_STORE, TMA_LOAD)
+                   K, N, LHS_MK, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA_STORE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -862,7 +837,6 @@ def tgmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, lhs_mk
     bm, bn, bk = cfg["blocksize_m"], cfg["blocksize_n"], cfg["blocksize_k"]
     tiles = batch * num_selected * cdiv(k, bk) * cdiv(n, bn)
     tma_store = _tma_store(cfg, bk, n, out_dtype, facts)
-    tma_load = lhs_mk and batch == 1 and _tma_load(k, n, dtype, facts)
     return LaunchPlan(
         kernel=tgmm_kernel,
         grid=(_programs(tiles, cfg, facts),),
@@ -871,10 +845,8 @@ def tgmm_plan(m: int, k: int, n: int, num_groups: int, num_selected: int, lhs_mk
         outputs=(Output("out_ptr", (batch * num_selected, k, n), out_dtype),),
         constexprs=(("K", k), ("N", n), ("NUM_GROUPS", num_groups), ("NUM_SELECTED", num_selected),
                     ("LHS_MK", bool(lhs_mk)), ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk),
-                    ("DOT_PRECISION", _dot_precision(dtype, facts)), ("BATCH", batch), ("TMA_STORE", tma_store),
-                    ("TMA_LOAD", tma_load)),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=True,
-        global_scratch=tma_store or tma_load,
+                    ("DOT_PRECISION", _dot_precision(dtype, facts)), ("BATCH", batch), ("TMA_STORE", tma_store)),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=True, global_scratch=tma_store,
     )
 
 
