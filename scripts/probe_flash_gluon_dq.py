@@ -31,9 +31,7 @@ MATMULS = {"fwd": 2, "dq": 3, "dkdv": 4}
 
 
 def _variant(plan, block_name: str, block: int, stages: int):
-    consts = dict(plan.constexprs)
-    consts.update({block_name: block, "STAGES": stages})
-    return dataclasses.replace(plan, constexprs=tuple(consts.items()))
+    return plan.with_constexprs(**{block_name: block, "STAGES": stages})
 
 
 def _rel_err(got, want) -> float:

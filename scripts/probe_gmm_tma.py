@@ -21,7 +21,6 @@ plan's own tile and stages).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -35,18 +34,13 @@ from bench_gmm_kernels import SHAPES  # noqa: E402  (this folder: the same shape
 from benchmarks.common import gmm_shape, write_run  # noqa: E402
 
 
-def _without_tma_loads(plan):
-    """``plan`` with ``TMA_LOAD`` off: the pointer-load kernel, same tile, stages and store."""
-    return dataclasses.replace(plan, constexprs=tuple((k, False if k == "TMA_LOAD" else v) for k, v in plan.constexprs))
-
-
 def _probe_kernel(name: str, plan, args, baseline, rounds: int, flops: int, shape: list) -> dict:
     import torch
 
     from benchmarks.common import bench_torch
     from ejkernel_torch.launch import launch
 
-    pointer = _without_tma_loads(plan)
+    pointer = plan.with_constexprs(TMA_LOAD=False)  # the pointer-load kernel, same tile, stages and store
     c = plan.constexpr_dict
     outs = {"plan": launch(plan, *args)[0], "pointer loads": launch(pointer, *args)[0]}
     row = {"shape": shape, "kernel": name, "tile": [c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], plan.num_warps,

@@ -28,12 +28,11 @@ def variants(plan):
         for rows in ROWS:
             if consts["BLOCK_N"] * rows > 65536 or consts["BLOCK_N"] * rows < 32 * warps:
                 continue
-            c = dict(consts, BLOCK_M=rows)
+            rows_plan = plan.with_constexprs(BLOCK_M=rows)
             blocks = -(-plan.scalar_dict["n_rows"] // rows)
             for per_sm in PER_SM:
                 grid = min(blocks, 132 * per_sm) if per_sm else blocks
-                yield dataclasses.replace(plan, grid=(grid,), num_warps=warps,
-                                          constexprs=tuple(c.items())), (warps, rows, per_sm)
+                yield dataclasses.replace(rows_plan, grid=(grid,), num_warps=warps), (warps, rows, per_sm)
 
 
 def main():

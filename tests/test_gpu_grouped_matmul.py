@@ -182,8 +182,6 @@ def test_tma_loads_are_right_and_no_read_row_leaks(rng, m, k, n, groups, held, o
     zeros past k and past the array. Rows outside the selected groups and past the sizes' sum hold
     inf and NaN here: their outputs must be zeros, and no other row's. Into NaN-poisoned outputs,
     against a float64 loop, and bitwise equal to the pointer-load kernel (same tiles, same order)."""
-    import dataclasses
-
     import torch
 
     from ejkernel_torch.launch import device_facts, launch
@@ -194,8 +192,7 @@ def test_tma_loads_are_right_and_no_read_row_leaks(rng, m, k, n, groups, held, o
     if facts.capability < (9, 0) or not facts.gluon:
         pytest.skip("needs Hopper's TMA and a Triton with Gluon")
     plan = gmm_plan(m, k, n, groups, held, transpose_rhs, "bfloat16", out_dtype, facts)
-    pointer = dataclasses.replace(plan, constexprs=tuple((c, False if c == "TMA_LOAD" else v)
-                                                         for c, v in plan.constexprs))
+    pointer = plan.with_constexprs(TMA_LOAD=False)
     assert plan.constexpr_dict["TMA_LOAD"]
     sizes = ragged_sizes(rng, m, groups, spare=37)
     sizes[offset + 2] = 0

@@ -4,7 +4,6 @@ selection, zero sizes, torch-vs-jax parity, bad input, jit/compile, and the Pall
 Outputs are poisoned with NaN before every launch (conftest), so a row the kernels forget to
 write, e.g. past sum(group_sizes), fails the comparisons.
 """
-import dataclasses
 import re
 import warnings
 
@@ -176,8 +175,7 @@ def test_other_groups_values_never_leak(fw, rng):
 
 def _interpretable(plan, **changes):
     """``plan`` with ``changes`` to its constexprs and the interpreter's dot precision."""
-    changes["DOT_PRECISION"] = "upcast"
-    return dataclasses.replace(plan, constexprs=tuple((name, changes.get(name, v)) for name, v in plan.constexprs))
+    return plan.with_constexprs(DOT_PRECISION="upcast", **changes)
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])

@@ -479,3 +479,16 @@ def test_interpreter_lists_triton_language_while_another_thread_imports(monkeypa
     monkeypatch.setattr(interpret, "sys", types.SimpleNamespace(modules=Growing(sys.modules)))
     names = {getattr(m, "__name__", "") for m in interpret._language_namespaces()}
     assert "triton.language" in names and "triton.language.core" in names
+
+
+def test_with_constexprs_changes_only_what_it_names_and_refuses_unknown_names():
+    from triton_kernels.grouped_matmul import gmm_plan
+    from triton_kernels.plan import DeviceFacts
+
+    plan = gmm_plan(64, 32, 48, 4, 4, False, "bfloat16", "bfloat16", DeviceFacts.cpu())
+    variant = plan.with_constexprs(BLOCK_N=32, GROUP_M=4)
+    assert variant.constexpr_dict == {**plan.constexpr_dict, "BLOCK_N": 32, "GROUP_M": 4}
+    assert [n for n, _ in variant.constexprs] == [n for n, _ in plan.constexprs]  # order kept
+    assert variant.grid == plan.grid and variant.kernel is plan.kernel and plan.constexpr_dict["GROUP_M"] == 8
+    with pytest.raises(ValueError, match="gmm_kernel has no constexpr TMA_LOADS"):
+        plan.with_constexprs(TMA_LOADS=False)

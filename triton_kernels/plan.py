@@ -21,7 +21,7 @@ import functools
 import math
 import struct
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping, Sequence
 
 # Max dynamic shared memory per block (opt-in), bytes, by compute capability. Both fronts use
@@ -188,6 +188,14 @@ class LaunchPlan:
     @functools.cached_property
     def constexpr_dict(self) -> dict[str, Any]:
         return dict(self.constexprs)
+
+    def with_constexprs(self, **changes: Any) -> "LaunchPlan":
+        """This plan with some constexprs set otherwise (variants that probes and tests run beside
+        it); a name the plan does not have is an error, not a silent no-op."""
+        unknown = sorted(set(changes) - set(self.constexpr_dict))
+        if unknown:
+            raise ValueError(f"{self.name} has no constexpr {', '.join(unknown)}")
+        return replace(self, constexprs=tuple((n, changes.get(n, v)) for n, v in self.constexprs))
 
     @functools.cached_property
     def scalar_dict(self) -> dict[str, int | float]:

@@ -215,9 +215,8 @@ def gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts, consumers: int | Non
 def static_walk(plan: LaunchPlan) -> LaunchPlan:
     """``plan`` (a Gluon forward's that claims its tiles) walking them in the static order instead:
     ``DYNAMIC`` off, its tile counter not zeroed. What claiming is timed and checked against."""
-    constexprs = tuple((n, False if n == "DYNAMIC" else v) for n, v in plan.constexprs)
     outputs = tuple(dataclasses.replace(o, zeroed=False) if o.name == "next_tile_ptr" else o for o in plan.outputs)
-    return dataclasses.replace(plan, constexprs=constexprs, outputs=outputs)
+    return dataclasses.replace(plan.with_constexprs(DYNAMIC=False), outputs=outputs)
 
 
 @functools.lru_cache(maxsize=512)
