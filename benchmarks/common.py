@@ -50,6 +50,17 @@ def wall_batch(fn, wait, calls: int):
     return sample
 
 
+def program_batch(program, args, wait, calls: int):
+    """A timer of one jitted ``program`` that makes ``calls`` calls inside itself, run once and
+    waited for; returns milliseconds per call. Jax pays its dispatch and its wait once a program,
+    so this is the cost of a call within a jitted step (``wall_batch`` pays dispatch per call)."""
+    def sample() -> float:
+        start = time.perf_counter()
+        wait(program(*args))
+        return (time.perf_counter() - start) * 1e3 / calls
+    return sample
+
+
 def interleaved(timers: dict, rounds: int = 9, warmup: int = 1) -> dict[str, list[float]]:
     """``rounds`` samples of each timer (``wall_batch``), taken in turn round after round, the
     order reversed every other round, after ``warmup`` unrecorded ones. Timed seconds apart, one

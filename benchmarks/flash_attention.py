@@ -16,7 +16,9 @@ interleaved rounds, ours over the best backend taken within a round (``event_rou
 jax-vs-torch ratios come from wall clock over pipelined batches of calls, ours and cuDNN each
 launched from torch and from jax, the four sampled in interleaved rounds and each ratio taken
 within a round (``bench_side_by_side``). Timed seconds apart, one method's timings wandered by as
-much as the differences in question. Writes benchmarks/results/flash_attention-<gpu>.json and SVG
+much as the differences in question. The forward from jax is also timed as one jitted program of a
+batch's calls (``chained_program``: ``*_program``), which pays jax's dispatch once, as a call
+inside a jitted training step does. Writes benchmarks/results/flash_attention-<gpu>.json and SVG
 charts next to it.
 """
 from __future__ import annotations
@@ -34,8 +36,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import numpy as np
 
 from benchmarks.common import (EVENT_ROUNDS, calls_per_batch, device_name, event_rounds, host_ms, interleaved,
-                               median_ratio, pin_configs, try_time, value_and_pullback, wall_batch, write_bar_svg,
-                               write_json)
+                               median_ratio, pin_configs, program_batch, try_time, value_and_pullback, wall_batch,
+                               write_bar_svg, write_json)
 from triton_kernels.params import BwdParams, FwdParams
 
 TOKENS = 16384
@@ -143,11 +145,26 @@ def _jax_impls(causal) -> dict:
                                                                        implementation="cudnn")}
 
 
+def chained_program(fn, calls: int):
+    """One jitted program of ``calls`` forward calls of ``fn``, each call's output the next one's
+    query (the benchmark's shapes have as many query as key heads): the last output depends on
+    every call, so XLA can neither merge nor drop one. Timed by ``program_batch``, it is the cost
+    of a call inside a jitted step, without jax's dispatch of one program per call."""
+    import jax
+
+    def program(q, k, v):
+        for _ in range(calls):
+            q = fn(q, k, v)
+        return q
+    return jax.jit(program)
+
+
 def _wall_timers(torch_fns: dict, jax_arrays, causal, phase, calls, errors) -> dict:
     """Wall-clock batch timers (``wall_batch``, ``calls`` calls a batch) of ours and cuDNN, each
     launched from torch (``torch_fns``: name -> (fn, args, cotangent)) and from jax (on
-    ``jax_arrays``: q, k, v, dout), for one phase; a method that fails its first call is left out
-    (``errors``)."""
+    ``jax_arrays``: q, k, v, dout), for one phase; for the forward also jax's ``calls`` calls in one
+    program (``<name>_program``, ``chained_program``). A method that fails its first call is left
+    out (``errors``)."""
     import jax
     import torch
 
@@ -165,6 +182,9 @@ def _wall_timers(torch_fns: dict, jax_arrays, causal, phase, calls, errors) -> d
             step = jax.jit(lambda a, b, c, d, fn=fn: value_and_pullback(fn, (a, b, c), d))
             call = lambda step=step: step(qj, kj, vj, doj)  # noqa: E731
         timers[name] = wall_batch(call, jax.block_until_ready, calls)
+        if phase == "fwd":
+            program = chained_program(fn, calls)
+            timers[f"{name}_program"] = program_batch(program, (qj, kj, vj), jax.block_until_ready, calls)
     working = {}
     for name, timer in timers.items():
         try_time({}, errors, f"{phase}/{name}", timer)  # compiles; records a failure
@@ -185,7 +205,9 @@ def bench_side_by_side(q, k, v, dout, arrays, dtype, causal, estimates: dict) ->
     times, entries, errors = {}, {}, {}
     pairs = {"ours_jax time / ours_torch time": ("ours_jax", "ours_torch_wall"),
              "jax_cudnn time / sdpa_cudnn time": ("jax_cudnn", "sdpa_cudnn_wall"),
-             "ours_jax vs jax_cudnn": ("jax_cudnn", "ours_jax")}
+             "ours_jax vs jax_cudnn": ("jax_cudnn", "ours_jax"),
+             "ours_jax_program time / ours_torch time": ("ours_jax_program", "ours_torch_wall"),
+             "jax_cudnn_program time / sdpa_cudnn time": ("jax_cudnn_program", "sdpa_cudnn_wall")}
     for phase in ("fwd", "fwd+bwd"):
         calls = calls_per_batch(estimates.get(f"{phase}/ours_torch"))
         entries[f"{phase}: wall-clock calls a batch"] = calls
@@ -409,15 +431,16 @@ def _write(args, rows: list[dict], extras: dict) -> None:
                "method": f"torch: triton.testing.do_bench (CUDA events, L2 flushed), the methods in {EVENT_ROUNDS} "
                          f"interleaved rounds of {200 // EVENT_ROUNDS} ms (rounds_ms), each one's ms the median of its "
                          f"rounds, ours vs best sdpa the median of the per-round ratios; jax and *_wall: median of "
-                         "pipelined batches of >= 25 ms (20-200 calls), the four wall-clock methods in 9 interleaved "
-                         "rounds, jax/torch ratios the median of per-round ratios; TFLOP/s on 4*B*H*S^2*D (x0.5 "
+                         "pipelined batches of >= 25 ms (20-200 calls), the wall-clock methods in 9 interleaved "
+                         "rounds, jax/torch ratios the median of per-round ratios; *_program: a forward batch as one "
+                         "jitted program of chained calls, in the same rounds; TFLOP/s on 4*B*H*S^2*D (x0.5 "
                          "causal, x3.5 fwd+bwd)",
                "ratios": _summary(rows), "failed": _failures(rows), "results": rows, **extras}
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"flash_attention-{device_name()}.json")
     write_json(out, payload)
     for phase in ("fwd", "fwd+bwd"):
         write_bar_svg(out.removesuffix(".json") + f"-{phase.replace('+', '-')}.svg", rows, phase,
-                      f"flash attention {phase}: TFLOP/s", _svg_label, skip=lambda m: m.endswith("_wall"))
+                      f"flash attention {phase}: TFLOP/s", _svg_label, skip=lambda m: m.endswith(("_wall", "_program")))
 
 
 if __name__ == "__main__":

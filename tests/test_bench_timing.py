@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from benchmarks.common import (calls_per_batch, error_text, event_rounds, host_ms, interleaved, median_ratio,
-                               time_beside_plan, wall_batch, write_run)
+                               program_batch, time_beside_plan, wall_batch, write_run)
 
 
 def _recording_timers(names, log):
@@ -196,3 +196,32 @@ def test_flash_ours_vs_best_sdpa_is_taken_within_rounds(monkeypatch):
     assert row["fwd: best sdpa"] == "sdpa_cudnn"
     assert row["fwd: ours_torch vs best sdpa"] == pytest.approx(1.0 / 1.1)
     assert row["ms"]["fwd/sdpa_cudnn"] == 1.5 and row["rounds_ms"]["fwd/ours_torch"] == [1.1, 1.2, 2.2]
+
+
+def test_program_batch_runs_the_program_once_and_divides_by_its_calls():
+    runs, waited = [], []
+    sample = program_batch(lambda x: runs.append(x) or "out", (7,), waited.append, calls=4)
+    ms = sample()
+    assert runs == [7] and waited == ["out"]
+    assert ms >= 0.0
+
+
+def test_chained_program_feeds_each_output_to_the_next_call():
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.flash_attention import chained_program
+
+    def fn(q, k, v):
+        return q * k + v
+
+    q, k, v = jnp.full(8, 1.0), jnp.full(8, 2.0), jnp.full(8, 3.0)
+    # Each call's output is the next call's query: 1 -> 5 -> 13 -> 29.
+    assert float(chained_program(fn, calls=3)(q, k, v)[0]) == 29.0
+
+    def multiplies(jitted):
+        return jitted.lower(q, k, v).compile().as_text().count(" multiply(")
+
+    # XLA keeps every call of the chain, where it merges calls on the same inputs into one.
+    assert multiplies(chained_program(fn, calls=5)) == 5
+    assert multiplies(jax.jit(lambda q, k, v: [fn(q, k, v) for _ in range(5)][-1])) == 1
