@@ -8,7 +8,10 @@ batches, a cost per call does not. cuDNN's attention from both fronts (torch SDP
 ``jax.nn.dot_product_attention(implementation="cudnn")``) is timed in the same rounds as a
 baseline that is none of our code. Each row fits jax's excess over torch with a cost per batch
 and one per call (``*_excess_ms_per_batch``, ``*_excess_us_per_call``, from the two batch
-lengths' medians). Run it again with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` to take
+lengths' medians). Both from jax also run as one jitted program of the batch's chained calls
+(``program``, ``cudnn_program``: ``benchmarks.flash_attention.chained_program``), which pays jax's
+dispatch once a batch; "per added call" compares what 80 more calls a batch cost, where costs per
+batch cancel. Run it again with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` to take
 XLA's CUDA graphs out.
 
     PYTHONPATH=. python scripts/probe_jax_wall_batches.py [--shapes 8192:64:causal 4096:128:full ...] [--out PATH]
@@ -49,16 +52,17 @@ def run(seq, head_dim, causal) -> dict:
 
     import ejkernel_jax
     import ejkernel_torch
-    from benchmarks.common import interleaved, median_ratio, wall_batch
-    from benchmarks.flash_attention import HIDDEN, TOKENS, _inputs, _sdpa
+    from benchmarks.common import interleaved, median_ratio, program_batch, wall_batch
+    from benchmarks.flash_attention import HIDDEN, TOKENS, _inputs, _sdpa, chained_program
 
     arrays = _inputs(TOKENS // seq, seq, HIDDEN // head_dim, head_dim)[:3]
     q, k, v = (torch.from_numpy(a).to("cuda", torch.bfloat16) for a in arrays)
     qj, kj, vj = (jnp.asarray(a).astype("bfloat16") for a in arrays)
-    ours_jax = jax.jit(lambda a, b_, c: ejkernel_jax.flash_attention(a, b_, c, causal=causal))
+    ours_fn = lambda a, b_, c: ejkernel_jax.flash_attention(a, b_, c, causal=causal)  # noqa: E731
+    cudnn_fn = lambda a, b_, c: jax.nn.dot_product_attention(a, b_, c, is_causal=causal,  # noqa: E731
+                                                             implementation="cudnn")
+    ours_jax, cudnn_jax = jax.jit(ours_fn), jax.jit(cudnn_fn)
     ours_torch = lambda: ejkernel_torch.flash_attention(q, k, v, causal=causal)  # noqa: E731
-    cudnn_jax = jax.jit(lambda a, b_, c: jax.nn.dot_product_attention(a, b_, c, is_causal=causal,
-                                                                      implementation="cudnn"))
     heads_first = [t.transpose(1, 2) for t in (q, k, v)]  # SDPA's layout (views, as the benchmark's)
     sdpa_cudnn = _sdpa("cudnn", causal)
     cudnn_torch = lambda: sdpa_cudnn(*heads_first)  # noqa: E731
@@ -68,6 +72,9 @@ def run(seq, head_dim, causal) -> dict:
         timers[f"jax{calls}"] = wall_batch(lambda: ours_jax(qj, kj, vj), jax.block_until_ready, calls)
         timers[f"cudnn_torch{calls}"] = wall_batch(cudnn_torch, lambda _: torch.cuda.synchronize(), calls)
         timers[f"cudnn_jax{calls}"] = wall_batch(lambda: cudnn_jax(qj, kj, vj), jax.block_until_ready, calls)
+        for name, fn in (("program", ours_fn), ("cudnn_program", cudnn_fn)):
+            timers[f"{name}{calls}"] = program_batch(chained_program(fn, calls), (qj, kj, vj), jax.block_until_ready,
+                                                     calls)
     timers["torch_events100"] = _events_timer(ours_torch, 100)
     samples = interleaved(timers, rounds=7)
     medians = {name: statistics.median(s) for name, s in samples.items()}
@@ -77,8 +84,23 @@ def run(seq, head_dim, causal) -> dict:
             "jax/torch, 100 calls": median_ratio(samples, "jax100", "torch100"),
             "cudnn jax/torch, 20 calls": median_ratio(samples, "cudnn_jax20", "cudnn_torch20"),
             "cudnn jax/torch, 100 calls": median_ratio(samples, "cudnn_jax100", "cudnn_torch100"),
+            "program/torch, 20 calls": median_ratio(samples, "program20", "torch20"),
+            "program/torch, 100 calls": median_ratio(samples, "program100", "torch100"),
+            "cudnn program/torch, 100 calls": median_ratio(samples, "cudnn_program100", "cudnn_torch100"),
+            "program/torch, per added call": _slope_ratio(samples, "program", "torch"),
+            "cudnn program/torch, per added call": _slope_ratio(samples, "cudnn_program", "cudnn_torch"),
             **_excess_fit("ours", medians, "jax", "torch"),
-            **_excess_fit("cudnn", medians, "cudnn_jax", "cudnn_torch")}
+            **_excess_fit("cudnn", medians, "cudnn_jax", "cudnn_torch"),
+            **_excess_fit("ours_program", medians, "program", "torch")}
+
+
+def _slope_ratio(samples: dict, numerator: str, denominator: str) -> float:
+    """The median over rounds of what 80 more calls a batch cost one method over the other
+    (100-call batches less 20-call ones, each in ms a call): a cost per batch, such as jax's
+    dispatch of a program and its wait, cancels; the time each further call adds remains."""
+    def added(name, r):
+        return 100 * samples[f"{name}100"][r] - 20 * samples[f"{name}20"][r]
+    return statistics.median(added(numerator, r) / added(denominator, r) for r in range(len(samples["torch20"])))
 
 
 def _excess_fit(label: str, medians: dict, jax_name: str, torch_name: str) -> dict:
