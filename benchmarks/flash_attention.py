@@ -147,8 +147,8 @@ def _jax_impls(causal) -> dict:
 
 def chained_program(fn, calls: int):
     """One jitted program of ``calls`` forward calls of ``fn``, each call's output the next one's
-    query (the benchmark's shapes have as many query as key heads): the last output depends on
-    every call, so XLA can neither merge nor drop one. Timed by ``program_batch``, it is the cost
+    query (an output has the query's shape and dtype): the last output depends on every call, so
+    XLA can neither merge nor drop one. Timed by ``program_batch``, it is the cost
     of a call inside a jitted step, without jax's dispatch of one program per call."""
     import jax
 
