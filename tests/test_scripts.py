@@ -48,6 +48,7 @@ GPU_ONLY = {
     "scripts/probe_moe_value_checks.py": ["--out", os.devnull],
     "scripts/probe_gluon_forward_timeline.py": ["--shapes", "1,128,128,1,64,false", "--out", os.devnull],
     "scripts/probe_gluon_backward_variants.py": ["--no-time", "--out", os.devnull],
+    "scripts/probe_flash_builds.py": ["--shapes", "128:64:full", "--out", os.devnull],
 }
 
 
@@ -161,3 +162,31 @@ def test_backward_variants_probe_loads_a_copy_of_the_kernels_anywhere():
         "dq": module.flash_bwd_dq_gluon_kernel, "dkdv": module.flash_bwd_dkdv_gluon_kernel}
     for plan in plans.values():
         assert compile_plan(plan).asm["cubin"]
+
+
+def test_builds_probe_reassembles_tritons_own_cubin():
+    """probe_flash_builds.py tells ptxas binaries apart by assembling a plan's PTX again: with
+    Triton's ptxas that must give Triton's own cubin, or a difference it measures between
+    binaries could be the flags'. Its SASS count must see past 0xffff bytes (the addresses'
+    fifth hex digit cut an earlier count off at 4096 instructions)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import probe_flash_builds as probe
+    finally:
+        sys.path.pop(0)
+    from triton_kernels import flash_attention as fa
+    from triton_kernels.aot import compile_plan
+    from triton_kernels.flash_attention import gluon_forward
+    from triton_kernels.plan import DeviceFacts
+
+    if not gluon_forward.enabled():
+        pytest.skip("this Triton has no Gluon")
+    facts = DeviceFacts(platform="cuda", capability=(9, 0), shared_memory=232448, num_sms=132, gluon=True)
+    shape = (2, 1024, 2, 128)  # about 5800 instructions (Triton 3.6 and 3.9)
+    plan = fa.forward_plan(fa.dense_spec(shape, shape, shape, ("bfloat16",) * 3, causal=True), facts, None)
+    assert plan.is_gluon
+    compiled = compile_plan(plan)
+    assert probe.assemble(compiled) == compiled.kernel
+    assert probe.assemble(compiled, probe.triton_ptxas()) == compiled.kernel
+    count = probe.sass_instructions(compiled.kernel)
+    assert count is None or count > 0x10000 // 16, count
