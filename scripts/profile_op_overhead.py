@@ -40,6 +40,7 @@ figure is host cost as long as the kernels are shorter than it).
     PYTHONPATH=. python scripts/profile_op_overhead.py                  # cpu, stubbed
     PYTHONPATH=. python scripts/profile_op_overhead.py --device cuda --cprofile
     PYTHONPATH=. python scripts/profile_op_overhead.py --grad           # also q.requires_grad=True
+    PYTHONPATH=. python scripts/profile_op_overhead.py --device cuda --grad --causal --shape 16,1024,16,128
 
 Prints a table, then one line ``PROFILE_JSON {...}``.
 """
@@ -91,9 +92,9 @@ def per_call_us(fn, iters: int, repeats: int, sync) -> float:
     return statistics.median(samples)
 
 
-def layers(q, k, v, device: torch.device) -> list[tuple[int, str, object]]:
+def layers(q, k, v, device: torch.device, causal: bool = False) -> list[tuple[int, str, object]]:
     """(depth, name, zero-argument callable) for each layer that exists in this checkout."""
-    public = lambda: ejkernel_torch.flash_attention(q, k, v)  # noqa: E731
+    public = lambda: ejkernel_torch.flash_attention(q, k, v, causal=causal)  # noqa: E731
     rows: list[tuple[int, str, object]] = [(0, "flash_attention (public)", public)]
 
     def add(depth, name, make):
@@ -112,7 +113,7 @@ def layers(q, k, v, device: torch.device) -> list[tuple[int, str, object]]:
         return fn
 
     shapes, dtypes = op_mod._shapes_and_dtypes(q, k, v)
-    spec = fa.dense_spec(*shapes, dtypes, causal=False, softmax_scale=None, sliding_window=None,
+    spec = fa.dense_spec(*shapes, dtypes, causal=causal, softmax_scale=None, sliding_window=None,
                          logits_soft_cap=None, bias_shape=None, bias_dtype=None, q_segment_shape=None,
                          q_segment_dtype=None, kv_segment_shape=None, kv_segment_dtype=None, dropout_p=0.0)
     arrays = (q, k, v, None, None, None, None, None, None)
@@ -120,7 +121,7 @@ def layers(q, k, v, device: torch.device) -> list[tuple[int, str, object]]:
     params = (None, None)
     add(1, "checks: _qkv + shapes/dtypes", checks)
     add(1, "spec: dense_spec (cached)", lambda: lambda: fa.dense_spec(
-        *shapes, dtypes, causal=False, softmax_scale=None, sliding_window=None, logits_soft_cap=None,
+        *shapes, dtypes, causal=causal, softmax_scale=None, sliding_window=None, logits_soft_cap=None,
         bias_shape=None, bias_dtype=None, q_segment_shape=None, q_segment_dtype=None, kv_segment_shape=None,
         kv_segment_dtype=None, dropout_p=0.0))
     add(1, "params: _params", lambda: lambda: op_mod._params(spec, None, None, device))
@@ -146,8 +147,10 @@ def layers(q, k, v, device: torch.device) -> list[tuple[int, str, object]]:
     add(3, "launch_traceable", lambda: lambda: launch_mod.launch_traceable(plan, *features))
     add(4, "launch(plan) (plain launcher)", lambda: lambda: launch_mod.launch(plan, *features))
     if device.type == "cuda":
-        out, lse = torch.empty_like(q), torch.empty(spec.lse_shape, device=device)
-        runtime = plan.runtime_args(features, (out, lse))
+        # Every output of the plan, a claimed-tile plan's counter too. It is zeroed once here, so
+        # relaunches of such a plan find no tiles left: these rows time the launch's host cost.
+        outputs = launch_mod._outputs(plan, features, device)
+        runtime = plan.runtime_args(features, outputs)
         consts = plan.constexpr_dict
 
         # A Gluon plan builds its TMA descriptors in global scratch: its launches need the
@@ -162,7 +165,7 @@ def layers(q, k, v, device: torch.device) -> list[tuple[int, str, object]]:
             with scratch():
                 runner(*args)
         add(0, "bare kernel[grid] (Triton's launch)", lambda: bare)
-        runner, args = bare()[launch_mod._grid3(plan.grid)], plan.launch_args(features, (out, lse))
+        runner, args = bare()[launch_mod._grid3(plan.grid)], plan.launch_args(features, outputs)
         add(0, "compiled kernel's launcher (floor)" + (" + scratch allocator" if plan.is_gluon else ""),
             lambda: floor)
     return rows
@@ -182,14 +185,14 @@ class _Identity(torch.autograd.Function):
         return grad, None, None
 
 
-def baselines(qg, k, v, dout) -> list:
+def baselines(qg, k, v, dout, causal: bool = False) -> list:
     """Forward + backward rows to compare with ours in the same run: torch SDPA (a C++ autograd
     node) and the floor of a Python autograd.Function."""
     qt, kt, vt, dt = (x.detach().transpose(1, 2) for x in (qg, k, v, dout))
     qt.requires_grad_()
 
     def sdpa():
-        torch.nn.functional.scaled_dot_product_attention(qt, kt, vt).backward(dt)
+        torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).backward(dt)
         qt.grad = None
 
     def floor():
@@ -207,6 +210,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=None, help="calls per sample (default 2000 cpu, 500 cuda)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--grad", action="store_true", help="also time calls with q requiring grad, and a backward")
+    parser.add_argument("--causal", action="store_true", help="causal calls (the SDPA baseline too)")
     parser.add_argument("--cprofile", action="store_true", help="cProfile the public call too")
     parser.add_argument("--top", type=int, default=25, help="cProfile rows")
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -226,7 +230,7 @@ def main() -> None:
 
     results = {}
     print(f"{'layer':58s} {'us/call':>9s} {'% of op':>8s}")
-    rows = layers(q, k, v, device)
+    rows = layers(q, k, v, device, args.causal)
     total = None
     for depth, name, fn in rows:
         us = per_call_us(fn, iters, args.repeats, sync)
@@ -235,19 +239,20 @@ def main() -> None:
         print(f"{'  ' * depth + name:58s} {us:9.2f} {100 * us / total:7.0f}%", flush=True)
     if args.grad:  # forward only (the autograd node is recorded), then forward + backward
         qg = q.detach().requires_grad_()
-        spec = fa.dense_spec(tuple(q.shape), tuple(k.shape), tuple(v.shape), (args.dtype,) * 3)
+        spec = fa.dense_spec(tuple(q.shape), tuple(k.shape), tuple(v.shape), (args.dtype,) * 3,
+                             causal=args.causal)
         op_args = (qg, k, v, None, None, None, None, None, None, *op_mod._op_scalars(spec), None, None)
         dout = torch.randn_like(q)
 
         def fwd_bwd():
-            ejkernel_torch.flash_attention(qg, k, v).backward(dout)
+            ejkernel_torch.flash_attention(qg, k, v, causal=args.causal).backward(dout)
             qg.grad = None
 
-        grad_rows = [("flash_attention (public), q.requires_grad", lambda: ejkernel_torch.flash_attention(qg, k, v)),
+        grad_rows = [("flash_attention (public), q.requires_grad", lambda: ejkernel_torch.flash_attention(qg, k, v, causal=args.causal)),
                      ("  registered op, q.requires_grad", lambda: torch.ops.ejkernel.flash_attention_fwd(*op_args)),
                      ("flash_attention forward + backward", fwd_bwd)]
         if device.type == "cuda":  # on CPU these would compute for real: not host cost
-            grad_rows += baselines(qg, k, v, dout)
+            grad_rows += baselines(qg, k, v, dout, args.causal)
         for name, fn in grad_rows:
             us = per_call_us(fn, iters, args.repeats, sync)
             results[name.strip()] = round(us, 2)
@@ -272,7 +277,7 @@ def main() -> None:
 
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
             or platform.machine(), "stubbed_interpreter": device.type == "cpu", "shape": shape,
-            "dtype": args.dtype, "torch": torch.__version__, "iters": iters, "repeats": args.repeats}
+            "dtype": args.dtype, "causal": args.causal, "torch": torch.__version__, "iters": iters, "repeats": args.repeats}
     doc = {"meta": meta, "us_per_call": results}
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
