@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch, launch_prechecked,
+from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch_prechecked,
                                    launch_traceable, plain_eager, reject_forward_ad, torch_dtype, vmap_only)
 from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import (KernelOp, autocast, autograd_function, first_order, name_of,
@@ -156,8 +156,10 @@ def _resolve_eager(spec: fa.FlashSpec, device: torch.device, params: tuple, back
 
 def _eager_forward(spec: fa.FlashSpec, arrays, resolved: _Resolved) -> tuple[Tensor, Tensor]:
     """``_forward`` in plain eager mode: the memoized plan, launched as ``launch_traceable``
-    would launch it there."""
-    out, lse = launch(resolved.forward, *_features(*arrays, cached=True))
+    would launch it there. Without the launcher's input checks: the public functions made every
+    array contiguous on q's device in the spec's dtypes, ``plain_eager`` refused lazy ones, and
+    the stand-ins are the plan's own (about 5 us of host time a call)."""
+    out, lse = launch_prechecked(resolved.forward, *_features(*arrays, cached=True))
     return out, lse
 
 
@@ -235,8 +237,11 @@ def _backward(ctx, dout, dlse):
     args = (dout, dlse, q, k, v, out, lse, bias, q_seg, kv_seg, cu_q, cu_k, seed, *ctx.scalars, bias_grad,
             ctx.bwd_params)
     tensors = (dout, dlse, q, k, v, out, lse, bias, q_seg, kv_seg, cu_q, cu_k, seed)
-    if plain_eager(*tensors) and not _needs_grad(tensors):  # as in _call_forward: skip the dispatcher
-        spec, resolved = getattr(ctx, "eager", (None, None))
+    spec, resolved = getattr(ctx, "eager", (None, None))
+    # A _FlashAttentionFn forward saved plain tensors (autograd refuses them changed since): only
+    # the mode and the incoming gradients remain to check.
+    plain = plain_eager(dout, dlse) if resolved is not None else plain_eager(*tensors)
+    if plain and not _needs_grad(tensors):  # as in _call_forward: skip the dispatcher
         if resolved is not None:  # a _FlashAttentionFn forward: its spec and resolved params serve
             plans = fa.backward_plans(spec, resolved.facts, bias_grad, dlse is not None, resolved.bwd_params)
             dq, dk, dv, ds = _launch_backward(plans, launch_prechecked, True, dout, dlse, out, lse,
