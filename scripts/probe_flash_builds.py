@@ -9,11 +9,14 @@ Torch and jax launch the same plan's kernel but build it differently:
 
 This probe launches, from torch on the same inputs and outputs, each build it can make: ``jit``
 (the torch launch's kernel), ``aot`` (jax's PTX, Triton's ptxas), and with ``--ptxas PATH ...``
-(e.g. a CUDA toolkit's; builds are named by the binary's version) both PTXs assembled by each of those
-binaries too; then jax's own launch. Every build's output is compared bit for bit with ``jit``'s.
-Each round times every build's kernel with torch's profiler (CUPTI: the flash kernel's device time
-alone, not the counter's fill), in turn; the medians over rounds are reported, and each build's
-time over ``jit``'s. Registers, spills and SASS instruction counts come with each build.
+(e.g. a CUDA toolkit's; builds are named by the binary's version) both PTXs assembled by each of
+those binaries too; then the registered op (``torch.ops.ejkernel.flash_attention_fwd``, the path
+torch.compile and the profiler's traces take) and jax's own launch; with ``--idle-us N`` also the
+torch launch's kernel with the GPU idle N us before each call. Every output is compared bit
+for bit with ``jit``'s. Each round times every build's kernel with torch's profiler (CUPTI: the
+flash kernel's device time alone, not the counter's fill), in turn; the medians over rounds are
+reported, and each build's time over ``jit``'s. Registers, spills and SASS instruction counts
+come with each build.
 
     python scripts/probe_flash_builds.py [--shapes 1024:64:causal 4096:64:causal]
         [--ptxas /path/to/ptxas ...] [--rounds 7] [--out FILE]
@@ -152,7 +155,23 @@ def kernel_us(fn, wait) -> float:
     return sum(times) / CALLS
 
 
-def row(seq: int, head_dim: int, causal: bool, ptxases: list[str], rounds: int) -> dict:
+def idle_before(call, idle_us: int):
+    """``call`` after the GPU has drained and idled for ``idle_us`` microseconds: how a kernel
+    runs when its launch comes late (a host-bound caller), not right behind the previous one."""
+    import time
+
+    import torch
+
+    def run():
+        torch.cuda.synchronize()
+        end = time.perf_counter() + idle_us * 1e-6
+        while time.perf_counter() < end:
+            pass
+        return call()
+    return run
+
+
+def row(seq: int, head_dim: int, causal: bool, ptxases: list[str], rounds: int, idle_us: int = 0) -> dict:
     import jax
     import jax.numpy as jnp
     import torch
@@ -161,7 +180,7 @@ def row(seq: int, head_dim: int, causal: bool, ptxases: list[str], rounds: int) 
     from benchmarks.flash_attention import HIDDEN, TOKENS, _inputs
     from ejkernel_torch import launch as launch_mod
     from ejkernel_torch.ops import _tuning
-    from ejkernel_torch.ops.flash_attention import _features
+    from ejkernel_torch.ops.flash_attention import _features, _op_scalars
     from triton_kernels import flash_attention as fa
     from triton_kernels.tuning import FLASH_FWD
 
@@ -204,6 +223,14 @@ def row(seq: int, head_dim: int, causal: bool, ptxases: list[str], rounds: int) 
     jax_out = jax.block_until_ready(jitted(qj, kj, vj))
     result["jax_output_bitwise_equal_jit"] = bool(torch.equal(
         torch.from_dlpack(jax_out).view(torch.uint8), want[0].view(torch.uint8)))
+    # The registered op, as torch.compile and the profiler's traces run it: the same plan and
+    # kernel, with fresh one-element stand-ins for the unused inputs (six fills a call).
+    op_args = (q, k, v, None, None, None, None, None, None, *_op_scalars(spec), None, None)
+    calls["registered_op"] = lambda: torch.ops.ejkernel.flash_attention_fwd(*op_args)
+    result["registered_op_bitwise_equal_jit"] = bool(torch.equal(
+        calls["registered_op"]()[0].view(torch.uint8), want[0].view(torch.uint8)))
+    if idle_us:  # the torch launch's kernel again, with the GPU idle before each call
+        calls[f"jit, {idle_us} us idle"] = idle_before(calls["jit"], idle_us)
     waits = {name: (lambda _: None) for name in calls}
     calls["jax"], waits["jax"] = (lambda: jitted(qj, kj, vj)), jax.block_until_ready
     for name in calls:  # warm up: compiles, the profiler's first-use cost
@@ -227,6 +254,8 @@ def main() -> None:
                         help="seq:head_dim:causal|full")
     parser.add_argument("--ptxas", nargs="*", default=[], help="other ptxas binaries to assemble both PTXs with")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--idle-us", type=int, default=0,
+                        help="also time the torch launch with the GPU idle this long before each call")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import torch
@@ -236,7 +265,7 @@ def main() -> None:
     ptxas = triton_ptxas()
     rows = []
     for seq, head_dim, causal in args.shapes:
-        rows.append(row(seq, head_dim, causal, args.ptxas, args.rounds))
+        rows.append(row(seq, head_dim, causal, args.ptxas, args.rounds, args.idle_us))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "samples_us"}), flush=True)
     if args.out:
         from benchmarks.common import write_run
