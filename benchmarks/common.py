@@ -320,3 +320,28 @@ def gmm_shape(text: str) -> tuple[int, int, int, int]:
     if len(values) != 4:
         raise argparse.ArgumentTypeError(f"expected experts,tokens,k,n, got {text!r}")
     return values
+
+
+def flash_shape(text: str) -> tuple[int, int, bool]:
+    """argparse type of a flash-attention shape ``SEQ:HEAD_DIM:full|causal`` (the benchmark's
+    batch x seq = 16k tokens and heads = 2048 / head_dim go with it)."""
+    seq, head_dim, mask = text.split(":")
+    if mask not in ("full", "causal"):
+        raise argparse.ArgumentTypeError(f"shape {text!r}: expected SEQ:HEAD_DIM:full|causal")
+    return int(seq), int(head_dim), mask == "causal"
+
+
+def profiled_kernels(fn, calls: int, wait=lambda out: None) -> list:
+    """The CUDA kernels (torch profiler events, CUPTI: jax's launches too) of ``calls``
+    back-to-back calls of ``fn``, then ``wait(last output)``, in order of their start."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            out = fn()
+        wait(out)
+        torch.cuda.synchronize()
+    return sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)

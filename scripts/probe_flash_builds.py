@@ -36,16 +36,11 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from benchmarks.common import flash_shape, profiled_kernels  # noqa: E402
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 CALLS = 20  # kernels per profiled batch
-
-
-def parse_shape(text: str) -> tuple[int, int, bool]:
-    seq, head_dim, mask = text.split(":")
-    if mask not in ("causal", "full"):
-        raise argparse.ArgumentTypeError(f"mask must be causal or full, got {mask!r}")
-    return int(seq), int(head_dim), mask == "causal"
 
 
 def assemble(compiled, ptxas: str | None = None) -> bytes:
@@ -138,18 +133,7 @@ def builds(plan, features, outputs, ptxases: list[str]) -> dict:
 
 def kernel_us(fn, wait) -> float:
     """Device time of the flash kernel per call over ``CALLS`` calls, from torch's profiler."""
-    import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity
-
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            out = fn()
-        wait(out)
-        torch.cuda.synchronize()
-    times = [e.time_range.elapsed_us() for e in prof.events()
-             if e.device_type == DeviceType.CUDA and "flash_fwd" in e.name]
+    times = [e.time_range.elapsed_us() for e in profiled_kernels(fn, CALLS, wait) if "flash_fwd" in e.name]
     if len(times) != CALLS:
         raise RuntimeError(f"expected {CALLS} flash kernels in the profile, found {len(times)}")
     return sum(times) / CALLS
@@ -248,8 +232,8 @@ def row(seq: int, head_dim: int, causal: bool, ptxases: list[str], rounds: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="*", type=parse_shape,
-                        default=[parse_shape(s) for s in ("1024:64:causal", "1024:128:causal", "1024:64:full",
+    parser.add_argument("--shapes", nargs="*", type=flash_shape,
+                        default=[flash_shape(s) for s in ("1024:64:causal", "1024:128:causal", "1024:64:full",
                                                           "1024:128:full", "4096:64:causal")],
                         help="seq:head_dim:causal|full")
     parser.add_argument("--ptxas", nargs="*", default=[], help="other ptxas binaries to assemble both PTXs with")

@@ -30,12 +30,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-
-def parse_shape(text: str) -> tuple[int, int, bool]:
-    seq, head_dim, mask = text.split(":")
-    if mask not in ("causal", "full"):
-        raise argparse.ArgumentTypeError(f"mask must be causal or full, got {mask!r}")
-    return int(seq), int(head_dim), mask == "causal"
+from benchmarks.common import flash_shape, profiled_kernels  # noqa: E402
 
 
 def plain_eager_under_the_profiler() -> None:
@@ -55,19 +50,9 @@ def plain_eager_under_the_profiler() -> None:
 def timeline(fn, calls: int) -> dict:
     """Kernels of ``calls`` back-to-back calls of ``fn``: span, busy and idle microseconds per
     call, mean duration and mean idle gap before each kernel (by name)."""
-    import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity
-
     for _ in range(5):
         fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
+    kernels = profiled_kernels(fn, calls)
     span = (kernels[-1].time_range.end - kernels[0].time_range.start) / calls
     busy = sum(e.time_range.elapsed_us() for e in kernels) / calls
     durations: dict[str, list[float]] = {}
@@ -133,8 +118,8 @@ def row(seq: int, head_dim: int, causal: bool, calls: int, repeats: int) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="*", type=parse_shape,
-                        default=[parse_shape(s) for s in ("1024:64:causal", "1024:128:causal", "1024:64:full")],
+    parser.add_argument("--shapes", nargs="*", type=flash_shape,
+                        default=[flash_shape(s) for s in ("1024:64:causal", "1024:128:causal", "1024:64:full")],
                         help="seq:head_dim:causal|full")
     parser.add_argument("--calls", type=int, default=50, help="back-to-back calls a profiled loop")
     parser.add_argument("--repeats", type=int, default=5, help="profiled loops of each front, in turn")

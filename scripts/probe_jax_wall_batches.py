@@ -28,6 +28,8 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+from benchmarks.common import flash_shape  # noqa: E402
+
 SHAPES = ((1024, 64, False), (1024, 128, True), (16384, 64, False))  # (seq, head_dim, causal)
 
 
@@ -111,16 +113,9 @@ def _excess_fit(label: str, medians: dict, jax_name: str, torch_name: str) -> di
     return {f"{label}_excess_ms_per_batch": excess[20] - 20 * per_call, f"{label}_excess_us_per_call": per_call * 1e3}
 
 
-def _shape(text: str) -> tuple[int, int, bool]:
-    seq, head_dim, mask = text.split(":")
-    if mask not in ("full", "causal"):
-        raise argparse.ArgumentTypeError(f"shape {text!r}: expected SEQ:HEAD_DIM:full|causal")
-    return int(seq), int(head_dim), mask == "causal"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="*", type=_shape, default=list(SHAPES), help="SEQ:HEAD_DIM:full|causal")
+    parser.add_argument("--shapes", nargs="*", type=flash_shape, default=list(SHAPES), help="SEQ:HEAD_DIM:full|causal")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import torch

@@ -63,19 +63,11 @@ def _calls(seq, head_dim, causal, dtype, phase):
 def profile(fn, wait) -> dict:
     """Kernels of ``CALLS`` back-to-back calls: device us per call by kernel name, their sum, and
     the busy span per call."""
-    import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity
+    from benchmarks.common import profiled_kernels
 
     for _ in range(3):
         wait(fn())
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            out = fn()
-        wait(out)
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    kernels = profiled_kernels(fn, CALLS, wait)
     by_name: dict[str, float] = {}
     for e in kernels:
         by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us() / CALLS

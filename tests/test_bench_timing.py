@@ -225,3 +225,14 @@ def test_chained_program_feeds_each_output_to_the_next_call():
     # XLA keeps every call of the chain, where it merges calls on the same inputs into one.
     assert multiplies(chained_program(fn, calls=5)) == 5
     assert multiplies(jax.jit(lambda q, k, v: [fn(q, k, v) for _ in range(5)][-1])) == 1
+
+
+def test_flash_shape_parses_seq_head_dim_and_mask():
+    import argparse
+
+    from benchmarks.common import flash_shape
+
+    assert flash_shape("1024:64:causal") == (1024, 64, True)
+    assert flash_shape("4000:128:full") == (4000, 128, False)
+    with pytest.raises(argparse.ArgumentTypeError, match="SEQ:HEAD_DIM"):
+        flash_shape("1024:64:sliding")
