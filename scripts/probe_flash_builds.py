@@ -36,9 +36,9 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from benchmarks.common import flash_shape, profiled_kernels  # noqa: E402
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 CALLS = 20  # kernels per profiled batch
 
@@ -131,6 +131,13 @@ def builds(plan, features, outputs, ptxases: list[str]) -> dict:
             for name, kernel in found.items()}
 
 
+def same_bits(a, b) -> bool:
+    """Whether two torch tensors hold the same bytes (NaNs and signed zeros included)."""
+    import torch
+
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def kernel_us(fn, wait) -> float:
     """Device time of the flash kernel per call over ``CALLS`` calls, from torch's profiler."""
     times = [e.time_range.elapsed_us() for e in profiled_kernels(fn, CALLS, wait) if "flash_fwd" in e.name]
@@ -200,19 +207,16 @@ def row(seq: int, head_dim: int, causal: bool, ptxases: list[str], rounds: int, 
     for name, call in calls.items():
         got = call()
         result["builds"][name]["bitwise_equal_jit"] = all(
-            torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(plan.results(got),
-                                                                                plan.results(want)))
+            same_bits(g, w) for g, w in zip(plan.results(got), plan.results(want)))
     qj, kj, vj = (jnp.asarray(a).astype(jnp.bfloat16) for a in arrays)
     jitted = jax.jit(lambda a, b, c: ejkernel_jax.flash_attention(a, b, c, causal=causal))
     jax_out = jax.block_until_ready(jitted(qj, kj, vj))
-    result["jax_output_bitwise_equal_jit"] = bool(torch.equal(
-        torch.from_dlpack(jax_out).view(torch.uint8), want[0].view(torch.uint8)))
+    result["jax_output_bitwise_equal_jit"] = same_bits(torch.from_dlpack(jax_out), want[0])
     # The registered op, as torch.compile and the profiler's traces run it: the same plan and
     # kernel, with fresh one-element stand-ins for the unused inputs (six fills a call).
     op_args = (q, k, v, None, None, None, None, None, None, *_op_scalars(spec), None, None)
     calls["registered_op"] = lambda: torch.ops.ejkernel.flash_attention_fwd(*op_args)
-    result["registered_op_bitwise_equal_jit"] = bool(torch.equal(
-        calls["registered_op"]()[0].view(torch.uint8), want[0].view(torch.uint8)))
+    result["registered_op_bitwise_equal_jit"] = same_bits(calls["registered_op"]()[0], want[0])
     if idle_us:  # the torch launch's kernel again, with the GPU idle before each call
         calls[f"jit, {idle_us} us idle"] = idle_before(calls["jit"], idle_us)
     waits = {name: (lambda _: None) for name in calls}

@@ -492,3 +492,19 @@ def test_with_constexprs_changes_only_what_it_names_and_refuses_unknown_names():
     assert variant.grid == plan.grid and variant.kernel is plan.kernel and plan.constexpr_dict["GROUP_M"] == 8
     with pytest.raises(ValueError, match="gmm_kernel has no constexpr TMA_LOADS"):
         plan.with_constexprs(TMA_LOADS=False)
+
+
+def test_plain_eager_is_off_while_a_profiler_records(monkeypatch):
+    """A profiler's traces keep showing the registered ops: the plain eager path (which skips them)
+    is off while one records, and on again after. ``_profiling`` is the one place that asks, so a
+    probe that times the plain path under a profiler (scripts/probe_flash_gaps.py) can override it."""
+    from ejkernel_torch import launch
+
+    x = torch.zeros(2)
+    assert launch.plain_eager(x)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert not launch.plain_eager(x)
+        monkeypatch.setattr(launch, "_profiling", lambda: False)
+        assert launch.plain_eager(x)
+    monkeypatch.undo()
+    assert launch.plain_eager(x)
