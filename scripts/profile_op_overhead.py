@@ -248,7 +248,8 @@ def main() -> None:
             ejkernel_torch.flash_attention(qg, k, v, causal=args.causal).backward(dout)
             qg.grad = None
 
-        grad_rows = [("flash_attention (public), q.requires_grad", lambda: ejkernel_torch.flash_attention(qg, k, v, causal=args.causal)),
+        grad_rows = [("flash_attention (public), q.requires_grad",
+                      lambda: ejkernel_torch.flash_attention(qg, k, v, causal=args.causal)),
                      ("  registered op, q.requires_grad", lambda: torch.ops.ejkernel.flash_attention_fwd(*op_args)),
                      ("flash_attention forward + backward", fwd_bwd)]
         if device.type == "cuda":  # on CPU these would compute for real: not host cost
@@ -277,7 +278,8 @@ def main() -> None:
 
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
             or platform.machine(), "stubbed_interpreter": device.type == "cpu", "shape": shape,
-            "dtype": args.dtype, "causal": args.causal, "torch": torch.__version__, "iters": iters, "repeats": args.repeats}
+            "dtype": args.dtype, "causal": args.causal, "torch": torch.__version__, "iters": iters,
+            "repeats": args.repeats}
     doc = {"meta": meta, "us_per_call": results}
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
