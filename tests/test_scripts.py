@@ -50,6 +50,7 @@ GPU_ONLY = {
     "scripts/probe_gluon_backward_variants.py": ["--no-time", "--out", os.devnull],
     "scripts/probe_flash_builds.py": ["--shapes", "128:64:full", "--out", os.devnull],
     "scripts/probe_flash_gaps.py": ["--shapes", "128:64:full", "--out", os.devnull],
+    "scripts/probe_flash_flush.py": ["--shapes", "128:64:full", "--out", os.devnull],
 }
 
 
