@@ -345,3 +345,65 @@ def profiled_kernels(fn, calls: int, wait=lambda out: None) -> list:
         wait(out)
         torch.cuda.synchronize()
     return sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+
+
+class GpuLog:
+    """The GPU's SM clock (MHz), power (W), temperature (C) and clock-event reasons (a bit mask:
+    power cap, thermal slowdown, ...), sampled every ``interval_ms`` by ``nvidia-smi`` in the
+    background and stamped with ``time.perf_counter()``, so a timed interval can be told what the
+    clocks did meanwhile (``during``). A context manager; without nvidia-smi it logs nothing."""
+
+    FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
+
+    def __init__(self, index: int = 0, interval_ms: int = 20):
+        self.command = ["nvidia-smi", "-i", str(index), "--format=csv,noheader,nounits", "-lms", str(interval_ms),
+                        "--query-gpu=" + ",".join(self.FIELDS)]
+        self.samples: list[tuple[float, tuple[str, ...]]] = []
+        self.process = None
+
+    def __enter__(self):
+        import shutil
+        import subprocess
+        import threading
+
+        if shutil.which("nvidia-smi"):
+            probe = subprocess.run(["nvidia-smi", "--query-gpu=" + self.FIELDS[-1], "--format=csv"], capture_output=True)
+            if probe.returncode != 0:  # drivers before 535 name the field clocks_throttle_reasons
+                self.command[-1] = self.command[-1].replace("clocks_event_reasons", "clocks_throttle_reasons")
+            self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                            text=True)
+            threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.samples.append((time.perf_counter(), tuple(f.strip() for f in line.split(","))))
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait()
+
+    def during(self, start: float, end: float) -> dict:
+        """Mean SM clock and power, the highest temperature and every clock-event reason seen
+        between two ``time.perf_counter()`` readings (empty without samples there)."""
+        inside = [fields for t, fields in self.samples if start <= t <= end]
+        numbers = [(float(c), float(p), float(t), int(r, 16)) for c, p, t, r in
+                   (f for f in inside if len(f) == 4) if _numeric(c, p, t) and r.startswith("0x")]
+        if not numbers:
+            return {}
+        reasons = 0
+        for *_, r in numbers:
+            reasons |= r
+        return {"sm_mhz": round(statistics.mean(n[0] for n in numbers)), "power_w": round(statistics.mean(
+            n[1] for n in numbers), 1), "max_temp_c": max(n[2] for n in numbers), "reasons": hex(reasons),
+            "samples": len(numbers)}
+
+
+def _numeric(*texts: str) -> bool:
+    try:
+        for t in texts:
+            float(t)
+    except ValueError:
+        return False
+    return True

@@ -1,22 +1,25 @@
-"""What a flash forward's time after the benchmark's L2 flush is made of: the kernel on a cold
-L2, or a host that had not issued the kernel yet when the flush ended.
+"""Why the causal seq-1024 forward reads below cuDNN in the benchmark: the kernel on a cold L2,
+a host that had not issued it when the flush ended, or the GPU's clocks.
 
 ``triton.testing.do_bench`` (the benchmark's event timer) runs, per call: an L2 flush (a 256 MB
-zero fill), a start event, the call, an end event. The start event fires when the flush ends; if
-the host needs longer to issue the call than the GPU needs for the flush, the GPU idles between
-the start event and the first kernel, and that idle time is counted as the call's. This probe
-times ours and SDPA's cuDNN backend, in turn, four ways (CUDA events around each call, median):
+zero fill), a start event, the call, an end event. If the host needed longer to issue the call
+than the GPU the flush, the GPU would idle after the start event, and the idle time would count
+as the call's. This probe times ours and SDPA's cuDNN backend from torch, in turn, round after
+round (CUDA events around each call, median of ``--calls``):
 
-- ``flush``: do_bench's order (the host's issue time is exposed beyond the flush);
+- ``flush``: do_bench's order; ``flush_us`` and ``host_us``: the flush's own time, and the host
+  time from the start event's record to the call's return;
 - ``flush+sleep``: a GPU spin of ``--sleep-us`` after the flush, so the call is queued before
   the start event fires (cold L2, the host hidden);
 - ``warm+sleep``: the spin without the flush (warm L2, the host hidden);
-- ``flush_us`` and ``host_us``: the flush's own time, and the host time from the start event's
-  record to the call's return;
-and profiles the ``flush+sleep`` calls to split a call's time into its kernels.
+- ``do_bench``: the benchmark's own timer (one 40 ms ``do_bench``), and with ``--backward``
+  ``do_bench fwd+bwd``: each front's training step, as the benchmark puts it between forwards;
+and profiles the ``flush+sleep`` calls to split a call's time into its kernels. Every sample
+carries the SM clock, power, temperature and clock-event reasons ``nvidia-smi`` logged while it
+ran (``benchmarks.common.GpuLog``).
 
-    python scripts/probe_flash_flush.py [--shapes 1024:64:causal 1024:128:causal]
-        [--dtype bfloat16] [--calls 100] [--rounds 5] [--sleep-us 500] [--out FILE]
+    python scripts/probe_flash_flush.py [--shapes 1024:64:causal 1024:128:causal] [--backward]
+        [--dtype bfloat16] [--calls 100] [--rounds 7] [--sleep-us 500] [--out FILE]
 
 Shapes are the benchmark's (batch x seq = 16k tokens, heads = 2048 / head_dim).
 """
@@ -31,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.common import flash_shape, profiled_kernels  # noqa: E402
+from benchmarks.common import GpuLog, flash_shape, profiled_kernels  # noqa: E402
 
 SPIN = "spin"  # torch.cuda._sleep's kernel name contains it
 
@@ -113,44 +116,78 @@ def kernels_after_the_spin(fn, calls: int, cache, cycles: int) -> dict[str, floa
     return result
 
 
-def row(seq: int, head_dim: int, causal: bool, dtype: str, calls: int, rounds: int, sleep_us: float) -> dict:
+def _step(fn, args, dout):
+    """A forward + backward of ``fn`` on fresh leaves of ``args``, as the benchmark times it."""
+    import torch
+
+    leaves = [t.detach().requires_grad_(True) for t in args]
+    return lambda: torch.autograd.grad(fn(*leaves), leaves, dout)
+
+
+def row(seq: int, head_dim: int, causal: bool, dtype: str, calls: int, rounds: int, sleep_us: float,
+        backward: bool, log) -> dict:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import ejkernel_torch
+    from benchmarks.common import bench_torch
     from benchmarks.flash_attention import HIDDEN, TOKENS, _inputs
 
     batch, heads = max(1, TOKENS // seq), HIDDEN // head_dim
-    q, k, v = (torch.from_numpy(a).to("cuda", getattr(torch, dtype)) for a in _inputs(batch, seq, heads, head_dim)[:3])
-    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    q, k, v, dout = (torch.from_numpy(a).to("cuda", getattr(torch, dtype)) for a in _inputs(batch, seq, heads, head_dim))
+    heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
 
-    def cudnn():
+    def sdpa(a, b, c):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            return torch.nn.functional.scaled_dot_product_attention(a, b, c, is_causal=causal)
 
-    fronts = {"ours": lambda: ejkernel_torch.flash_attention(q, k, v, causal=causal), "cudnn": cudnn}
-    ways = {"flush": (True, False), "flush+sleep": (True, True), "warm+sleep": (False, True)}
+    def ours(a, b, c):
+        return ejkernel_torch.flash_attention(a, b, c, causal=causal)
+
+    fronts = {"ours": (ours, (q, k, v), dout), "cudnn": (sdpa, heads_first[:3], heads_first[3])}
     cache, cycles = flush_buffer(), spin_cycles(sleep_us)
-    for fn in fronts.values():
-        timed_calls(fn, 10, cache, cycles, True, True)  # compile and warm up
+    # way -> front -> a sample (a dict with "call_us"); do_bench as the benchmark calls it.
+    ways = {way: (lambda fn, args, _, flags=flags: timed_calls(lambda: fn(*args), calls, cache, cycles, *flags))
+            for way, flags in {"flush": (True, False), "flush+sleep": (True, True),
+                               "warm+sleep": (False, True)}.items()}
+    ways["do_bench"] = lambda fn, args, _: {"call_us": 1e3 * bench_torch(lambda: fn(*args), 10, 200 // 5)}
+    if backward:
+        ways["do_bench fwd+bwd"] = lambda fn, args, cot: {"call_us": 1e3 * bench_torch(_step(fn, args, cot), 10,
+                                                                                         200 // 5)}
+    for fn, args, cot in fronts.values():
+        for way in ways.values():
+            way(fn, args, cot)  # compile and warm up
     samples = {(f, w): [] for f in fronts for w in ways}
     for r in range(rounds):  # in turn, the order reversed every other round
         order = [(f, w) for w in ways for f in fronts]
         for front, way in (order if r % 2 == 0 else order[::-1]):
-            samples[front, way].append(timed_calls(fronts[front], calls, cache, cycles, *ways[way]))
+            start = time.perf_counter()
+            sample = ways[way](*fronts[front])
+            sample.update(log.during(start, time.perf_counter()))
+            samples[front, way].append(sample)
     result = {"seq": seq, "head_dim": head_dim, "causal": causal, "dtype": dtype, "batch": batch, "heads": heads}
-    for front in fronts:
+    for front, (fn, args, _) in fronts.items():
         result[front] = {}
         for way in ways:
             runs = samples[front, way]
-            for key in runs[0]:
-                name = way if key == "call_us" else key
-                result[front][name] = round(statistics.median(run[key] for run in runs), 2)
-        result[front]["kernels after flush+sleep"] = kernels_after_the_spin(fronts[front], calls, cache, cycles)
+            for key in ("call_us", "flush_us", "host_us"):
+                if key in runs[0]:
+                    name = way if key == "call_us" else f"{way}: {key}" if way != "flush" else key
+                    result[front][name] = round(statistics.median(run[key] for run in runs), 2)
+            result[front][f"{way}: rounds"] = [{k: round(v, 2) if isinstance(v, float) else v for k, v in run.items()}
+                                               for run in runs]
+        result[front]["kernels after flush+sleep"] = kernels_after_the_spin(lambda: fn(*args), calls, cache, cycles)
     for way in ways:
         ratios = [a["call_us"] / b["call_us"] for a, b in zip(samples["ours", way], samples["cudnn", way])]
         result[f"{way}: ours / cudnn"] = round(statistics.median(ratios), 4)
+        result[f"{way}: ours / cudnn by round"] = [round(x, 4) for x in ratios]
     return result
+
+
+def summary(result: dict) -> dict:
+    """A row without its per-round samples (the printed line)."""
+    return {k: ({n: x for n, x in v.items() if not n.endswith("rounds")} if isinstance(v, dict) else v)
+            for k, v in result.items() if not k.endswith("by round")}
 
 
 def main() -> None:
@@ -160,8 +197,10 @@ def main() -> None:
                         help="seq:head_dim:causal|full")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--calls", type=int, default=100, help="timed calls a round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of every front and way, in turn")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds of every front and way, in turn")
     parser.add_argument("--sleep-us", type=float, default=500.0, help="GPU spin before the start event")
+    parser.add_argument("--backward", action="store_true",
+                        help="also time each front's forward + backward step (do_bench), in the same rounds")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import torch
@@ -172,9 +211,11 @@ def main() -> None:
 
     plain_eager_under_the_profiler()  # the profiled calls take the path unprofiled calls take
     rows = []
-    for seq, head_dim, causal in args.shapes:
-        rows.append(row(seq, head_dim, causal, args.dtype, args.calls, args.rounds, args.sleep_us))
-        print(json.dumps(rows[-1]), flush=True)
+    with GpuLog() as log:
+        for seq, head_dim, causal in args.shapes:
+            rows.append(row(seq, head_dim, causal, args.dtype, args.calls, args.rounds, args.sleep_us, args.backward,
+                            log))
+            print(json.dumps(summary(rows[-1])), flush=True)
     if args.out:
         from benchmarks.common import write_run
 

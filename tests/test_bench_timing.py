@@ -236,3 +236,17 @@ def test_flash_shape_parses_seq_head_dim_and_mask():
     assert flash_shape("4000:128:full") == (4000, 128, False)
     with pytest.raises(argparse.ArgumentTypeError, match="SEQ:HEAD_DIM"):
         flash_shape("1024:64:sliding")
+
+
+def test_gpu_log_summarises_the_samples_inside_an_interval():
+    from benchmarks.common import GpuLog
+
+    log = GpuLog()
+    log.samples = [(1.0, ("1980", "650.5", "60", "0x0000000000000004")),  # power cap
+                   (2.0, ("1700", "700", "61", "0x0000000000000001")),  # idle
+                   (3.0, ("[N/A]", "1", "1", "0x0")),  # not a number: left out
+                   (4.0, ("1500", "500", "70"))]  # a short line: left out
+    assert log.during(0.5, 2.5) == {"sm_mhz": 1840, "power_w": 675.2, "max_temp_c": 61.0, "reasons": "0x5",
+                                    "samples": 2}
+    assert log.during(1.5, 2.0)["sm_mhz"] == 1700
+    assert log.during(2.5, 5.0) == {}
