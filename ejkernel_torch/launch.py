@@ -85,7 +85,7 @@ def _poison_int(dtype: torch.dtype):
     return debug.poison_int(info.min, info.max)
 
 
-def _launch_compiled(plan: LaunchPlan, inputs, outputs) -> None:
+def _launch_compiled(plan: LaunchPlan, inputs, outputs, scratch=None) -> None:
     # Every step here runs per launch, four a training step of flash attention: the tensors'
     # addresses are read once, and the scratch allocator is set without a context manager. On an
     # H100 host that took an eager forward + backward from 933 to 852 us (tiny problem).
@@ -96,7 +96,7 @@ def _launch_compiled(plan: LaunchPlan, inputs, outputs) -> None:
     if not all(key[2:2 + len(inputs)]):  # the inputs' flags in the key; TMA needs 16-byte aligned bases
         inputs = _aligned(inputs)
         key = _alignment_key(plan, inputs, outputs)
-    token = _allocation._allocator.set(_torch_scratch)  # as _scratch_allocator, without its generator
+    token = _allocation._allocator.set(scratch or _torch_scratch)  # as _scratch_allocator, without its generator
     try:
         _launch_keyed(plan, key, inputs, outputs)
     finally:
@@ -121,11 +121,33 @@ def _launch_keyed(plan: LaunchPlan, key: tuple, inputs, outputs) -> None:
 # needs 16-byte aligned base addresses, which a contiguous view at an odd offset may not have.
 
 def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    # A fresh allocation each launch (a few us). A buffer kept for later launches would be cheaper,
-    # but one first allocated while torch.compile's CUDA graphs warm up lives in their memory pool,
-    # which must hold nothing but tracked outputs (tests/test_gpu_cuda_graphs.py fails then).
+    # A fresh allocation each launch (a few us). A buffer kept for later launches is cheaper, but
+    # one first allocated while torch.compile's CUDA graphs warm up lives in their memory pool,
+    # which must hold nothing but tracked outputs (tests/test_gpu_cuda_graphs.py fails then): only
+    # the public functions' plain eager launches keep theirs (``_kept_scratch``).
     # The caching allocator's blocks are 512-byte aligned, beyond any scratch alignment Triton asks.
     return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+_kept: dict[tuple[int, int, int], torch.Tensor] = {}  # (device, stream, bytes) -> scratch
+_KEPT_LIMIT = 64
+
+
+def _kept_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """``_torch_scratch`` for the public functions' plain eager launches (``launch_prechecked``):
+    one buffer per device, stream and size, kept from launch to launch (a stream runs its
+    launches one after another). Those launches never run in a CUDA-graph warm-up (compiled code
+    calls the registered ops, which allocate afresh); under a graph capture they allocate afresh
+    too, so that the graph's memory pool owns what its kernels use."""
+    if _C._cuda_isCurrentStreamCapturing():
+        return _torch_scratch(size, alignment, stream)
+    key = (_C._cuda_getDevice(), stream, size)
+    scratch = _kept.get(key)
+    if scratch is None:
+        if len(_kept) >= _KEPT_LIMIT:
+            _kept.clear()
+        scratch = _kept[key] = _torch_scratch(size, alignment, stream)
+    return scratch
 
 
 @contextlib.contextmanager
@@ -219,11 +241,13 @@ def launch_prechecked(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Te
     """``launch`` without its input checks, for inputs known to pass them: what a checked launch
     took or made, e.g. the tensors a backward saved from its forward's launch (autograd refuses
     saved tensors modified in place since, strides and sizes too). The checks cost a fraction of
-    a microsecond per input, a few per backward of three launches."""
-    return _launch_on(plan, inputs, inputs[0].device)
+    a microsecond per input, a few per backward of three launches. For the public functions'
+    plain eager launches only: their kernels' scratch is kept from launch to launch
+    (``_kept_scratch``)."""
+    return _launch_on(plan, inputs, inputs[0].device, _kept_scratch)
 
 
-def _launch_on(plan: LaunchPlan, inputs, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _launch_on(plan: LaunchPlan, inputs, device: torch.device, scratch=None) -> tuple[torch.Tensor, ...]:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"{plan.name}: no Triton launcher for device {device}")
     outputs = _outputs(plan, inputs, device)
@@ -233,7 +257,7 @@ def _launch_on(plan: LaunchPlan, inputs, device: torch.device) -> tuple[torch.Te
         run_interpreted(plan, inputs, outputs)
     else:
         with _on_device(device):
-            _launch_compiled(plan, inputs, outputs)
+            _launch_compiled(plan, inputs, outputs, scratch)
     return plan.results(outputs)
 
 
@@ -247,7 +271,7 @@ def _outputs(plan: LaunchPlan, inputs, device: torch.device) -> list[torch.Tenso
 
 def _on_device(device: torch.device):
     """The CUDA device guard, skipped when it would be a no-op (it costs microseconds a launch)."""
-    if device.index is None or device.index == torch.cuda.current_device():
+    if device.index is None or device.index == _C._cuda_getDevice():  # CUDA is up: a tensor is on it
         return contextlib.nullcontext()
     return torch.cuda.device(device)
 

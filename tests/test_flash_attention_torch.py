@@ -343,6 +343,64 @@ def test_eager_fast_path_matches_registered_ops_with_every_feature(varlen):
         assert all(torch.equal(a, b) for a, b in zip(got, dispatched, strict=True))
 
 
+def test_a_known_call_skips_the_checks_and_gives_the_same_bits(monkeypatch):
+    """A call whose shapes, dtypes, devices and options equal a checked call's skips the checks
+    (``_qkv`` is their first step) and gives the bits the checked path gives, gradients too.
+    Anything outside the key, or not plain eager, takes the checked path again."""
+    import importlib
+
+    fa_ops = importlib.import_module("ejkernel_torch.ops.flash_attention")
+    checked = []
+    real_qkv = fa_ops._qkv
+    monkeypatch.setattr(fa_ops, "_qkv", lambda *a: checked.append(1) or real_qkv(*a))
+    monkeypatch.setattr(fa_ops, "_known_specs", {})
+    q, k, v = _qkv(grad=False)
+    scale = 0.3
+
+    def step(q, k, v, **options):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out, lse = ejk.flash_attention(*leaves, causal=True, softmax_scale=scale, return_lse=True, **options)
+        out.square().sum().backward()
+        return [out.detach(), lse] + [x.grad for x in leaves]
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+    first = step(q, k, v)
+    assert len(checked) == 1
+    assert same(step(q, k, v), first) and len(checked) == 1  # known: not checked again
+    no_grad = ejk.flash_attention(q, k, v, causal=True, softmax_scale=scale, return_lse=True)
+    assert same(no_grad, first[:2]) and len(checked) == 1
+
+    strided_k = k.transpose(1, 2).contiguous().transpose(1, 2)  # same shape, not contiguous
+    assert same(step(q, strided_k, v), first) and len(checked) == 2
+    assert same(step(q, strided_k, v), first) and len(checked) == 3  # never known
+
+    class _Mode(torch.overrides.TorchFunctionMode):  # not plain eager: the registered ops
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with _Mode():
+        assert same(step(q, k, v), first)
+    assert len(checked) == 4
+
+    scale = 1  # an int: as 1.0, but never a key (1 == 1.0 == True)
+    by_int = [step(q, k, v), step(q, k, v)]
+    assert len(checked) == 6
+    scale = 1.0
+    assert same(by_int[0], by_int[1]) and same(step(q, k, v), by_int[0]) and len(checked) == 7
+    step(q, k, v, sliding_window=(2, None))  # another key
+    assert len(checked) == 8
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast: checked (and cast) every time
+        assert ejk.flash_attention(q, k, v).dtype == torch.bfloat16
+    assert len(checked) == 9
+    with pytest.raises(ValueError, match="head_dim"):  # a bad call is never known
+        ejk.flash_attention(q, k[..., :8].contiguous(), v[..., :8].contiguous())
+    with pytest.raises(ValueError, match="head_dim"):
+        ejk.flash_attention(q, k[..., :8].contiguous(), v[..., :8].contiguous())
+    assert len(checked) == 11
+
+
 @pytest.mark.parametrize("change", ["transpose_", "mul_"])
 def test_eager_backward_refuses_inputs_changed_in_place(change):
     # The plain eager backward launches on its saved tensors without checking them again (its

@@ -58,3 +58,44 @@ def test_flash_attention_relaunch_is_bitwise_the_first(rng):
     for later in results[1:]:
         for a, b in zip(results[0], later):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_plain_eager_launches_keep_their_scratch_per_stream(rng, monkeypatch):
+    """The public function's plain eager launches keep their kernels' scratch from launch to launch
+    (``launch._kept_scratch``), one buffer a stream; a launch under CUDA graph capture allocates
+    afresh (the graph's pool owns it). Every way gives the registered op's bits."""
+    monkeypatch.setattr(launch_mod, "_kept", {})
+    q, k, v = (torch.tensor(rng.standard_normal((2, 300, 4, 64)), dtype=torch.bfloat16, device="cuda")
+               for _ in range(3))
+
+    class _Mode(torch.overrides.TorchFunctionMode):  # not plain eager: the registered op, fresh scratch
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with _Mode():
+        want = ejkernel_torch.flash_attention(q, k, v, causal=True)
+    assert launch_mod._kept == {}
+    first = ejkernel_torch.flash_attention(q, k, v, causal=True)
+    if not launch_mod._kept:
+        pytest.skip("this GPU's forward plan needs no scratch")
+    kept = dict(launch_mod._kept)
+    assert len(kept) == 1
+    second = ejkernel_torch.flash_attention(q, k, v, causal=True)
+    assert launch_mod._kept == kept  # the same buffer again
+    assert torch.equal(first, want) and torch.equal(second, want)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = ejkernel_torch.flash_attention(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    assert len(launch_mod._kept) == 2 and torch.equal(on_side, want)
+
+    kept = dict(launch_mod._kept)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ejkernel_torch.flash_attention(q, k, v, causal=True)
+    assert launch_mod._kept == kept  # nothing kept from the capture
+    captured.zero_()
+    graph.replay()
+    assert torch.equal(captured, want)
