@@ -64,9 +64,9 @@ def device_facts(device: torch.device) -> DeviceFacts:
 
 
 @functools.lru_cache(maxsize=1024)
-def _output_layout(plan: LaunchPlan) -> tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]:
-    """(shape, torch dtype, zeroed) of each output: read once per plan, not per launch."""
-    return tuple((o.shape, torch_dtype(o.dtype), o.zeroed) for o in plan.outputs)
+def _output_layout(plan: LaunchPlan) -> tuple[tuple[tuple[int, ...], torch.dtype, bool, bool], ...]:
+    """(shape, torch dtype, zeroed, kept zeroed) of each output: read once per plan, not per launch."""
+    return tuple((o.shape, torch_dtype(o.dtype), o.zeroed, o.zeroed and o.resets) for o in plan.outputs)
 
 
 def _allocate(shape, dtype: torch.dtype, zeroed: bool, device: torch.device, poison: bool) -> torch.Tensor:
@@ -129,7 +129,7 @@ def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-_kept: dict[tuple[int, int, int], torch.Tensor] = {}  # (device, stream, bytes) -> scratch
+_kept: dict[tuple, torch.Tensor] = {}  # (device, stream, bytes) -> scratch; (..., shape, dtype) -> zeros
 _KEPT_LIMIT = 64
 
 
@@ -138,9 +138,7 @@ def _kept_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     one buffer per device, stream and size, kept from launch to launch (a stream runs its
     launches one after another). Those launches never run in a CUDA-graph warm-up (compiled code
     calls the registered ops, which allocate afresh); under a graph capture they allocate afresh
-    too, so that the graph's memory pool owns what its kernels use."""
-    if _C._cuda_isCurrentStreamCapturing():
-        return _torch_scratch(size, alignment, stream)
+    too (``_launch_on``), so that the graph's memory pool owns what its kernels use."""
     key = (_C._cuda_getDevice(), stream, size)
     scratch = _kept.get(key)
     if scratch is None:
@@ -244,29 +242,44 @@ def launch_prechecked(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Te
     a microsecond per input, a few per backward of three launches. For the public functions'
     plain eager launches only: their kernels' scratch is kept from launch to launch
     (``_kept_scratch``)."""
-    return _launch_on(plan, inputs, inputs[0].device, _kept_scratch)
+    return _launch_on(plan, inputs, inputs[0].device, kept=True)
 
 
-def _launch_on(plan: LaunchPlan, inputs, device: torch.device, scratch=None) -> tuple[torch.Tensor, ...]:
+def _launch_on(plan: LaunchPlan, inputs, device: torch.device, kept: bool = False) -> tuple[torch.Tensor, ...]:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"{plan.name}: no Triton launcher for device {device}")
-    outputs = _outputs(plan, inputs, device)
+    kept = kept and device.type == "cuda" and not _C._cuda_isCurrentStreamCapturing()
+    outputs = _outputs(plan, inputs, device, kept)
     if plan.is_empty:
         return plan.results(outputs)
     if device.type == "cpu":
         run_interpreted(plan, inputs, outputs)
     else:
         with _on_device(device):
-            _launch_compiled(plan, inputs, outputs, scratch)
+            _launch_compiled(plan, inputs, outputs, _kept_scratch if kept else None)
     return plan.results(outputs)
 
 
-def _outputs(plan: LaunchPlan, inputs, device: torch.device) -> list[torch.Tensor]:
+def _outputs(plan: LaunchPlan, inputs, device: torch.device, kept: bool = False) -> list[torch.Tensor]:
     poison = debug.poisoning()
-    outputs = [_allocate(shape, dtype, zeroed, device, poison) for shape, dtype, zeroed in _output_layout(plan)]
+    outputs = [_kept_zeros(shape, dtype, device) if kept and resets else _allocate(shape, dtype, zeroed, device, poison)
+               for shape, dtype, zeroed, resets in _output_layout(plan)]
     for i, o in plan.aliases:
         outputs[o].copy_(inputs[i])
     return outputs
+
+
+def _kept_zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed output that the kernel leaves zero again (``Output.resets``: a tile counter), kept
+    per device, stream, shape and dtype for the public functions' plain eager launches, instead
+    of a new one and its fill kernel each launch (a stream runs its launches one after another)."""
+    key = (device.index, _C._cuda_getCurrentRawStream(device.index), shape, dtype)
+    zeros = _kept.get(key)
+    if zeros is None:
+        if len(_kept) >= _KEPT_LIMIT:
+            _kept.clear()
+        zeros = _kept[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return zeros
 
 
 def _on_device(device: torch.device):
@@ -409,7 +422,7 @@ def plan_text(plan: LaunchPlan) -> str:
     doc = {
         "kernel": f"{fn.__module__}:{fn.__name__}", "grid": plan.grid, "inputs": plan.inputs,
         "input_dtypes": plan.input_dtypes,
-        "outputs": [[o.name, o.shape, o.dtype, o.zeroed, o.returned] for o in plan.outputs],
+        "outputs": [[o.name, o.shape, o.dtype, o.zeroed, o.returned, o.resets] for o in plan.outputs],
         "scalars": plan.scalars, "constexprs": plan.constexprs, "num_warps": plan.num_warps,
         "num_stages": plan.num_stages, "enable_fp_fusion": plan.enable_fp_fusion, "maxnreg": plan.maxnreg,
         "aliases": plan.aliases, "global_scratch": plan.global_scratch,
@@ -426,7 +439,7 @@ def plan_from_text(text: str) -> LaunchPlan:
     return LaunchPlan(
         kernel=kernel, grid=tuple(doc["grid"]), inputs=tuple(doc["inputs"]),
         input_dtypes=tuple(doc["input_dtypes"]),
-        # (an output's "returned" flag is absent from the texts in graphs cached before it existed)
+        # (an output's "returned" and "resets" flags are absent from the texts in graphs cached before they existed)
         outputs=tuple(Output(n, tuple(shape), dtype, *flags) for n, shape, dtype, *flags in doc["outputs"]),
         scalars=tuples(doc["scalars"]), constexprs=_with_defaults(kernel, tuples(doc["constexprs"])),
         num_warps=doc["num_warps"],

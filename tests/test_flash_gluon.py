@@ -271,11 +271,14 @@ def test_persistent_gluon_forward_claims_its_tiles(head_dim, causal, shape, dyna
     assert plan.is_gluon and plan.constexpr_dict["DYNAMIC"] == dynamic
     counter = plan.outputs[-1]
     assert (counter.name, counter.shape, counter.dtype) == ("next_tile_ptr", (1,), "int32")
-    assert counter.zeroed == dynamic and not counter.returned
+    assert counter.zeroed == dynamic and counter.resets == dynamic and not counter.returned
     assert [o.name for o in plan.outputs if o.returned] == ["o_ptr", "lse_ptr"]
     walked = static_walk(plan)  # what the GPU test and the probe compare claiming with
-    assert not walked.constexpr_dict["DYNAMIC"] and not walked.outputs[-1].zeroed
+    assert not walked.constexpr_dict["DYNAMIC"] and not walked.outputs[-1].zeroed and not walked.outputs[-1].resets
     assert dataclasses.replace(walked, constexprs=plan.constexprs, outputs=plan.outputs) == plan
+    from ejkernel_torch.launch import plan_from_text, plan_text  # the opaque op's text keeps the flags
+
+    assert plan_from_text(plan_text(plan)) == plan and plan_from_text(plan_text(walked)) == walked
 
 
 # -- ahead-of-time compile for sm_90 (any machine) --------------------------------------------------
@@ -419,24 +422,29 @@ def test_gluon_kernels_correct_and_bitwise_across_frameworks(torch_fw, jax_fw, r
 def test_claimed_tiles_give_the_static_walks_bits(rng, shape, causal):
     """The forward claiming its tiles and walking them statically (long causal calls, head_dim 128
     without a mask) compute each tile alike: the same bits, every element written (outputs
-    poisoned), the counter zeroed for every call."""
+    poisoned), the counter zeroed for every call; or, for the public functions' plain eager
+    launches (``launch_prechecked``), kept from call to call on a stream, every plan (the
+    parametrized shapes run in turn) leaving it zero for the next."""
     _hopper_with_gluon()
     import torch
 
-    from ejkernel_torch.launch import launch
+    from ejkernel_torch import launch as launch_mod
     from ejkernel_torch.ops.flash_attention import _features
     from triton_kernels.debug import poison_outputs
 
     q, k, v = (torch.tensor(rng.standard_normal(shape), dtype=torch.bfloat16, device="cuda") for _ in range(3))
     plan = fa.forward_plan(fa.dense_spec(shape, shape, shape, ("bfloat16",) * 3, causal=causal), _torch_facts())
-    assert plan.constexpr_dict["DYNAMIC"] and plan.outputs[-1].zeroed
+    assert plan.constexpr_dict["DYNAMIC"] and plan.outputs[-1].zeroed and plan.outputs[-1].resets
     static = static_walk(plan)
     arrays = _features(q, k, v, None, None, None, None, None, None)
     with poison_outputs():
-        claimed, walked, again = launch(plan, *arrays), launch(static, *arrays), launch(plan, *arrays)
+        claimed, walked, again = (launch_mod.launch(p, *arrays) for p in (plan, static, plan))
+        kept = [launch_mod.launch_prechecked(plan, *arrays) for _ in range(2)]
     assert not claimed[0].isnan().any() and not claimed[1].isnan().any()
-    for a, b, c in zip(claimed, walked, again):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    for a, b, c, d, e in zip(claimed, walked, again, *kept):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d) and torch.equal(a, e)
+    counters = [t for key, t in launch_mod._kept.items() if len(key) == 4]  # (device, stream, shape, dtype)
+    assert counters and all(int(t.item()) == 0 for t in counters)
 
 
 @pytest.mark.gpu

@@ -109,6 +109,9 @@ class Output:
     zeroed: bool = False  # the launcher fills it with zeros before the launch
     # False: a buffer only the kernel uses (a tile counter): allocated and passed, not returned
     returned: bool = True
+    # A zeroed output the kernel leaves zero again when it ends (a tile counter): a launcher may
+    # keep one for launches that run one after another instead of zeroing a new one each launch.
+    resets: bool = False
 
     @property
     def numel(self) -> int:

@@ -514,9 +514,9 @@ if AVAILABLE:
                      GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
         """``_loader`` for the dynamic schedule: tiles are claimed in ``_claimed_tile``'s order from
-        a counter all programs share (``next_tile_ptr``, zero at launch), the next one as soon as a
-        tile's query loads are out. Each tile's first row and batch x heads row go to the
-        consumers in ``claims`` beside its query parts; a first row of -1 ends their loop."""
+        a counter all programs share (``next_tile_ptr``, zero at launch and left zero), the next
+        one as soon as a tile's query loads are out. Each tile's first row and batch x heads row
+        go to the consumers in ``claims`` beside its query parts; a first row of -1 ends their loop."""
         ROWS: gl.constexpr = q_smem.shape[1]
         PARTS: gl.constexpr = q_smem.shape[0] // 2
         TILE_M: gl.constexpr = PARTS * ROWS
@@ -543,6 +543,10 @@ if AVAILABLE:
                 tiles += 1
             else:
                 claim = gl.atomic_add(next_tile_ptr, 1)
+        # Every program ends on one claim past the tiles, so the launch's last claim is this one:
+        # put the counter back to zero, and a launcher may keep it for the stream's next launch.
+        if claim == total + gl.num_programs(0) - 1:
+            gl.atomic_xchg(next_tile_ptr, 0)
         buf = tiles % 2
         mbarrier.wait(q_empty.index(buf), ((tiles // 2) & 1) ^ 1)
         _post(claims, buf, -1)

@@ -201,8 +201,8 @@ def gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts, consumers: int | Non
         scalars=(("batch", spec.batch), ("seq_q", spec.seq_q), ("seq_k", spec.seq_k),
                  ("logit_scale", fp32(spec.softmax_scale * LOG2E))),
         outputs=(Output("o_ptr", spec.q_shape, spec.dtype), Output("lse_ptr", spec.lse_shape, "float32"),
-                 # the dynamic schedule's tile counter (zeroed then; not read otherwise)
-                 Output("next_tile_ptr", (1,), "int32", zeroed=dynamic, returned=False)),
+                 # the dynamic schedule's tile counter (zeroed then, and left zero; not read otherwise)
+                 Output("next_tile_ptr", (1,), "int32", zeroed=dynamic, returned=False, resets=dynamic)),
         constexprs=(("HEADS_Q", spec.heads_q), ("HEADS_KV", spec.heads_kv), ("HEAD_DIM", spec.head_dim),
                     ("CAUSAL", spec.window is not None), ("PAIRS", pairs), ("BLOCK_N", gluon_forward.BLOCK_N),
                     ("STAGES", gluon_forward.forward_stages(spec.head_dim)),
@@ -215,7 +215,8 @@ def gluon_forward_plan(spec: FlashSpec, facts: DeviceFacts, consumers: int | Non
 def static_walk(plan: LaunchPlan) -> LaunchPlan:
     """``plan`` (a Gluon forward's that claims its tiles) walking them in the static order instead:
     ``DYNAMIC`` off, its tile counter not zeroed. What claiming is timed and checked against."""
-    outputs = tuple(dataclasses.replace(o, zeroed=False) if o.name == "next_tile_ptr" else o for o in plan.outputs)
+    outputs = tuple(dataclasses.replace(o, zeroed=False, resets=False) if o.name == "next_tile_ptr" else o
+                    for o in plan.outputs)
     return dataclasses.replace(plan.with_constexprs(DYNAMIC=False), outputs=outputs)
 
 
