@@ -367,7 +367,8 @@ class GpuLog:
         import threading
 
         if shutil.which("nvidia-smi"):
-            probe = subprocess.run(["nvidia-smi", "--query-gpu=" + self.FIELDS[-1], "--format=csv"], capture_output=True)
+            probe = subprocess.run(["nvidia-smi", "--query-gpu=" + self.FIELDS[-1], "--format=csv"],
+                                   capture_output=True)
             if probe.returncode != 0:  # drivers before 535 name the field clocks_throttle_reasons
                 self.command[-1] = self.command[-1].replace("clocks_event_reasons", "clocks_throttle_reasons")
             self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,

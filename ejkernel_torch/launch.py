@@ -240,8 +240,8 @@ def launch_prechecked(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Te
     took or made, e.g. the tensors a backward saved from its forward's launch (autograd refuses
     saved tensors modified in place since, strides and sizes too). The checks cost a fraction of
     a microsecond per input, a few per backward of three launches. For the public functions'
-    plain eager launches only: their kernels' scratch is kept from launch to launch
-    (``_kept_scratch``)."""
+    plain eager launches only: their kernels' scratch and the zeroed outputs a kernel leaves zero
+    (a tile counter) are kept from launch to launch (``_kept_scratch``, ``_kept_zeros``)."""
     return _launch_on(plan, inputs, inputs[0].device, kept=True)
 
 
@@ -262,7 +262,8 @@ def _launch_on(plan: LaunchPlan, inputs, device: torch.device, kept: bool = Fals
 
 def _outputs(plan: LaunchPlan, inputs, device: torch.device, kept: bool = False) -> list[torch.Tensor]:
     poison = debug.poisoning()
-    outputs = [_kept_zeros(shape, dtype, device) if kept and resets else _allocate(shape, dtype, zeroed, device, poison)
+    outputs = [_kept_zeros(shape, dtype, device) if kept and resets else
+               _allocate(shape, dtype, zeroed, device, poison)
                for shape, dtype, zeroed, resets in _output_layout(plan)]
     for i, o in plan.aliases:
         outputs[o].copy_(inputs[i])

@@ -134,7 +134,8 @@ def row(seq: int, head_dim: int, causal: bool, dtype: str, calls: int, rounds: i
     from benchmarks.flash_attention import HIDDEN, TOKENS, _inputs
 
     batch, heads = max(1, TOKENS // seq), HIDDEN // head_dim
-    q, k, v, dout = (torch.from_numpy(a).to("cuda", getattr(torch, dtype)) for a in _inputs(batch, seq, heads, head_dim))
+    arrays = _inputs(batch, seq, heads, head_dim)
+    q, k, v, dout = (torch.from_numpy(a).to("cuda", getattr(torch, dtype)) for a in arrays)
     heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
 
     def sdpa(a, b, c):
