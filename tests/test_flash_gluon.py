@@ -2,6 +2,7 @@
 which calls the plans route to them, that their plans compile for sm_90 (CPU CI, no GPU), and on a Hopper GPU
 that they are correct, forward and through the backward, and bitwise the same from torch and jax."""
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -311,6 +312,9 @@ def test_gluon_forward_claiming_its_tiles_compiles_for_hopper(head_dim, causal):
     compiled = compile_plan(plan)
     assert compiled.metadata.shared <= HOPPER.shared_memory
     assert compiled.metadata.num_warps == 4 * (plan.constexpr_dict["CONSUMERS"] + 1)
+    # the claims, and the last claim's reset of the counter that the torch launcher keeps
+    ptx = compiled.asm["ptx"]
+    assert re.search(r"atom\.global\.[\w.]*add", ptx) and re.search(r"atom\.global\.[\w.]*exch", ptx)
 
 
 @needs_gluon
