@@ -345,8 +345,9 @@ def test_eager_fast_path_matches_registered_ops_with_every_feature(varlen):
 
 def test_a_known_call_skips_the_checks_and_gives_the_same_bits(monkeypatch):
     """A call whose shapes, dtypes, devices and options equal a checked call's skips the checks
-    (``_qkv`` is their first step) and gives the bits the checked path gives, gradients too.
-    Anything outside the key, or not plain eager, takes the checked path again."""
+    (``_qkv`` is their first step) and gives the bits the checked path gives, gradients too, and
+    with dropout the same mask for the same torch seed. Anything outside the key, or not plain
+    eager, takes the checked path again."""
     import importlib
 
     fa_ops = importlib.import_module("ejkernel_torch.ops.flash_attention")
@@ -372,9 +373,18 @@ def test_a_known_call_skips_the_checks_and_gives_the_same_bits(monkeypatch):
     no_grad = ejk.flash_attention(q, k, v, causal=True, softmax_scale=scale, return_lse=True)
     assert same(no_grad, first[:2]) and len(checked) == 1
 
-    strided_k = k.transpose(1, 2).contiguous().transpose(1, 2)  # same shape, not contiguous
-    assert same(step(q, strided_k, v), first) and len(checked) == 2
-    assert same(step(q, strided_k, v), first) and len(checked) == 3  # never known
+    strided_k = k.transpose(1, 2).contiguous().transpose(1, 2)  # same shape, not contiguous: made so
+    assert same(step(q, strided_k, v), first) and len(checked) == 1
+
+    def dropped(q, k, v):
+        torch.manual_seed(3)  # the seed is drawn from torch's generator on both paths
+        return step(q, k, v, dropout_p=0.25)
+
+    with_dropout = dropped(q, k, v)
+    assert len(checked) == 2 and not same(with_dropout, first)
+    assert same(dropped(q, k, v), with_dropout) and len(checked) == 2
+    ejk.flash_attention(q, k, v, causal=True, softmax_scale=scale, dropout_p=0.25, dropout_seed=4)
+    assert len(checked) == 3  # a given seed: checked
 
     class _Mode(torch.overrides.TorchFunctionMode):  # not plain eager: the registered ops
         def __torch_function__(self, func, types, args=(), kwargs=None):

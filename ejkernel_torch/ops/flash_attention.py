@@ -459,36 +459,39 @@ def _plain_forward(spec: fa.FlashSpec, arrays: tuple, params: tuple) -> tuple[Te
 # -- known calls ------------------------------------------------------------------------------
 #
 # A model calls attention with the same shapes and options at every layer and step. A call
-# with only q, k, v and scalar options whose key (``_call_key``) equals that of a call that
-# passed the full checks is a known call: it takes that call's spec and goes straight to
-# ``_plain_forward``. What the checks derive from the arguments is all in the key; what is not
-# (the mode and the tensors' types: ``plain_eager``; gradients; autotuning) is still asked per
-# call. Skipping the checks and the spec took a forward's host time from 71 to 47 us on the dev
-# machine (scripts/profile_op_overhead.py, kernels stubbed).
+# with only q, k, v and scalar options (dropout too, seeded from torch's generator) whose key
+# (``_call_key``) equals that of a call that passed the full checks is a known call: it takes
+# that call's spec and goes straight to ``_plain_forward``. What the checks derive from the
+# arguments is all in the key; what is not (the mode and the tensors' types: ``plain_eager``;
+# gradients; autotuning) is still asked per call. Skipping the checks and the spec took a
+# forward's host time from 71 to 47 us on the dev machine (scripts/profile_op_overhead.py,
+# kernels stubbed).
 
 _known_specs: dict[tuple, fa.FlashSpec] = {}
 _KNOWN_LIMIT = 1024
 _NO_PARAMS = (None, None)
-_NO_FEATURES = (None,) * (_N_ARRAYS - 3)  # bias, segment ids, cu_seqlens, seed
+_NO_FEATURES = (None,) * (_N_ARRAYS - 4)  # bias, segment ids, cu_seqlens
 _KEY_FLOATS = (float, type(None))  # exact types: 1 == 1.0 == True as keys
 
 
-def _call_key(q, k, v, causal, softmax_scale, sliding_window, logits_soft_cap, return_lse) -> tuple | None:
+def _call_key(q, k, v, causal, softmax_scale, sliding_window, logits_soft_cap, dropout_p,
+              return_lse) -> tuple | None:
     """The call's key, or None where the call must take the full path: a tensor that is not a
-    plain contiguous strided one, an option of another type than the usual ones, autocast on
-    (it may change dtypes), or tracing."""
+    plain strided one, an option of another type than the usual ones, autocast on (it may
+    change dtypes), or tracing. Strides are not in it: both paths make the arrays contiguous."""
     if torch.compiler.is_compiling():
         return None
     for t in (q, k, v):
-        if type(t) not in _PLAIN_TYPES or t.layout is not torch.strided or t.is_nested or not t.is_contiguous():
+        if type(t) not in _PLAIN_TYPES or t.layout is not torch.strided or t.is_nested:
             return None
     if (type(causal) is not bool or type(return_lse) is not bool or type(softmax_scale) not in _KEY_FLOATS
-            or type(logits_soft_cap) not in _KEY_FLOATS or not _key_window(sliding_window)):
+            or type(logits_soft_cap) not in _KEY_FLOATS or type(dropout_p) is not float
+            or not _key_window(sliding_window)):
         return None
     if autocasting(q.device.type):
         return None
     return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, causal,
-            softmax_scale, sliding_window, logits_soft_cap)
+            softmax_scale, sliding_window, logits_soft_cap, dropout_p)
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -501,7 +504,8 @@ def _key_window(window) -> bool:
 
 
 def _known_forward(spec: fa.FlashSpec, q: Tensor, k: Tensor, v: Tensor, autotune, return_lse: bool):
-    arrays = (q, k, v, *_NO_FEATURES)
+    # as the checked path: contiguous arrays, and a seed drawn from torch's generator for dropout
+    arrays = (q.contiguous(), k.contiguous(), v.contiguous(), *_NO_FEATURES, _seed(None, spec.dropout_p, q.device))
     _autotune(spec, arrays, _NO_PARAMS, autotune, q.device)
     out, lse = _plain_forward(spec, arrays, _NO_PARAMS)
     return (out, lse) if return_lse else out
@@ -564,9 +568,9 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, so
     Rows that attend nothing give 0, lse -inf and zero gradients.
     """
     key = None
-    if (bias is None and q_segment_ids is None and kv_segment_ids is None and type(dropout_p) is float
-            and dropout_p == 0.0 and dropout_seed is None and fwd_params is None and bwd_params is None):
-        key = _call_key(q, k, v, causal, softmax_scale, sliding_window, logits_soft_cap, return_lse)
+    if (bias is None and q_segment_ids is None and kv_segment_ids is None and dropout_seed is None
+            and fwd_params is None and bwd_params is None):
+        key = _call_key(q, k, v, causal, softmax_scale, sliding_window, logits_soft_cap, dropout_p, return_lse)
         spec = _known_specs.get(key) if key is not None else None
         if spec is not None and plain_eager(q, k, v):
             return _known_forward(spec, q, k, v, autotune, return_lse)
