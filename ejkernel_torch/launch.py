@@ -139,13 +139,18 @@ def _kept_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     launches one after another). Those launches never run in a CUDA-graph warm-up (compiled code
     calls the registered ops, which allocate afresh); under a graph capture they allocate afresh
     too (``_launch_on``), so that the graph's memory pool owns what its kernels use."""
-    key = (_C._cuda_getDevice(), stream, size)
-    scratch = _kept.get(key)
-    if scratch is None:
+    return _keep((_C._cuda_getDevice(), stream, size), _torch_scratch, size, alignment, stream)
+
+
+def _keep(key: tuple, make: Callable[..., torch.Tensor], *args, **kwargs) -> torch.Tensor:
+    """``_kept[key]``, made by ``make(*args, **kwargs)`` the first time (the dict bounded by
+    clearing it)."""
+    kept = _kept.get(key)
+    if kept is None:
         if len(_kept) >= _KEPT_LIMIT:
             _kept.clear()
-        scratch = _kept[key] = _torch_scratch(size, alignment, stream)
-    return scratch
+        kept = _kept[key] = make(*args, **kwargs)
+    return kept
 
 
 @contextlib.contextmanager
@@ -275,12 +280,7 @@ def _kept_zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     per device, stream, shape and dtype for the public functions' plain eager launches, instead
     of a new one and its fill kernel each launch (a stream runs its launches one after another)."""
     key = (device.index, _C._cuda_getCurrentRawStream(device.index), shape, dtype)
-    zeros = _kept.get(key)
-    if zeros is None:
-        if len(_kept) >= _KEPT_LIMIT:
-            _kept.clear()
-        zeros = _kept[key] = torch.zeros(shape, dtype=dtype, device=device)
-    return zeros
+    return _keep(key, torch.zeros, shape, dtype=dtype, device=device)
 
 
 def _on_device(device: torch.device):

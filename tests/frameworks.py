@@ -147,6 +147,19 @@ def x64(fw: Framework):
 
 
 @functools.cache
+def registered_ops():
+    """A torch-function mode that passes every call through unchanged: while it is active the
+    torch ops are not in plain eager mode (``ejkernel_torch.launch.plain_eager``) and run their
+    registered ops, what the plain eager paths are compared with."""
+    import torch
+
+    class _PassThrough(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    return _PassThrough()
+
+
 def get(name: str) -> Framework:
     return Framework(name)
 

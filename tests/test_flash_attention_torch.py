@@ -6,7 +6,7 @@ import torch
 
 import ejkernel_torch as ejk
 from tests import references as ref
-from tests.frameworks import rel_error
+from tests.frameworks import registered_ops, rel_error
 
 OPS = torch.ops.ejkernel
 
@@ -296,11 +296,7 @@ def test_eager_calls_resolve_once_per_cache_generation(isolated_config_cache, mo
     step(q, k, v)
     assert sorted(resolves) == ["flash_attention_bwd", "flash_attention_fwd"]
 
-    class _Mode(torch.overrides.TorchFunctionMode):  # not plain eager: the registered ops run
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    with _Mode():
+    with registered_ops():  # not plain eager: the registered ops
         dispatched = step(q, k, v)
     assert all(torch.equal(a, b) for a, b in zip(tuned_run, dispatched, strict=True))
 
@@ -309,10 +305,6 @@ def test_eager_calls_resolve_once_per_cache_generation(isolated_config_cache, mo
 def test_eager_fast_path_matches_registered_ops_with_every_feature(varlen):
     """The plain eager path (memoized plans, direct launches, forward and backward) against the
     registered ops (run under a torch-function mode): outputs, lse and every gradient bitwise."""
-
-    class _Mode(torch.overrides.TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
 
     gen = torch.Generator().manual_seed(1)
     if varlen:
@@ -337,7 +329,7 @@ def test_eager_fast_path_matches_registered_ops_with_every_feature(varlen):
         return [out.detach(), lse.detach()] + [x.grad for x in leaves if x is not None]
 
     fast = [step(), step()]  # the second from the memo
-    with _Mode():
+    with registered_ops():  # not plain eager: the registered ops
         dispatched = step()
     for got in fast:
         assert all(torch.equal(a, b) for a, b in zip(got, dispatched, strict=True))
@@ -386,11 +378,7 @@ def test_a_known_call_skips_the_checks_and_gives_the_same_bits(monkeypatch):
     ejk.flash_attention(q, k, v, causal=True, softmax_scale=scale, dropout_p=0.25, dropout_seed=4)
     assert len(checked) == 3  # a given seed: checked
 
-    class _Mode(torch.overrides.TorchFunctionMode):  # not plain eager: the registered ops
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    with _Mode():
+    with registered_ops():  # not plain eager: the registered ops
         assert same(step(q, k, v), first)
     assert len(checked) == 4
 

@@ -8,6 +8,7 @@ import torch
 import ejkernel_torch
 from ejkernel_torch import launch as launch_mod
 from tests import kernels_for_tests as kt
+from tests.frameworks import registered_ops
 
 pytestmark = pytest.mark.gpu
 
@@ -68,11 +69,7 @@ def test_plain_eager_launches_keep_their_scratch_per_stream(rng, monkeypatch):
     q, k, v = (torch.tensor(rng.standard_normal((2, 300, 4, 64)), dtype=torch.bfloat16, device="cuda")
                for _ in range(3))
 
-    class _Mode(torch.overrides.TorchFunctionMode):  # not plain eager: the registered op, fresh scratch
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    with _Mode():
+    with registered_ops():  # not plain eager: the registered ops
         want = ejkernel_torch.flash_attention(q, k, v, causal=True)
     assert launch_mod._kept == {}
     first = ejkernel_torch.flash_attention(q, k, v, causal=True)

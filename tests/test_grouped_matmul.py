@@ -12,7 +12,7 @@ import pytest
 
 from tests import frameworks
 from tests import references as ref
-from tests.frameworks import TOLERANCE, rel_error
+from tests.frameworks import TOLERANCE, registered_ops, rel_error
 
 DTYPES = ["float32", "float16", "bfloat16"]
 SMALL = {"blocksize_m": 16, "blocksize_n": 16, "blocksize_k": 16}  # many tiles from small shapes
@@ -945,11 +945,7 @@ def test_torch_eager_fast_path_matches_registered_ops(torch_fw, rng, monkeypatch
     fast = _gmm_step_with_second_order(lhs, rhs, sizes, cot)
     assert calls == []
 
-    class _Mode(torch.overrides.TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    with _Mode():
+    with registered_ops():  # not plain eager: the registered ops
         dispatched = _gmm_step_with_second_order(lhs, rhs, sizes, cot)
     assert "_gmm" in calls and "_tgmm" in calls
     for got, want in zip(fast, dispatched, strict=True):
