@@ -116,45 +116,28 @@ def kernels_after_the_spin(fn, calls: int, cache, cycles: int) -> dict[str, floa
     return result
 
 
-def _step(fn, args, dout):
-    """A forward + backward of ``fn`` on fresh leaves of ``args``, as the benchmark times it."""
-    import torch
-
-    leaves = [t.detach().requires_grad_(True) for t in args]
-    return lambda: torch.autograd.grad(fn(*leaves), leaves, dout)
-
-
 def row(seq: int, head_dim: int, causal: bool, dtype: str, calls: int, rounds: int, sleep_us: float,
         backward: bool, log) -> dict:
     import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    import ejkernel_torch
-    from benchmarks.common import bench_torch
-    from benchmarks.flash_attention import HIDDEN, TOKENS, _inputs
+    from benchmarks.common import EVENT_ROUNDS, bench_torch
+    from benchmarks.flash_attention import HIDDEN, TOKENS, _inputs, _ours_and_cudnn, _torch_step
 
     batch, heads = max(1, TOKENS // seq), HIDDEN // head_dim
     arrays = _inputs(batch, seq, heads, head_dim)
     q, k, v, dout = (torch.from_numpy(a).to("cuda", getattr(torch, dtype)) for a in arrays)
-    heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
-
-    def sdpa(a, b, c):
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(a, b, c, is_causal=causal)
-
-    def ours(a, b, c):
-        return ejkernel_torch.flash_attention(a, b, c, causal=causal)
-
-    fronts = {"ours": (ours, (q, k, v), dout), "cudnn": (sdpa, heads_first[:3], heads_first[3])}
+    # (fn, args, cotangent) of each, as the benchmark calls them
+    fronts = dict(zip(("ours", "cudnn"), _ours_and_cudnn(q, k, v, dout, causal).values()))
     cache, cycles = flush_buffer(), spin_cycles(sleep_us)
     # way -> front -> a sample (a dict with "call_us"); do_bench as the benchmark calls it.
     ways = {way: (lambda fn, args, _, flags=flags: timed_calls(lambda: fn(*args), calls, cache, cycles, *flags))
             for way, flags in {"flush": (True, False), "flush+sleep": (True, True),
                                "warm+sleep": (False, True)}.items()}
-    ways["do_bench"] = lambda fn, args, _: {"call_us": 1e3 * bench_torch(lambda: fn(*args), 10, 200 // 5)}
+    rep_ms = 200 // EVENT_ROUNDS  # a round of the benchmark's event timing
+    ways["do_bench"] = lambda fn, args, _: {"call_us": 1e3 * bench_torch(lambda: fn(*args), 10, rep_ms)}
     if backward:
-        ways["do_bench fwd+bwd"] = lambda fn, args, cot: {"call_us": 1e3 * bench_torch(_step(fn, args, cot), 10,
-                                                                                         200 // 5)}
+        ways["do_bench fwd+bwd"] = lambda fn, args, cot: {
+            "call_us": 1e3 * bench_torch(_torch_step(fn, *args, cot), 10, rep_ms)}
     for fn, args, cot in fronts.values():
         for way in ways.values():
             way(fn, args, cot)  # compile and warm up
