@@ -115,6 +115,20 @@ def calls_per_batch(ms_per_call: float | None) -> int:
     return 20 if not ms_per_call else min(200, max(20, int(BATCH_MS / ms_per_call) + 1))
 
 
+def spin_until_ready(tree):
+    """Wait for every jax array in ``tree`` by polling it (``Array.is_ready``), as
+    ``torch.cuda.synchronize()`` spins (CUDA's default schedule with fewer contexts than cores)
+    where ``jax.block_until_ready`` puts the thread to sleep. Tried as the flash benchmark's jax
+    wait (``--jax-wait spin``): on an H200 it cut jax's cost per batch at seq 1024 but made its
+    seq-16384 figures 4-7% worse, so blocking stays the default (benchmarks/README.md)."""
+    import jax
+
+    for leaf in jax.tree_util.tree_leaves(tree):
+        while not leaf.is_ready():
+            pass
+    return tree
+
+
 def bench_jax(fn, *args, calls: int = 50, repeats: int = 9) -> float:
     """Median milliseconds per call over ``repeats`` batches of ``calls`` back-to-back calls
     (``fn`` may return a pytree: every leaf is waited for; the first call compiles)."""

@@ -36,8 +36,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import numpy as np
 
 from benchmarks.common import (EVENT_ROUNDS, calls_per_batch, device_name, event_rounds, host_ms, interleaved,
-                               median_ratio, pin_configs, program_batch, try_time, value_and_pullback, wall_batch,
-                               write_bar_svg, write_json)
+                               median_ratio, pin_configs, program_batch, spin_until_ready, try_time,
+                               value_and_pullback, wall_batch, write_bar_svg, write_json)
 from triton_kernels.params import BwdParams, FwdParams
 
 TOKENS = 16384
@@ -159,12 +159,12 @@ def chained_program(fn, calls: int):
     return jax.jit(program)
 
 
-def _wall_timers(torch_fns: dict, jax_arrays, causal, phase, calls, errors) -> dict:
+def _wall_timers(torch_fns: dict, jax_arrays, causal, phase, calls, errors, jax_wait) -> dict:
     """Wall-clock batch timers (``wall_batch``, ``calls`` calls a batch) of ours and cuDNN, each
     launched from torch (``torch_fns``: name -> (fn, args, cotangent)) and from jax (on
     ``jax_arrays``: q, k, v, dout), for one phase; for the forward also jax's ``calls`` calls in one
     program (``<name>_program``, ``chained_program``). A method that fails its first call is left
-    out (``errors``)."""
+    out (``errors``). ``jax_wait`` waits for a jax batch's last output."""
     import jax
     import torch
 
@@ -181,10 +181,10 @@ def _wall_timers(torch_fns: dict, jax_arrays, causal, phase, calls, errors) -> d
             # drops whatever is not returned and not needed.
             step = jax.jit(lambda a, b, c, d, fn=fn: value_and_pullback(fn, (a, b, c), d))
             call = lambda step=step: step(qj, kj, vj, doj)  # noqa: E731
-        timers[name] = wall_batch(call, jax.block_until_ready, calls)
+        timers[name] = wall_batch(call, jax_wait, calls)
         if phase == "fwd":
             program = chained_program(fn, calls)
-            timers[f"{name}_program"] = program_batch(program, (qj, kj, vj), jax.block_until_ready, calls)
+            timers[f"{name}_program"] = program_batch(program, (qj, kj, vj), jax_wait, calls)
     working = {}
     for name, timer in timers.items():
         try_time({}, errors, f"{phase}/{name}", timer)  # compiles; records a failure
@@ -193,12 +193,19 @@ def _wall_timers(torch_fns: dict, jax_arrays, causal, phase, calls, errors) -> d
     return working
 
 
-def bench_side_by_side(q, k, v, dout, arrays, dtype, causal, estimates: dict) -> tuple[dict, dict, dict]:
+def bench_side_by_side(q, k, v, dout, arrays, dtype, causal, estimates: dict,
+                       jax_wait=None) -> tuple[dict, dict, dict]:
     """Ours and cuDNN launched from torch and from jax, all four timed by wall clock in
     interleaved rounds (``interleaved``), so the jax-over-torch ratios compare like with like at
     the same moment; ``estimates`` (ms per call of ours from torch, by "phase/ours_torch") sizes
-    the batches. Returns (median ms per method, the ratios and batch sizes for the row, errors)."""
+    the batches. Torch's batches end with ``torch.cuda.synchronize()``, which spins; jax's with
+    ``jax_wait``, by default ``jax.block_until_ready``, whose thread sleeps (``spin_until_ready``
+    polls instead: on an H200 it made jax's figures worse, see benchmarks/README.md). Returns
+    (median ms per method, the ratios and batch sizes for the row, errors)."""
+    import jax
     import jax.numpy as jnp
+
+    jax_wait = jax_wait or jax.block_until_ready
 
     torch_fns = {f"{name}_wall": method for name, method in _ours_and_cudnn(q, k, v, dout, causal).items()}
     jax_arrays = [jnp.asarray(a).astype(dtype) for a in arrays]
@@ -211,7 +218,7 @@ def bench_side_by_side(q, k, v, dout, arrays, dtype, causal, estimates: dict) ->
     for phase in ("fwd", "fwd+bwd"):
         calls = calls_per_batch(estimates.get(f"{phase}/ours_torch"))
         entries[f"{phase}: wall-clock calls a batch"] = calls
-        samples = interleaved(_wall_timers(torch_fns, jax_arrays, causal, phase, calls, errors))
+        samples = interleaved(_wall_timers(torch_fns, jax_arrays, causal, phase, calls, errors, jax_wait))
         times.update({f"{phase}/{name}": statistics.median(s) for name, s in samples.items()})
         for label, (num, den) in pairs.items():
             if num in samples and den in samples:
@@ -228,7 +235,7 @@ def _inputs(batch, seq, heads, head_dim, seed=0):
     return [rng.standard_normal((batch, seq, heads, head_dim), dtype=np.float32) for _ in range(4)]
 
 
-def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=True) -> dict:
+def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=True, jax_wait=None) -> dict:
     import torch
 
     batch = batch or max(1, TOKENS // seq)
@@ -238,7 +245,7 @@ def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=Tr
     times, errors, rounds = bench_torch_impls(q, k, v, dout, causal)
     side_ratios = host_costs(q, k, v, dout, causal, times)
     if with_jax:
-        wall, ratios, wall_errors = bench_side_by_side(q, k, v, dout, arrays, dtype, causal, times)
+        wall, ratios, wall_errors = bench_side_by_side(q, k, v, dout, arrays, dtype, causal, times, jax_wait)
         side_ratios.update(ratios)
         times.update(wall)
         errors.update(wall_errors)
@@ -376,6 +383,9 @@ def main() -> None:
     parser.add_argument("--autograd-threads", default="on", choices=["on", "off"],
                         help="off: run backward passes on the calling thread "
                              "(torch.autograd.set_multithreading_enabled(False)), for every torch method")
+    parser.add_argument("--jax-wait", default="block", choices=["block", "spin"],
+                        help="how a jax batch is waited for: block (jax.block_until_ready, the thread sleeps; "
+                             "default) or spin (poll Array.is_ready, as torch.cuda.synchronize spins)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     configs = pin_configs(args.config_cache)
@@ -389,10 +399,12 @@ def main() -> None:
     # A backward of CUDA tensors runs on autograd's device thread by default; handing it there and
     # back costs a host more than the backward's own Python on some machines (VMs).
     torch.autograd.set_multithreading_enabled(args.autograd_threads == "on")
-    extras = {**configs, "autograd_threads": args.autograd_threads, **_extras(args)}  # first: a run cut short has them
+    # first: a run cut short has them
+    extras = {**configs, "autograd_threads": args.autograd_threads, "jax_wait": args.jax_wait, **_extras(args)}
     rows = []
     for dtype, d, seq, causal in itertools.product(args.dtypes, args.head_dims, args.seqs, args.causal):
-        row = run_shape(seq, d, causal == "true", dtype, sweep=args.sweep, with_jax=not args.no_jax)
+        jax_wait = spin_until_ready if args.jax_wait == "spin" else None
+        row = run_shape(seq, d, causal == "true", dtype, sweep=args.sweep, with_jax=not args.no_jax, jax_wait=jax_wait)
         rows.append(row)
         t = row["tflops"]
         print(f"{dtype:9s} d{d:<4d} s{seq:<6d} {'causal' if causal == 'true' else 'full  '} "
@@ -431,8 +443,9 @@ def _write(args, rows: list[dict], extras: dict) -> None:
                "method": f"torch: triton.testing.do_bench (CUDA events, L2 flushed), the methods in {EVENT_ROUNDS} "
                          f"interleaved rounds of {200 // EVENT_ROUNDS} ms (rounds_ms), each one's ms the median of its "
                          f"rounds, ours vs best sdpa the median of the per-round ratios; jax and *_wall: median of "
-                         "pipelined batches of >= 25 ms (20-200 calls), the wall-clock methods in 9 interleaved "
-                         "rounds, jax/torch ratios the median of per-round ratios; *_program: a forward batch as one "
+                         "pipelined batches of >= 25 ms (20-200 calls), jax's waited for as jax_wait says (block: "
+                         "jax.block_until_ready; spin: polled), the wall-clock methods in 9 interleaved rounds, "
+                         "jax/torch ratios the median of per-round ratios; *_program: a forward batch as one "
                          "jitted program of chained calls, in the same rounds; TFLOP/s on 4*B*H*S^2*D (x0.5 "
                          "causal, x3.5 fwd+bwd)",
                "ratios": _summary(rows), "failed": _failures(rows), "results": rows, **extras}

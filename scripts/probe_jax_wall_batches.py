@@ -14,10 +14,17 @@ dispatch once a batch; "per added call" compares what 80 more calls a batch cost
 batch cancel. Run it again with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` to take
 XLA's CUDA graphs out.
 
-    PYTHONPATH=. python scripts/probe_jax_wall_batches.py [--shapes 8192:64:causal 4096:128:full ...] [--out PATH]
+Torch waits for a batch with ``torch.cuda.synchronize()``, which spins (CUDA's default schedule
+with fewer contexts than cores); jax waits with ``jax.block_until_ready``. ``jax_spin``,
+``program_spin`` and ``cudnn_jax_spin`` time the same jax calls waited for by polling
+``Array.is_ready()`` instead, so that both fronts wait alike: what they gain over ``jax`` is
+what jax's own wait costs.
 
-Prints one JSON line per shape (bf16, the benchmark's batch x seq and heads); ``--out`` also
-writes them to a JSON file.
+    PYTHONPATH=. python scripts/probe_jax_wall_batches.py [--shapes 8192:64:causal 4096:128:full ...]
+        [--dtype float16] [--out PATH]
+
+Prints one JSON line per shape (bf16 unless ``--dtype``; the benchmark's batch x seq and heads);
+``--out`` also writes them to a JSON file.
 """
 import argparse
 import json
@@ -47,19 +54,19 @@ def _events_timer(fn, calls):
     return sample
 
 
-def run(seq, head_dim, causal) -> dict:
+def run(seq, head_dim, causal, dtype: str = "bfloat16") -> dict:
     import jax
     import jax.numpy as jnp
     import torch
 
     import ejkernel_jax
     import ejkernel_torch
-    from benchmarks.common import interleaved, median_ratio, program_batch, wall_batch
+    from benchmarks.common import interleaved, median_ratio, program_batch, spin_until_ready, wall_batch
     from benchmarks.flash_attention import HIDDEN, TOKENS, _inputs, _sdpa, chained_program
 
     arrays = _inputs(TOKENS // seq, seq, HIDDEN // head_dim, head_dim)[:3]
-    q, k, v = (torch.from_numpy(a).to("cuda", torch.bfloat16) for a in arrays)
-    qj, kj, vj = (jnp.asarray(a).astype("bfloat16") for a in arrays)
+    q, k, v = (torch.from_numpy(a).to("cuda", getattr(torch, dtype)) for a in arrays)
+    qj, kj, vj = (jnp.asarray(a).astype(dtype) for a in arrays)
     ours_fn = lambda a, b_, c: ejkernel_jax.flash_attention(a, b_, c, causal=causal)  # noqa: E731
     cudnn_fn = lambda a, b_, c: jax.nn.dot_product_attention(a, b_, c, is_causal=causal,  # noqa: E731
                                                              implementation="cudnn")
@@ -72,26 +79,35 @@ def run(seq, head_dim, causal) -> dict:
     for calls in (20, 100):
         timers[f"torch{calls}"] = wall_batch(ours_torch, lambda _: torch.cuda.synchronize(), calls)
         timers[f"jax{calls}"] = wall_batch(lambda: ours_jax(qj, kj, vj), jax.block_until_ready, calls)
+        timers[f"jax_spin{calls}"] = wall_batch(lambda: ours_jax(qj, kj, vj), spin_until_ready, calls)
         timers[f"cudnn_torch{calls}"] = wall_batch(cudnn_torch, lambda _: torch.cuda.synchronize(), calls)
         timers[f"cudnn_jax{calls}"] = wall_batch(lambda: cudnn_jax(qj, kj, vj), jax.block_until_ready, calls)
-        for name, fn in (("program", ours_fn), ("cudnn_program", cudnn_fn)):
-            timers[f"{name}{calls}"] = program_batch(chained_program(fn, calls), (qj, kj, vj), jax.block_until_ready,
-                                                     calls)
+        timers[f"cudnn_jax_spin{calls}"] = wall_batch(lambda: cudnn_jax(qj, kj, vj), spin_until_ready, calls)
+        programs = {"program": chained_program(ours_fn, calls), "cudnn_program": chained_program(cudnn_fn, calls)}
+        for name, program in programs.items():
+            timers[f"{name}{calls}"] = program_batch(program, (qj, kj, vj), jax.block_until_ready, calls)
+        timers[f"program_spin{calls}"] = program_batch(programs["program"], (qj, kj, vj), spin_until_ready, calls)
     timers["torch_events100"] = _events_timer(ours_torch, 100)
     samples = interleaved(timers, rounds=7)
     medians = {name: statistics.median(s) for name, s in samples.items()}
-    return {"seq": seq, "head_dim": head_dim, "causal": causal, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    return {"seq": seq, "head_dim": head_dim, "causal": causal, "dtype": dtype,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
             **medians,
             "jax/torch, 20 calls": median_ratio(samples, "jax20", "torch20"),
             "jax/torch, 100 calls": median_ratio(samples, "jax100", "torch100"),
+            "jax spinning/torch, 20 calls": median_ratio(samples, "jax_spin20", "torch20"),
+            "jax spinning/torch, 100 calls": median_ratio(samples, "jax_spin100", "torch100"),
+            "program spinning/torch, 100 calls": median_ratio(samples, "program_spin100", "torch100"),
             "cudnn jax/torch, 20 calls": median_ratio(samples, "cudnn_jax20", "cudnn_torch20"),
             "cudnn jax/torch, 100 calls": median_ratio(samples, "cudnn_jax100", "cudnn_torch100"),
+            "cudnn jax spinning/torch, 100 calls": median_ratio(samples, "cudnn_jax_spin100", "cudnn_torch100"),
             "program/torch, 20 calls": median_ratio(samples, "program20", "torch20"),
             "program/torch, 100 calls": median_ratio(samples, "program100", "torch100"),
             "cudnn program/torch, 100 calls": median_ratio(samples, "cudnn_program100", "cudnn_torch100"),
             "program/torch, per added call": _slope_ratio(samples, "program", "torch"),
             "cudnn program/torch, per added call": _slope_ratio(samples, "cudnn_program", "cudnn_torch"),
             **_excess_fit("ours", medians, "jax", "torch"),
+            **_excess_fit("ours_spinning", medians, "jax_spin", "torch"),
             **_excess_fit("cudnn", medians, "cudnn_jax", "cudnn_torch"),
             **_excess_fit("ours_program", medians, "program", "torch")}
 
@@ -116,6 +132,7 @@ def _excess_fit(label: str, medians: dict, jax_name: str, torch_name: str) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", type=flash_shape, default=list(SHAPES), help="SEQ:HEAD_DIM:full|causal")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import torch
@@ -124,7 +141,7 @@ def main() -> None:
         sys.exit("needs a CUDA GPU")
     rows = []
     for shape in args.shapes:
-        rows.append(run(*shape))
+        rows.append(run(*shape, dtype=args.dtype))
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         from benchmarks.common import device_name, write_json

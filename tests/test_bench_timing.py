@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from benchmarks.common import (calls_per_batch, error_text, event_rounds, host_ms, interleaved, median_ratio,
-                               program_batch, time_beside_plan, wall_batch, write_run)
+                               program_batch, spin_until_ready, time_beside_plan, wall_batch, write_run)
 
 
 def _recording_timers(names, log):
@@ -107,15 +107,17 @@ def test_error_text_is_the_type_and_first_line():
 
 
 def test_side_by_side_ratios_pair_the_right_methods(monkeypatch):
+    import jax
     import torch
 
     from benchmarks import flash_attention as bench
 
     ms = {"ours_torch_wall": 1.0, "ours_jax": 1.02, "sdpa_cudnn_wall": 0.9, "jax_cudnn": 0.99}
-    seen_calls = []
+    seen_calls, seen_waits = [], []
 
-    def fake_timers(*args):
-        seen_calls.append(args[-2])  # calls a batch
+    def fake_timers(torch_fns, jax_arrays, causal, phase, calls, errors, jax_wait):
+        seen_calls.append(calls)
+        seen_waits.append(jax_wait)
         return {name: (lambda v=v: v) for name, v in ms.items()}
 
     monkeypatch.setattr(bench, "_wall_timers", fake_timers)
@@ -124,11 +126,37 @@ def test_side_by_side_ratios_pair_the_right_methods(monkeypatch):
     times, entries, errors = bench.bench_side_by_side(q, k, v, dout, arrays, "bfloat16", False,
                                                       {"fwd/ours_torch": 0.2, "fwd+bwd/ours_torch": 5.0})
     assert errors == {} and seen_calls == [126, 20]  # 25 ms batches: 0.2 ms calls -> 126, 5 ms -> 20
+    assert seen_waits == [jax.block_until_ready] * 2  # the default: jax's own wait
     assert times["fwd/ours_jax"] == 1.02 and times["fwd+bwd/sdpa_cudnn_wall"] == 0.9
     assert abs(entries["fwd: ours_jax time / ours_torch time"] - 1.02) < 1e-12
     assert abs(entries["fwd+bwd: jax_cudnn time / sdpa_cudnn time"] - 1.1) < 1e-12
     assert abs(entries["fwd: ours_jax vs jax_cudnn"] - 0.99 / 1.02) < 1e-12
     assert entries["fwd: wall-clock calls a batch"] == 126
+
+
+class _Pending:
+    """A stand-in for a jax array that becomes ready on its ``polls``-th ``is_ready()``."""
+
+    def __init__(self, polls):
+        self.polls, self.asked = polls, 0
+
+    def is_ready(self):
+        self.asked += 1
+        return self.asked >= self.polls
+
+
+def test_spin_until_ready_polls_every_leaf_until_it_is_ready():
+    a, b = _Pending(3), _Pending(1)
+    tree = {"out": a, "grads": (b,)}
+    assert spin_until_ready(tree) is tree
+    assert (a.asked, b.asked) == (3, 1)
+
+
+def test_spin_until_ready_waits_for_real_jax_arrays():
+    import jax.numpy as jnp
+
+    out = spin_until_ready((jnp.arange(5) * 2, [jnp.ones(3)]))
+    assert out[0].is_ready() and out[1][0].is_ready() and int(out[0].sum()) == 20
 
 
 def test_batches_last_at_least_25_ms_within_20_to_200_calls():
