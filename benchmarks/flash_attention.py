@@ -402,8 +402,8 @@ def main() -> None:
     # first: a run cut short has them
     extras = {**configs, "autograd_threads": args.autograd_threads, "jax_wait": args.jax_wait, **_extras(args)}
     rows = []
+    jax_wait = spin_until_ready if args.jax_wait == "spin" else None  # None: jax.block_until_ready
     for dtype, d, seq, causal in itertools.product(args.dtypes, args.head_dims, args.seqs, args.causal):
-        jax_wait = spin_until_ready if args.jax_wait == "spin" else None
         row = run_shape(seq, d, causal == "true", dtype, sweep=args.sweep, with_jax=not args.no_jax, jax_wait=jax_wait)
         rows.append(row)
         t = row["tflops"]
