@@ -57,7 +57,9 @@ def device_facts(device: torch.device) -> DeviceFacts:
     if not isinstance(device, torch.device):
         device = torch.device(device)
     if device.type == "cuda":
-        return _cuda_facts(device.index if device.index is not None else torch.cuda.current_device())
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        # Dynamo traces through lru_cache wrappers, with a warning to the user; the facts are pure.
+        return (_cuda_facts.__wrapped__ if torch.compiler.is_compiling() else _cuda_facts)(index)
     if device.type == "cpu":
         return _CPU_FACTS
     raise ValueError(f"no Triton launcher for device {device} (expected cuda or cpu tensors)")

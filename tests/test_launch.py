@@ -508,3 +508,30 @@ def test_plain_eager_is_off_while_a_profiler_records(monkeypatch):
         assert launch.plain_eager(x)
     monkeypatch.undo()
     assert launch.plain_eager(x)
+
+
+def test_device_facts_under_torch_compile_skip_the_cache_without_a_warning(monkeypatch):
+    """torch.compile traces the plans' device facts; Dynamo warns its users about every
+    lru_cache it traces through, so compiled code takes the uncached function (the facts are pure)."""
+    import types
+    import warnings
+
+    from ejkernel_torch import launch as launch_mod
+
+    props = types.SimpleNamespace(major=9, minor=0, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+
+    def sms_times(x):
+        return x * launch_mod.device_facts(torch.device("cuda", 0)).num_sms
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(sms_times, fullgraph=True, backend="eager")(torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 132.0))
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
+    # Eager calls still go through the cache.
+    launch_mod._cuda_facts.cache_clear()
+    assert launch_mod.device_facts(torch.device("cuda", 0)) is launch_mod.device_facts(torch.device("cuda", 0))
+    assert launch_mod._cuda_facts.cache_info().hits == 1
+    launch_mod._cuda_facts.cache_clear()  # no fake facts left for later tests
