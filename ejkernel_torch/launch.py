@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
+import triton
 from torch import _C
 from triton.runtime import _allocation
 
@@ -473,6 +474,26 @@ def _launch_plan_fake(inputs, plan):
             if o.returned]
 
 
+@torch.compiler.assume_constant_result  # read while torch.compile traces, not traced (it reads the environment)
+def _triton_fusion_default() -> bool | None:
+    """Whether Triton fuses floating-point multiply-adds in a kernel launched without
+    ``enable_fp_fusion`` (``TRITON_DEFAULT_FP_FUSION``: yes up to Triton 3.9, no from 3.10 on);
+    None where it is forced off for every kernel (``TRITON_FORCE_DISABLE_FP_FUSION``, Triton 3.9)."""
+    language = triton.knobs.language  # Triton >= 3.4
+    if getattr(language, "force_disable_fp_fusion", False):
+        return None
+    return bool(language.default_fp_fusion)
+
+
+def _traced_fusion_as_planned(plan: LaunchPlan) -> bool:
+    """Whether the kernel that ``wrap_triton`` hands to torch.compile fuses as ``plan`` asks.
+    torch.compile does not forward ``enable_fp_fusion``, so that kernel gets Triton's default;
+    where it differs, the plan runs in the opaque op, whose launch passes the plan's own, so
+    compiled code computes what eager code does."""
+    default = _triton_fusion_default()
+    return default is None or default == plan.enable_fp_fusion
+
+
 def launch_traceable(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``launch`` for use inside ``torch.library.triton_op`` bodies. In plain eager mode it is
     ``launch``: neither indirection has anything to trace there (and ``wrap_triton`` outside an op
@@ -483,12 +504,11 @@ def launch_traceable(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Ten
     inputs, device = _check_inputs(plan, inputs, densify=True)
     if _plain_eager_state() and _plain_tensors(inputs, lazy_ok=True):  # plain_eager; lazy ones resolved above
         return _launch_on(plan, inputs, device)
-    if device.type == "cpu" or (device.type == "cuda" and plan.needs_scratch):
+    opaque = plan.needs_scratch or not _traced_fusion_as_planned(plan)  # what wrap_triton cannot launch as planned
+    if device.type == "cpu" or (device.type == "cuda" and opaque):
         return tuple(torch.ops.ejkernel.interpret_plan(list(inputs), plan_text(plan)))
     if device.type != "cuda":
         raise ValueError(f"{plan.name}: no Triton launcher for device {device}")
-    if not plan.enable_fp_fusion:  # not a launch option torch.compile forwards
-        raise NotImplementedError(f"{plan.name}: launch_traceable needs enable_fp_fusion=True")
     outputs = _outputs(plan, inputs, device)
     if not plan.is_empty:
         with _on_device(device):

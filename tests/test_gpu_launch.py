@@ -96,3 +96,19 @@ def test_plain_eager_launches_keep_their_scratch_per_stream(rng, monkeypatch):
     captured.zero_()
     graph.replay()
     assert torch.equal(captured, want)
+
+
+def test_compiled_calls_launch_as_planned_where_triton_would_not_fuse(rng, monkeypatch):
+    """With Triton's default fusion off (Triton 3.10's default), torch.compile, which does not
+    forward ``enable_fp_fusion``, runs a fusing plan through the opaque op, and gives eager's bits."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    monkeypatch.delenv("TRITON_FORCE_DISABLE_FP_FUSION", raising=False)
+    x = torch.from_numpy(rng.standard_normal((37, 300)).astype(np.float32)).cuda()
+    want = ejkernel_torch.softmax(x)
+    texts = []
+    real = launch_mod.plan_from_text
+    monkeypatch.setattr(launch_mod, "plan_from_text", lambda text: texts.append(text) or real(text))
+    torch._dynamo.reset()
+    got = torch.compile(ejkernel_torch.softmax, fullgraph=True)(x)
+    assert texts, "the compiled softmax did not take the opaque op"
+    assert torch.equal(got, want)

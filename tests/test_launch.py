@@ -535,3 +535,42 @@ def test_device_facts_under_torch_compile_skip_the_cache_without_a_warning(monke
     assert launch_mod.device_facts(torch.device("cuda", 0)) is launch_mod.device_facts(torch.device("cuda", 0))
     assert launch_mod._cuda_facts.cache_info().hits == 1
     launch_mod._cuda_facts.cache_clear()  # no fake facts left for later tests
+
+
+def _fusion_plan(fuses: bool) -> LaunchPlan:
+    return dataclasses.replace(kt.half_plan(9), enable_fp_fusion=fuses)
+
+
+def test_traced_launches_follow_the_plans_fusion_where_triton_defaults_otherwise(monkeypatch):
+    """torch.compile does not forward ``enable_fp_fusion``: where Triton's default differs from a
+    plan's (Triton 3.10 turns it off), the plan takes the opaque op, which launches as planned."""
+    from ejkernel_torch import launch as launch_mod
+
+    monkeypatch.delenv("TRITON_FORCE_DISABLE_FP_FUSION", raising=False)
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    assert launch_mod._traced_fusion_as_planned(_fusion_plan(True))
+    assert not launch_mod._traced_fusion_as_planned(_fusion_plan(False))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")  # Triton 3.10's default
+    assert not launch_mod._traced_fusion_as_planned(_fusion_plan(True))
+    assert launch_mod._traced_fusion_as_planned(_fusion_plan(False))
+    import triton
+
+    if hasattr(triton.knobs.language, "force_disable_fp_fusion"):  # Triton >= 3.9: no kernel fuses
+        monkeypatch.setenv("TRITON_FORCE_DISABLE_FP_FUSION", "1")
+        assert launch_mod._traced_fusion_as_planned(_fusion_plan(True))
+
+
+def test_fusion_default_is_read_while_torch_compile_traces(monkeypatch):
+    from ejkernel_torch import launch as launch_mod
+
+    monkeypatch.delenv("TRITON_FORCE_DISABLE_FP_FUSION", raising=False)
+    plan = _fusion_plan(True)
+
+    def as_planned(x):
+        return x + 1 if launch_mod._traced_fusion_as_planned(plan) else x - 1
+
+    for default, want in (("1", 2.0), ("0", 0.0)):
+        monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", default)
+        torch._dynamo.reset()
+        out = torch.compile(as_planned, fullgraph=True, backend="eager")(torch.ones(2))
+        assert torch.equal(out, torch.full((2,), want))
