@@ -489,7 +489,7 @@ def _traced_fusion_as_planned(plan: LaunchPlan) -> bool:
     """Whether the kernel that ``wrap_triton`` hands to torch.compile fuses as ``plan`` asks.
     torch.compile does not forward ``enable_fp_fusion``, so that kernel gets Triton's default;
     where it differs, the plan runs in the opaque op, whose launch passes the plan's own, so
-    compiled code computes what eager code does."""
+    compiled code fuses as eager code does."""
     default = _triton_fusion_default()
     return default is None or default == plan.enable_fp_fusion
 
