@@ -53,14 +53,19 @@ def _cuda_facts(index: int) -> DeviceFacts:
 _CPU_FACTS = DeviceFacts.cpu()
 
 
+def uncached_while_compiling(cached_fn):
+    """``cached_fn`` (an ``lru_cache`` of a pure function), or the function under it while
+    torch.compile traces: Dynamo traces through the cache anyway, warning the user each time."""
+    return cached_fn.__wrapped__ if torch.compiler.is_compiling() else cached_fn
+
+
 def device_facts(device: torch.device) -> DeviceFacts:
     """The facts plans are made from; the same on the same GPU as the jax front's."""
     if not isinstance(device, torch.device):
         device = torch.device(device)
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        # Dynamo traces through lru_cache wrappers, with a warning to the user; the facts are pure.
-        return (_cuda_facts.__wrapped__ if torch.compiler.is_compiling() else _cuda_facts)(index)
+        return uncached_while_compiling(_cuda_facts)(device.index if device.index is not None
+                                                     else torch.cuda.current_device())
     if device.type == "cpu":
         return _CPU_FACTS
     raise ValueError(f"no Triton launcher for device {device} (expected cuda or cpu tensors)")

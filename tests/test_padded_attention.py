@@ -363,7 +363,9 @@ def _poison_padding(x: np.ndarray, n_pad: np.ndarray, value: float) -> np.ndarra
 def test_padding_is_never_read(fw, rng, garbage):
     """Padding may hold anything (an uninitialized buffer's NaN): outputs and gradients are those
     of zero padding, padding rows and their gradients exact zeros. A masked probability of 0 times
-    a NaN value or query row used to turn every row of the sequence into NaN."""
+    a NaN value or query row used to turn every row of the sequence into NaN. Off a GPU, where the
+    kernels run in Triton's interpreter, numpy does not warn about that garbage either (a GPU
+    computes it silently; the masks keep the right values)."""
     batch, seq, dim = 3, 37, 16
     n_pad = np.array([0, 5, 20], np.int32)  # 20: the padding spans a 16-row tile edge
     clean = [_poison_padding(rng.standard_normal((batch, seq, dim)), n_pad, 0.0) for _ in range(4)]
@@ -371,8 +373,10 @@ def test_padding_is_never_read(fw, rng, garbage):
     gs = fw.asarray(n_pad)
     tiles = dict(q_blocksize=16, kv_blocksize=16)
     attend = lambda q, k, v: fw.ops.padded_attention(q, k, v, gs, fwd_params=tiles, bwd_params=tiles)  # noqa: E731
-    out = fw.to_numpy(attend(q, k, v))
-    grads = fw.vjp(attend, [q, k, v], dout)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        out = fw.to_numpy(attend(q, k, v))
+        grads = fw.vjp(attend, [q, k, v], dout)
     assert rel_error(out, ref.forward(ref.padded_attention, *clean[:3], n_pad)) < TOLERANCE["float32"]
     expected = ref.vjp(ref.padded_attention, [*clean[:3], n_pad], clean[3], n_diff=3)
     for name, got, want in zip("qkv", grads, expected):
@@ -381,24 +385,6 @@ def test_padding_is_never_read(fw, rng, garbage):
         assert not np.isnan(got).any()
         for b, pad in enumerate(n_pad):
             assert not got[b, :pad].any()
-
-
-def test_garbage_padding_gives_no_numpy_warnings_on_cpu(fw, rng):
-    """Off a GPU the kernels run in Triton's interpreter, whose numpy warns about inf padding
-    times a masked zero, which a GPU computes silently; the masks keep the right values."""
-    batch, seq, dim = 2, 21, 16
-    n_pad = np.array([0, 7], np.int32)
-    q, k, v, dout = (fw.asarray(_poison_padding(rng.standard_normal((batch, seq, dim)), n_pad, np.inf), "float32")
-                     for _ in range(4))
-    tiles = dict(q_blocksize=16, kv_blocksize=16)
-    attend = lambda q, k, v: fw.ops.padded_attention(q, k, v, fw.asarray(n_pad), fwd_params=tiles,  # noqa: E731
-                                                     bwd_params=tiles)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        out = fw.to_numpy(attend(q, k, v))
-        grads = fw.vjp(attend, [q, k, v], dout)
-    for got in (out, *grads):
-        assert np.isfinite(got).all() and not got[1, :7].any()
 
 
 def test_huge_softmax_scale(fw, rng):

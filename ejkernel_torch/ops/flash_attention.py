@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch_prechecked,
-                                   launch_traceable, plain_eager, reject_forward_ad, torch_dtype, vmap_only)
+                                   launch_traceable, plain_eager, reject_forward_ad, torch_dtype,
+                                   uncached_while_compiling, vmap_only)
 from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import (KernelOp, autocast, autocasting, autograd_function, first_order, name_of,
                                         no_grad_op, read_later, same_device, saved_tensors, tensor_arg,
@@ -401,11 +402,6 @@ def _seed_tensor(dropout_seed, device, where: str = "q is on") -> Tensor:
     return torch.full((1,), fa.seed_value(dropout_seed), dtype=torch.int32, device=device)
 
 
-def _checked(spec_fn):
-    # Dynamo traces through lru_cache wrappers (with a warning); specs are pure, so skip the cache.
-    return spec_fn.__wrapped__ if torch.compiler.is_compiling() else spec_fn
-
-
 def _qkv(q, k, v):
     q, k, v = autocast(tensor_arg("q", q), tensor_arg("k", k), tensor_arg("v", v))
     device = same_device(q=q, k=k, v=v)
@@ -580,7 +576,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, so
     kv_seg = _optional_tensor("kv_segment_ids", kv_segment_ids, device)
     shapes, dtypes = _shapes_and_dtypes(q, k, v)
     (bias_shape, bias_dtype), (qs_shape, qs_dtype), (ks_shape, ks_dtype) = map(_shape_dtype, (bias, q_seg, kv_seg))
-    spec = _checked(fa.dense_spec)(
+    spec = uncached_while_compiling(fa.dense_spec)(
         *shapes, dtypes, causal=causal, softmax_scale=softmax_scale, sliding_window=fa.window_arg(sliding_window),
         logits_soft_cap=logits_soft_cap, bias_shape=bias_shape, bias_dtype=bias_dtype, q_segment_shape=qs_shape,
         q_segment_dtype=qs_dtype, kv_segment_shape=ks_shape, kv_segment_dtype=ks_dtype, dropout_p=dropout_p)
@@ -623,7 +619,7 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     cu_q = _optional_tensor("cu_seqlens_q", cu_seqlens_q, device)
     cu_k = _optional_tensor("cu_seqlens_k", cu_seqlens_k, device)
     shapes, dtypes = _shapes_and_dtypes(q, k, v)
-    spec = _checked(fa.varlen_spec)(
+    spec = uncached_while_compiling(fa.varlen_spec)(
         *shapes, dtypes, tuple(cu_q.shape), name_of(cu_q), tuple(cu_k.shape), name_of(cu_k), max_seqlen_q,
         max_seqlen_k, causal=causal, softmax_scale=softmax_scale, sliding_window=fa.window_arg(sliding_window),
         logits_soft_cap=logits_soft_cap, dropout_p=dropout_p)
