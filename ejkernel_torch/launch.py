@@ -252,7 +252,7 @@ def launch_prechecked(plan: LaunchPlan, *inputs: torch.Tensor) -> tuple[torch.Te
     """``launch`` without its input checks, for inputs known to pass them: what a checked launch
     took or made, e.g. the tensors a backward saved from its forward's launch (autograd refuses
     saved tensors modified in place since, strides and sizes too). The checks cost a fraction of
-    a microsecond per input, a few per backward of three launches. For the public functions'
+    a microsecond per input, a few per backward of two or three launches. For the public functions'
     plain eager launches only: their kernels' scratch and the zeroed outputs a kernel leaves zero
     (a tile counter) are kept from launch to launch (``_kept_scratch``, ``_kept_zeros``)."""
     return _launch_on(plan, inputs, inputs[0].device, kept=True)

@@ -55,11 +55,13 @@ def _probe(kind: str, head_dim: int, seq: int, causal: bool, group: int) -> list
     facts = device_facts(q.device)
     arrays = _features(q, k, v, None, None, None, None, None, None)
     out, lse = launch(fa.forward_plan(spec, facts), *arrays)
-    # The Triton plans: what backward_plans picks where the front cannot run Gluon.
-    delta_plan, dkdv_plan, dq_plan = fa.backward_plans(spec, dataclasses.replace(facts, gluon=False))
+    # The Triton plans: what backward_plans picks where the front cannot run Gluon. Its dq computes
+    # delta itself; the Gluon kernels read it.
+    triton_plans = fa.backward_plans(spec, dataclasses.replace(facts, gluon=False))
     dlse = torch.zeros(1, device="cuda", dtype=torch.float32)
-    (delta,) = launch(delta_plan, out, do, dlse, arrays[6], arrays[7])
+    (delta,) = launch(fa.plan.delta_plan(spec, facts), out, do, dlse, arrays[6], arrays[7])
     grads_in = arrays + [do, lse, delta]
+    triton_in = {"dq": arrays + [do, lse, out, dlse], "dkdv": grads_in}
     if kind == "fwd":
         from triton_kernels.flash_attention.plan import gluon_forward_plan, triton_forward_plan
 
@@ -68,21 +70,24 @@ def _probe(kind: str, head_dim: int, seq: int, causal: bool, group: int) -> list
         candidates = [("triton", triton_plan)] + [
             (f"gluon persistent s{s}", _variant(gluon_forward_plan(spec, facts), "BLOCK_N", 128, s)) for s in (2, 3)]
     else:
-        triton_plan, gluon_plan = (dq_plan, gluon_dq_plan) if kind == "dq" else (dkdv_plan, gluon_dkdv_plan)
+        triton_plan, gluon_plan = ((triton_plans.dq, gluon_dq_plan) if kind == "dq"
+                                   else (triton_plans.dkdv, gluon_dkdv_plan))
         block_name, variants = VARIANTS[kind]
         candidates = [("triton", triton_plan)] + [
             (f"gluon {block_name[-1].lower()}{n} s{s}", _variant(gluon_plan(spec, facts), block_name, n, s))
             for n, s in variants]
-    want = launch(triton_plan, *grads_in)[:2]  # dq, or dk and dv, or out and lse
+    n_out = 1 if kind == "dq" else 2
+    want = launch(triton_plan, *triton_in.get(kind, grads_in))[:n_out]  # dq, or dk and dv, or out and lse
     per_matmul = flops(b, h, seq, d, causal, "fwd") / 2  # one of the pass's matmuls (MATMULS)
     rows = []
     for name, plan in candidates:
         row = {"pass": kind, "head_dim": d, "seq": seq, "group": group, "causal": causal, "kernel": name}
+        inputs = triton_in.get(kind, grads_in) if plan is triton_plan else grads_in
         try:
-            got = launch(plan, *grads_in)[:2]
+            got = launch(plan, *inputs)[:n_out]
             torch.cuda.synchronize()
             row["rel_err_vs_triton"] = _rel_err(got, want)
-            row["ms"] = bench_torch(lambda: launch(plan, *grads_in))
+            row["ms"] = bench_torch(lambda: launch(plan, *inputs))
             row["effective_tflops"] = MATMULS[kind] * per_matmul / row["ms"] / 1e9
         except Exception as e:  # a variant that does not compile or fit is reported, not fatal
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"

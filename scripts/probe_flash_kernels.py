@@ -37,15 +37,15 @@ def _probe(head_dim: int, causal: bool) -> list[dict]:
     arrays = _features(q, k, v, None, None, None, None, None, None)
     fwd_plan = fa.forward_plan(spec, facts)
     out, lse = launch(fwd_plan, *arrays)
-    delta_plan, dkdv_plan, dq_plan = fa.backward_plans(spec, facts)
+    plans = fa.backward_plans(spec, facts)
     dlse = torch.zeros(1, device="cuda", dtype=torch.float32)
-    delta_in = (out, do, dlse, arrays[6], arrays[7])
-    (delta,) = launch(delta_plan, *delta_in)
-    grads_in = arrays + [do, lse, delta]
+    given = plans.run(launch, dict(zip(fa.BACKWARD_INPUTS, (*arrays, out, do, lse, dlse))))
     per_matmul = flops(b, h, s, d, causal, "fwd") / 2
     rows = []
-    for name, plan, inputs in (("fwd", fwd_plan, arrays), ("delta", delta_plan, delta_in),
-                               ("dkdv", dkdv_plan, grads_in), ("dq", dq_plan, grads_in)):
+    steps = [("fwd", fwd_plan, arrays)] + [(name, plan, [given[n] for n in plan.inputs])
+                                           for name, plan in (("delta", plans.delta), ("dkdv", plans.dkdv),
+                                                              ("dq", plans.dq)) if plan is not None]
+    for name, plan, inputs in steps:  # the Triton dq computes delta too
         ms = bench_torch(lambda: launch(plan, *inputs))
         row = {"head_dim": d, "causal": causal, "kernel": name, "ms": ms,
                "effective_tflops": MATMULS[name] * per_matmul / ms / 1e9}

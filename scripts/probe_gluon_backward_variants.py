@@ -72,8 +72,8 @@ def _inputs(shape, causal: bool):
     facts = device_facts(q.device)
     features = _features(q, k, v, None, None, None, None, None, None)
     out, lse = launch(fa.forward_plan(spec, facts), *features)
-    delta_plan = fa.backward_plans(spec, facts)[0]
-    (delta,) = launch(delta_plan, out, dout, torch.zeros(1, device="cuda"), features[6], features[7])
+    (delta,) = launch(fa.plan.delta_plan(spec, facts), out, dout, torch.zeros(1, device="cuda"), features[6],
+                      features[7])
     return spec, facts, (*features, dout, lse, delta)
 
 

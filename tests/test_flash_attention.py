@@ -667,7 +667,38 @@ def test_varlen_grids_cover_the_packed_tokens_only():
                           2**31 - 1, 2**31 - 1, causal=True)
     for facts in (HOPPER, DeviceFacts.cpu()):
         plans = [fa.forward_plan(spec, facts), *fa.backward_plans(spec, facts, False, False)]
-        assert [p.grid for p in plans] == [(1, 2, 1), (1, 2, 1), (1, 1, 1), (1, 2, 1)], facts
+        assert [p.grid for p in plans] == [(1, 2, 1), (1, 2, 1), (1, 1, 1)], facts  # forward, dq, dk/dv
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_triton_dq_stores_delta_for_every_row(fw, rng, varlen):
+    """The Triton dq kernel runs before dk/dv and stores delta = rowsum(o * do) - dlse (the lse
+    layout) for them: every row (outputs are poisoned), against float64. Odd sizes, GQA."""
+    from triton_kernels import flash_attention as fa
+    from triton_kernels.plan import DeviceFacts
+
+    heads_q, heads_kv, head_dim = 3, 1, 40
+    if varlen:
+        lengths = [13, 1, 22]
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        q_shape, kv_shape = (int(cu[-1]), heads_q, head_dim), (int(cu[-1]), heads_kv, head_dim)
+        spec = fa.varlen_spec(q_shape, kv_shape, kv_shape, ("bfloat16",) * 3, cu.shape, "int32", cu.shape, "int32",
+                              max(lengths), max(lengths), causal=True)
+    else:
+        q_shape, kv_shape = (2, 37, heads_q, head_dim), (2, 29, heads_kv, head_dim)
+        spec = fa.dense_spec(q_shape, kv_shape, kv_shape, ("bfloat16",) * 3, causal=True)
+    plans = fa.backward_plans(spec, DeviceFacts.cpu(), False, True)
+    assert plans.delta is None and list(plans) == [plans.dq, plans.dkdv]
+    q, k, v, o, do = (fw.asarray(rng.standard_normal(shape), "bfloat16")
+                      for shape in (q_shape, kv_shape, kv_shape, q_shape, q_shape))
+    lse, dlse = (fw.asarray(rng.standard_normal(spec.lse_shape), "float32") for _ in range(2))
+    features = [q, k, v] + [fw.asarray(np.zeros(1), dtype) for dtype in fa.feature_dtypes(spec)[3:]]
+    if varlen:
+        features[6] = features[7] = fw.asarray(cu)
+    grads = plans.run(fw.launch, dict(zip(fa.BACKWARD_INPUTS, features + [o, do, lse, dlse])))
+    rowsum = (fw.to_numpy(o) * fw.to_numpy(do)).sum(-1)  # [..., tokens, heads]
+    want = (rowsum.T if varlen else rowsum.transpose(0, 2, 1)) - fw.to_numpy(dlse)
+    assert rel_error(fw.to_numpy(grads["delta_ptr"]), want) < 1e-6
 
 
 def test_uint32_dropout_seed_is_read_as_its_bits(fw):

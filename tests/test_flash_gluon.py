@@ -96,7 +96,7 @@ def test_other_calls_keep_the_triton_forward(options):
 def test_gluon_forward_and_dq_schedules(seq_q, causal, grid, pairs):
     """The query-tile kernels' (grid, PAIRS) for 2 batch rows of 4 query heads, 16384 keys."""
     spec = _spec(seq_q=seq_q, seq_k=16384, causal=causal)
-    for plan in (fa.forward_plan(spec, HOPPER_GLUON), fa.backward_plans(spec, HOPPER_GLUON)[2]):
+    for plan in (fa.forward_plan(spec, HOPPER_GLUON), fa.backward_plans(spec, HOPPER_GLUON).dq):
         assert plan.is_gluon and plan.grid == (grid,) and plan.constexpr_dict["PAIRS"] == pairs
 
 
@@ -112,7 +112,7 @@ def test_gluon_dkdv_schedules(shape, causal, grid, pairs):
     group's heads."""
     b, sq, sk, hq, hkv = shape
     spec = fa.dense_spec((b, sq, hq, 128), (b, sk, hkv, 128), (b, sk, hkv, 128), ("bfloat16",) * 3, causal=causal)
-    plan = fa.backward_plans(spec, HOPPER_GLUON)[1]
+    plan = fa.backward_plans(spec, HOPPER_GLUON).dkdv
     assert plan.is_gluon and plan.grid == (grid,) and plan.constexpr_dict["PAIRS"] == pairs
 
 
@@ -197,20 +197,23 @@ def _same_interface(plan, other):
 @needs_gluon
 @pytest.mark.parametrize("options", [{}, dict(causal=True), dict(dtype="float16", seq_q=1, seq_k=1)])
 def test_head_dim_128_backward_takes_the_gluon_dkdv_and_dq(options):
-    delta, dkdv, dq = fa.backward_plans(_spec(**options), HOPPER_GLUON)
-    assert dq.is_gluon and dkdv.is_gluon and not delta.is_gluon
-    assert dq.maxnreg == dkdv.maxnreg == gluon_backward.MAXNREG
-    _, triton_dkdv, triton_dq = fa.backward_plans(_spec(**options), HOPPER)
-    assert _same_interface(dq, triton_dq) and _same_interface(dkdv, triton_dkdv)
+    plans = fa.backward_plans(_spec(**options), HOPPER_GLUON)
+    assert plans.dq.is_gluon and plans.dkdv.is_gluon and not plans.delta.is_gluon
+    assert plans.dq.maxnreg == plans.dkdv.maxnreg == gluon_backward.MAXNREG
+    assert list(plans) == [plans.delta, plans.dkdv, plans.dq]  # the Gluon dq reads delta
+    triton = fa.backward_plans(_spec(**options), HOPPER)
+    assert triton.delta is None and list(triton) == [triton.dq, triton.dkdv]  # the Triton dq computes it
+    assert _same_interface(plans.dkdv, triton.dkdv)
 
 
 @needs_gluon
 @pytest.mark.parametrize("seq_k", [1, 1000, GLUON_DQ_MIN_SEQ_K_D64, 16384])
 def test_head_dim_64_backward_takes_the_gluon_dkdv_and_from_its_own_length_dq(seq_k):
     spec = _spec(head_dim=64, seq_q=min(300, seq_k), seq_k=seq_k)
-    _, dkdv, dq = fa.backward_plans(spec, HOPPER_GLUON)
-    assert dkdv.is_gluon and uses_gluon_dkdv(spec, HOPPER_GLUON)
-    assert dq.is_gluon == uses_gluon_dq(spec, HOPPER_GLUON) == (seq_k >= GLUON_DQ_MIN_SEQ_K_D64)
+    plans = fa.backward_plans(spec, HOPPER_GLUON)
+    assert plans.dkdv.is_gluon and uses_gluon_dkdv(spec, HOPPER_GLUON)
+    assert plans.dq.is_gluon == uses_gluon_dq(spec, HOPPER_GLUON) == (seq_k >= GLUON_DQ_MIN_SEQ_K_D64)
+    assert (plans.delta is not None) == plans.dq.is_gluon
     assert fa.forward_plan(spec, HOPPER_GLUON).is_gluon
 
 
@@ -224,7 +227,7 @@ def test_other_backwards_keep_the_triton_kernels(options):
 def test_gluon_backward_needs_a_launcher_for_it_and_no_params():
     assert not any(plan.is_gluon for plan in fa.backward_plans(_spec(), HOPPER))
     plans = fa.backward_plans(_spec(), HOPPER_GLUON, params=BwdParams(blocksize_m=32))
-    assert not any(plan.is_gluon for plan in plans) and plans[1].constexpr_dict["BLOCK_M"] == 32
+    assert not any(plan.is_gluon for plan in plans) and plans.dkdv.constexpr_dict["BLOCK_M"] == 32
 
 
 
@@ -322,7 +325,8 @@ def test_gluon_plan_with_unit_sequences_compiles():
     from triton_kernels.aot import compile_plan
 
     spec = _spec(seq_q=1, seq_k=1, causal=True)
-    for plan in (fa.forward_plan(spec, HOPPER_GLUON),) + fa.backward_plans(spec, HOPPER_GLUON)[1:]:
+    plans = fa.backward_plans(spec, HOPPER_GLUON)
+    for plan in (fa.forward_plan(spec, HOPPER_GLUON), plans.dkdv, plans.dq):
         assert plan.is_gluon and plan.aot_constexprs()["seq_q"] == 1
         compile_plan(plan)
 
@@ -330,7 +334,7 @@ def test_gluon_plan_with_unit_sequences_compiles():
 def test_plan_text_round_trips_maxnreg():
     from ejkernel_torch.launch import plan_from_text, plan_text
 
-    for plan in (fa.forward_plan(_spec(), HOPPER_GLUON),) + fa.backward_plans(_spec(), HOPPER_GLUON)[1:]:
+    for plan in (fa.forward_plan(_spec(), HOPPER_GLUON), *fa.backward_plans(_spec(), HOPPER_GLUON)):
         assert plan_from_text(plan_text(plan)) == plan
 
 
@@ -466,7 +470,8 @@ def test_gluon_kernels_take_unaligned_views_and_leave_the_allocator_alone():
     assert q.is_contiguous() and q.data_ptr() % 16 != 0
     spec = fa.dense_spec(shape, shape, shape, ("bfloat16",) * 3, causal=True)
     _assert_gluon(spec)
-    assert all(plan.is_gluon for plan in fa.backward_plans(spec, _torch_facts())[1:])
+    plans = fa.backward_plans(spec, _torch_facts())
+    assert plans.dkdv.is_gluon and plans.dq.is_gluon
     cot = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     before = _allocation._allocator.get()
     out = ejk.flash_attention(q, k, v, causal=True)

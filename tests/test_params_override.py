@@ -33,7 +33,8 @@ def test_overrides_change_only_what_they_name(facts):
     spec = fa.dense_spec((1, 20, 2, 16), (1, 24, 2, 16), (1, 24, 2, 16), ("float32",) * 3)
     assert _blocks(fa.forward_plan(spec, facts, FwdParams(**FWD)))[:3] == (16, 32, 2)
     assert fa.forward_plan(spec, facts, FwdParams(**FWD)) == fa.forward_plan(spec, facts, FwdParams(**FWD))
-    _, dkdv, dq = fa.backward_plans(spec, facts, False, False, BWD)
+    plans = fa.backward_plans(spec, facts, False, False, BWD)
+    dkdv, dq = plans.dkdv, plans.dq
     assert _blocks(dkdv)[:3] == (32, 16, 2)
     assert _blocks(dq)[:3] == (16, 32, 2)  # dq holds blocksize_n queries and steps over blocksize_m keys
 

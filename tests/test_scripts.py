@@ -51,6 +51,7 @@ GPU_ONLY = {
     "scripts/probe_flash_builds.py": ["--shapes", "128:64:full", "--out", os.devnull],
     "scripts/probe_flash_gaps.py": ["--shapes", "128:64:full", "--out", os.devnull],
     "scripts/probe_flash_flush.py": ["--shapes", "128:64:full", "--out", os.devnull],
+    "scripts/probe_flash_backward.py": ["--cases", "128:64:full", "--out", os.devnull],
 }
 
 

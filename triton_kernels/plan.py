@@ -247,6 +247,11 @@ class LaunchPlan:
         kept = tuple(i for i, o in enumerate(self.outputs) if o.returned)
         return None if len(kept) == len(self.outputs) else kept
 
+    @functools.cached_property
+    def result_names(self) -> tuple[str, ...]:
+        """The names of what ``results`` returns, in its order."""
+        return tuple(o.name for o in self.outputs if o.returned)
+
     def results(self, outputs: Sequence[Any]) -> tuple[Any, ...]:
         """What a launch returns of the ``outputs`` it allocated: all but the unreturned ones."""
         kept = self._returned

@@ -283,7 +283,7 @@ def _flash_bwd_untuned(spec, facts):
 def _flash_bwd_plan(spec, facts, params):
     from . import flash_attention as fa
 
-    return fa.backward_plans(spec, facts, False, False, params)[1]
+    return fa.backward_plans(spec, facts, False, False, params).dkdv
 
 
 def _flash_fwd_workload(spec, facts, features, launch):
@@ -297,12 +297,11 @@ def _flash_bwd_workload(spec, facts, features, launch):
     from . import flash_attention as fa
 
     out, lse = launch(fa.forward_plan(spec, facts, None), *features)
-    delta_plan = fa.backward_plans(spec, facts)[0]
-    (delta,) = launch(delta_plan, out, out, lse, features[6], features[7])  # lse stands in for the unused dlse
+    given = dict(zip(fa.BACKWARD_INPUTS, (*features, out, out, lse, lse)))  # lse stands in for the unused dlse
 
     def run(params):
-        _, dkdv, dq = fa.backward_plans(spec, facts, False, False, params)
-        return (*launch(dkdv, *features, out, lse, delta), *launch(dq, *features, out, lse, delta))
+        grads = fa.backward_plans(spec, facts, False, False, params).run(launch, given)
+        return grads["dq_ptr"], grads["dk_ptr"], grads["dv_ptr"]
 
     return run
 

@@ -38,14 +38,11 @@ def _forward_kernel(spec, params, q, k, v, bias, aux):
 def _backward_kernels(spec, params, bias_grad, use_dlse, q, k, v, bias, aux, out, lse, dout, dlse):
     """(dq, dk, dv, ds): ds is the float32 gradient of the full scores, a [1] stand-in unless
     bias_grad; ``dlse`` is None unless use_dlse."""
-    delta_plan, dkdv_plan, dq_plan = fa.backward_plans(spec, device_facts(), bias_grad, use_dlse,
-                                                       _tuning.resolve(FLASH_BWD, spec, params[1]))
-    features = _features(q, k, v, bias, aux)
+    plans = fa.backward_plans(spec, device_facts(), bias_grad, use_dlse, _tuning.resolve(FLASH_BWD, spec, params[1]))
     dlse_arg = dlse if use_dlse else jnp.zeros((1,), jnp.float32)
-    (delta,) = launch(delta_plan, out, dout, dlse_arg, features[6], features[7])
-    dk, dv, ds = launch(dkdv_plan, *features, dout, lse, delta)
-    (dq,) = launch(dq_plan, *features, dout, lse, delta)
-    return dq, dk, dv, ds
+    given = (*_features(q, k, v, bias, aux), out, dout, lse, dlse_arg)
+    grads = plans.run(launch, dict(zip(fa.BACKWARD_INPUTS, given)))
+    return grads["dq_ptr"], grads["dk_ptr"], grads["dv_ptr"], grads["ds_ptr"]
 
 
 # -- vmap: the mapped axis folded into the batch --------------------------------------------------

@@ -197,15 +197,12 @@ def _backward_kernels(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor
 
 
 def _launch_backward(plans, run, cached: bool, dout, dlse, out, lse, arrays) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The backward's three launches of ``plans`` (delta, dk/dv, dq), each with ``run``
-    (``launch_traceable``, or ``launch`` in plain eager mode); ``cached``: see ``_features``."""
-    delta_plan, dkdv_plan, dq_plan = plans
-    features = _features(*arrays, cached=cached)
+    """The backward's launches of ``plans`` (``fa.BackwardPlans``), each with ``run``
+    (``launch_traceable``, or ``launch_prechecked`` in plain eager mode); ``cached``: see ``_features``."""
     dlse_arg = dlse if dlse is not None else _dummy(arrays[0].device, torch.float32, cached)
-    (delta,) = run(delta_plan, out, dout, dlse_arg, features[6], features[7])
-    dk, dv, ds = run(dkdv_plan, *features, dout, lse, delta)
-    (dq,) = run(dq_plan, *features, dout, lse, delta)
-    return dq, dk, dv, ds
+    given = (*_features(*arrays, cached=cached), out, dout, lse, dlse_arg)
+    grads = plans.run(run, dict(zip(fa.BACKWARD_INPUTS, given)))
+    return grads["dq_ptr"], grads["dk_ptr"], grads["dv_ptr"], grads["ds_ptr"]
 
 
 # Registered from a named function so that ``_backward`` can also call the body directly.

@@ -1,10 +1,12 @@
 """Flash-attention backward, deterministic (no atomics):
 
-* ``flash_bwd_delta_kernel``: delta = rowsum(o * do) - dlse, in the lse layout;
+* ``flash_bwd_dq_kernel``: one program per (query block, head, batch row). It runs first: each
+  program computes its rows' delta = rowsum(o * do) - dlse from the o and do rows it loads anyway,
+  uses it, and stores it (lse layout) for dk/dv;
 * ``flash_bwd_dkdv_kernel``: one program per (key block, kv head, batch row), looping over every
   query head of its group and the query blocks that can see the keys; also writes dS (the
   gradient of the logits) when the bias needs a gradient;
-* ``flash_bwd_dq_kernel``: one program per (query block, head, batch row).
+* ``flash_bwd_delta_kernel``: delta alone, for the Gluon dq kernel, which reads it.
 
 Probabilities are recomputed from the saved log-sum-exp; dropout regenerates the forward's mask
 from (seed, element offset). Rows that attend nothing have lse = -inf and get p = 0, hence zero
@@ -36,13 +38,23 @@ def flash_bwd_delta_kernel(o_ptr, do_ptr, dlse_ptr, cu_q_ptr, cu_k_ptr, seq_q, s
         return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    do = _load_rows(do_ptr, q_start, offs_m, len_q, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM)
+    rows = _row_base(b, h, q_start, seq_q, total_q, HEADS_Q, IS_VARLEN)
+    _store_delta(o_ptr, do, dlse_ptr, delta_ptr, q_start, offs_m, len_q, h, offs_d, rows, HEADS_Q, HEAD_DIM, USE_DLSE)
+
+
+@triton.jit
+def _store_delta(o_ptr, do, dlse_ptr, delta_ptr, q_start, offs_m, len_q, h, offs_d, rows, HEADS_Q: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, USE_DLSE: tl.constexpr):
+    """delta = rowsum(o * do) - dlse of rows ``offs_m`` (``do`` loaded), stored at ``rows + offs_m``
+    and returned; rows past ``len_q`` get 0."""
     o = _load_rows(o_ptr, q_start, offs_m, len_q, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM).to(tl.float32)
-    do = _load_rows(do_ptr, q_start, offs_m, len_q, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM).to(tl.float32)
-    delta = tl.sum(o * do, axis=1)
-    rows = _row_base(b, h, q_start, seq_q, total_q, HEADS_Q, IS_VARLEN) + offs_m
+    delta = tl.sum(o * do.to(tl.float32), axis=1)
+    row_mask = offs_m < len_q
     if USE_DLSE:  # d lse / d logits = p, so a gradient on lse folds into delta
-        delta -= tl.load(dlse_ptr + rows, mask=offs_m < len_q, other=0.0)
-    tl.store(delta_ptr + rows, delta, mask=offs_m < len_q)
+        delta -= tl.load(dlse_ptr + rows + offs_m, mask=row_mask, other=0.0)
+    tl.store(delta_ptr + rows + offs_m, delta, mask=row_mask)
+    return delta
 
 
 @triton.jit
@@ -216,15 +228,15 @@ def flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, 
 
 @triton.jit(do_not_specialize_on_alignment=RUNTIME_INTS)
 def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_ptr, cu_k_ptr, seed_ptr,
-                        do_ptr, lse_ptr, delta_ptr,
+                        do_ptr, lse_ptr, o_ptr, dlse_ptr,
                         seq_q, seq_k, total_q, total_k, win_left, win_right,
                         logit_scale, softcap, dropout_p, dropout_scale, sm_scale,
-                        dq_ptr,
+                        dq_ptr, delta_ptr,
                         HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                         IS_VARLEN: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                         USE_BIAS: tl.constexpr, BIAS_BATCHED: tl.constexpr, BIAS_HEADS: tl.constexpr,
-                        USE_SEGMENTS: tl.constexpr, USE_DROPOUT: tl.constexpr,
+                        USE_SEGMENTS: tl.constexpr, USE_DROPOUT: tl.constexpr, USE_DLSE: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
     # torch.compile passes Python floats to Triton as fp64; keep the math in fp32 everywhere.
     logit_scale = tl.cast(logit_scale, tl.float32)
@@ -246,7 +258,8 @@ def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu
     do = _load_rows(do_ptr, q_start, offs_m, len_q, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM)
     rows = _row_base(b, h, q_start, seq_q, total_q, HEADS_Q, IS_VARLEN)
     lse2 = _lse2(tl.load(lse_ptr + rows + offs_m, mask=row_mask, other=0.0), True)  # once, outside the loop
-    delta = tl.load(delta_ptr + rows + offs_m, mask=row_mask, other=0.0)
+    delta = _store_delta(o_ptr, do, dlse_ptr, delta_ptr, q_start, offs_m, len_q, h, offs_d, rows, HEADS_Q, HEAD_DIM,
+                         USE_DLSE)
     q_seg = _segment_ids(q_seg_ptr, b, seq_q, offs_m, len_q, USE_SEGMENTS)
     seed = 0
     if USE_DROPOUT:

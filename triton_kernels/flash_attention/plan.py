@@ -286,7 +286,8 @@ def triton_forward_plan(spec: FlashSpec, facts: DeviceFacts, params: FwdParams |
     )
 
 
-def _delta_plan(spec: FlashSpec, facts: DeviceFacts, use_dlse: bool) -> LaunchPlan:
+def delta_plan(spec: FlashSpec, facts: DeviceFacts, use_dlse: bool = False) -> LaunchPlan:
+    """``flash_bwd_delta_kernel``'s plan: (o, do, dlse, cu_q, cu_k) -> delta, which the Gluon dq reads."""
     block_m = _cpu_block(_extent(spec)[0]) if facts.is_cpu else 64
     block_d = max(16, next_power_of_2(spec.head_dim))
     return LaunchPlan(
@@ -301,22 +302,50 @@ def _delta_plan(spec: FlashSpec, facts: DeviceFacts, use_dlse: bool) -> LaunchPl
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class BackwardPlans:
+    """The backward's launches. Each plan names its inputs: the arrays a backward starts from
+    (``BACKWARD_INPUTS``) or an earlier launch's outputs, by their names (``run``).
+
+    * dq: (FEATURE_INPUTS, do, lse, o, dlse) -> dq, delta with the Triton kernel, which computes
+      delta = rowsum(o * do) - dlse (lse layout) for its rows and runs first; the Gluon dq
+      (``uses_gluon_dq``) reads (FEATURE_INPUTS, do, lse, delta) -> dq instead, after ``delta``.
+    * dkdv: (FEATURE_INPUTS, do, lse, delta) -> dk, dv, ds. ``ds`` is the float32 gradient of the
+      logits [batch, heads_q, seq_q, seq_k] for a bias gradient, else a one-element placeholder.
+    * delta: (o, do, dlse, cu_q, cu_k) -> delta, the Gluon dq's; None with the Triton dq.
+    """
+    dkdv: LaunchPlan
+    dq: LaunchPlan
+    delta: LaunchPlan | None = None
+
+    def __iter__(self):
+        """The plans in the order they run."""
+        return iter((self.dq, self.dkdv) if self.delta is None else (self.delta, self.dkdv, self.dq))
+
+    def run(self, launch, arrays: dict) -> dict:
+        """``arrays`` (``BACKWARD_INPUTS`` by name) and every launch's outputs by name, each plan run
+        by ``launch(plan, *its inputs)``; dlse is a one-element stand-in unless the plans use it."""
+        arrays = dict(arrays)
+        for plan in self:
+            arrays.update(zip(plan.result_names, launch(plan, *(arrays[name] for name in plan.inputs))))
+        return arrays
+
+
+# The arrays a backward starts from, as the plans name them.
+BACKWARD_INPUTS = FEATURE_INPUTS + ("o_ptr", "do_ptr", "lse_ptr", "dlse_ptr")
+
+
 @functools.lru_cache(maxsize=512)
 def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False, use_dlse: bool = False,
-                   params: BwdParams | None = None) -> tuple[LaunchPlan, LaunchPlan, LaunchPlan]:
-    """(delta, dk/dv, dq) plans.
+                   params: BwdParams | None = None) -> BackwardPlans:
+    """The backward's plans (``BackwardPlans``). ``write_ds``: dk/dv also write the logits'
+    gradient (for a bias gradient); ``use_dlse``: a gradient of the lse folds into delta.
 
-    * delta: (out, dout, dlse, cu_q, cu_k) -> delta (lse layout); dlse is a dummy unless ``use_dlse``.
-    * dkdv: (FEATURE_INPUTS, dout, lse, delta) -> dk, dv, ds. ``ds`` is the float32 gradient of the
-      logits [batch, heads_q, seq_q, seq_k] when ``write_ds`` (for a bias gradient), else a
-      one-element placeholder.
-    * dq: (FEATURE_INPUTS, dout, lse, delta) -> dq; the Gluon dq kernel where ``uses_gluon_dq``.
-
-    dk/dv run the Gluon kernel (``gluon_dkdv_plan``) where ``uses_gluon_dkdv``.
-    ``params`` overrides the Triton kernels' tiles as dk/dv sees them: ``blocksize_m`` queries
-    streamed past ``blocksize_n`` resident keys; dq uses the transpose (``blocksize_n`` resident
-    queries, ``blocksize_m`` keys a step). So ``params`` select the Triton kernels; the delta plan
-    keeps its own tiles.
+    dk/dv run the Gluon kernel (``gluon_dkdv_plan``) where ``uses_gluon_dkdv``, dq where
+    ``uses_gluon_dq``. ``params`` overrides the Triton kernels' tiles as dk/dv sees them:
+    ``blocksize_m`` queries streamed past ``blocksize_n`` resident keys; dq uses the transpose
+    (``blocksize_n`` resident queries, ``blocksize_m`` keys a step). So ``params`` select the
+    Triton kernels.
     """
     _check_grid(spec)
     bm, bn, bd, warps, stages = override_tiles(_tiles(spec, facts, backward=True), params, spec.dtype, facts,
@@ -339,17 +368,20 @@ def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False, 
         constexprs=consts + (("WRITE_DS", write_ds),) + precision, num_warps=warps, num_stages=stages,
     )
     if params is None and uses_gluon_dq(spec, facts):
-        return _delta_plan(spec, facts, use_dlse), dkdv, gluon_dq_plan(spec, facts)
+        return BackwardPlans(dkdv, gluon_dq_plan(spec, facts), delta_plan(spec, facts, use_dlse))
     # dq transposes the tile: its program holds bn queries and steps over bm keys. So one
     # (bm, bn) gives both kernels a long resident side and a short streamed one.
     dq = LaunchPlan(
         kernel=flash_bwd_dq_kernel, grid=(cdiv(_extent(spec)[0], bn), spec.heads_q, spec.batch),
-        inputs=inputs, input_dtypes=dtypes, scalars=scalars,
-        outputs=(Output("dq_ptr", spec.q_shape, spec.dtype, zeroed),),
-        constexprs=_features(spec) + (("BLOCK_M", bn), ("BLOCK_N", bm), ("BLOCK_D", bd)) + precision,
+        inputs=FEATURE_INPUTS + ("do_ptr", "lse_ptr", "o_ptr", "dlse_ptr"),
+        input_dtypes=feature_dtypes(spec) + (spec.dtype, "float32", spec.dtype, "float32"), scalars=scalars,
+        outputs=(Output("dq_ptr", spec.q_shape, spec.dtype, zeroed),
+                 Output("delta_ptr", spec.lse_shape, "float32", zeroed)),
+        constexprs=_features(spec) + (("BLOCK_M", bn), ("BLOCK_N", bm), ("BLOCK_D", bd), ("USE_DLSE", use_dlse))
+        + precision,
         num_warps=warps, num_stages=stages,
     )
-    return _delta_plan(spec, facts, use_dlse), dkdv, dq
+    return BackwardPlans(dkdv, dq)
 
 
 @functools.lru_cache(maxsize=128)
