@@ -25,6 +25,20 @@ from .tiles import (LOG2E_C, _dropout_keep_pairs, _full_key_range, _full_query_r
 RUNTIME_INTS = ["seq_q", "seq_k", "total_q", "total_k", "win_left", "win_right"]
 
 
+@triton.jit
+def _store_delta(o_ptr, do, dlse_ptr, delta_ptr, q_start, offs_m, len_q, h, offs_d, rows, HEADS_Q: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, USE_DLSE: tl.constexpr):
+    """delta = rowsum(o * do) - dlse of rows ``offs_m`` (``do`` loaded), stored at ``rows + offs_m``
+    and returned; rows past ``len_q`` get 0."""
+    o = _load_rows(o_ptr, q_start, offs_m, len_q, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM).to(tl.float32)
+    delta = tl.sum(o * do.to(tl.float32), axis=1)
+    row_mask = offs_m < len_q
+    if USE_DLSE:  # d lse / d logits = p, so a gradient on lse folds into delta
+        delta -= tl.load(dlse_ptr + rows + offs_m, mask=row_mask, other=0.0)
+    tl.store(delta_ptr + rows + offs_m, delta, mask=row_mask)
+    return delta
+
+
 @triton.jit(do_not_specialize_on_alignment=["seq_q", "seq_k", "total_q", "total_k"])
 def flash_bwd_delta_kernel(o_ptr, do_ptr, dlse_ptr, cu_q_ptr, cu_k_ptr, seq_q, seq_k, total_q, total_k,
                            delta_ptr,
@@ -41,20 +55,6 @@ def flash_bwd_delta_kernel(o_ptr, do_ptr, dlse_ptr, cu_q_ptr, cu_k_ptr, seq_q, s
     do = _load_rows(do_ptr, q_start, offs_m, len_q, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM)
     rows = _row_base(b, h, q_start, seq_q, total_q, HEADS_Q, IS_VARLEN)
     _store_delta(o_ptr, do, dlse_ptr, delta_ptr, q_start, offs_m, len_q, h, offs_d, rows, HEADS_Q, HEAD_DIM, USE_DLSE)
-
-
-@triton.jit
-def _store_delta(o_ptr, do, dlse_ptr, delta_ptr, q_start, offs_m, len_q, h, offs_d, rows, HEADS_Q: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, USE_DLSE: tl.constexpr):
-    """delta = rowsum(o * do) - dlse of rows ``offs_m`` (``do`` loaded), stored at ``rows + offs_m``
-    and returned; rows past ``len_q`` get 0."""
-    o = _load_rows(o_ptr, q_start, offs_m, len_q, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM).to(tl.float32)
-    delta = tl.sum(o * do.to(tl.float32), axis=1)
-    row_mask = offs_m < len_q
-    if USE_DLSE:  # d lse / d logits = p, so a gradient on lse folds into delta
-        delta -= tl.load(dlse_ptr + rows + offs_m, mask=row_mask, other=0.0)
-    tl.store(delta_ptr + rows + offs_m, delta, mask=row_mask)
-    return delta
 
 
 @triton.jit
