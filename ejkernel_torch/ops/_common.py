@@ -194,6 +194,22 @@ def n_pad_arg(n_pad, batch: int, seq_len: int, device: torch.device) -> torch.Te
     return n_pad.to(torch.int32).contiguous()
 
 
+def declare_kernels(op_name: str, kernels) -> None:
+    """Name the Triton kernels the registered op ``op_name`` may launch, for torch.compile's
+    on-disk caches. torch keys a cached graph on the source of the kernels it finds in a
+    triton_op's body (and of their helpers), and finds none behind our plans: a graph cached by an
+    older version of this library then ran that version's plan texts against today's kernels
+    (CI failed so after the flash dq kernel took new parameters: "plan for flash_bwd_dq_kernel
+    binds ..."). torch keeps the table privately; without it (an older torch) there is nothing
+    to add to."""
+    from torch._library import triton as library_triton
+
+    table = getattr(library_triton, "triton_ops_to_kernels", None)
+    if table is not None:
+        found = list(table.get(op_name, []))
+        table[op_name] = found + [k for k in kernels if k is not None and k not in found]
+
+
 class KernelOp:
     """``body`` (plans built from its tensors' shapes, run by ``launch_traceable``) as the
     ``torch.library.triton_op`` ``ejkernel::name`` (``.op``). torch.compile cannot trace the plan
@@ -205,14 +221,15 @@ class KernelOp:
     ops and records eager gradients itself. ``folds_under_vmap``: every tensor argument and output
     has one leading axis whose indices the kernels treat on their own; under ``torch.func.vmap``
     the mapped axis folds into it (``register_folding``), one launch for all samples, instead of
-    torch's per-sample fallback. ``fold_limit``: given a sample's shape of the first tensor
+    torch's per-sample fallback. ``kernels``: those ``body``'s plans launch (``declare_kernels``). ``fold_limit``: given a sample's shape of the first tensor
     argument, the most of that leading axis one launch takes (a grid axis, an int32 row count);
     past it the samples go to several launches. None: no limit."""
 
-    def __init__(self, name: str, body, *, folds_under_vmap: bool = False, fold_limit=None):
+    def __init__(self, name: str, body, *, kernels=(), folds_under_vmap: bool = False, fold_limit=None):
         self.body = body
         self.fold_limit = fold_limit
         self.op = torch.library.triton_op(f"ejkernel::{name}", body, mutates_args=())
+        declare_kernels(f"ejkernel::{name}", kernels)
         self.differentiable = False
         if folds_under_vmap:
             register_folding(self)

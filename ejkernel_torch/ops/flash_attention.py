@@ -32,9 +32,9 @@ from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, l
                                    launch_traceable, plain_eager, reject_forward_ad, torch_dtype,
                                    uncached_while_compiling, vmap_only)
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import (KernelOp, autocast, autocasting, autograd_function, first_order, name_of,
-                                        no_grad_op, read_later, same_device, saved_tensors, tensor_arg,
-                                        values_readable)
+from ejkernel_torch.ops._common import (KernelOp, autocast, autocasting, autograd_function, declare_kernels,
+                                        first_order, name_of, no_grad_op, read_later, same_device, saved_tensors,
+                                        tensor_arg, values_readable)
 from ejkernel_torch.ops._folding import fold, in_chunks, unfold
 from triton_kernels import checks, flash_attention as fa, tuning
 from triton_kernels.flash_attention.spec import dropout as check_dropout, dropout_mask_sizes
@@ -207,6 +207,8 @@ def _launch_backward(plans, run, cached: bool, dout, dlse, out, lse, arrays) -> 
 
 # Registered from a named function so that ``_backward`` can also call the body directly.
 flash_attention_bwd = torch.library.triton_op("ejkernel::flash_attention_bwd", _backward_kernels, mutates_args=())
+declare_kernels("ejkernel::flash_attention_fwd", fa.plan.FORWARD_KERNELS)
+declare_kernels("ejkernel::flash_attention_bwd", fa.plan.BACKWARD_KERNELS)
 
 
 def _needs_grad(tensors) -> bool:
@@ -654,4 +656,5 @@ def _dropout_mask_body(seed: Tensor, batch: int, heads: int, seq_q: int, seq_k: 
 
 
 # A registered op, as the attention ops: torch.compile cannot trace the plan code nor the interpreter.
-_dropout_mask = KernelOp("flash_attention_dropout_mask", _dropout_mask_body)
+_dropout_mask = KernelOp("flash_attention_dropout_mask", _dropout_mask_body,
+                         kernels=(fa.plan.dropout_mask_kernel,))

@@ -40,9 +40,10 @@ from torch.fx.experimental.symbolic_shapes import guard_or_true, has_free_unback
 from ejkernel_torch.launch import (device_facts, dtype_name, functorch_active, launch_traceable, plain_eager,
                                    reject_forward_ad, vmap_only)
 from ejkernel_torch.ops import _tuning
-from ejkernel_torch.ops._common import (autocast, autograd_function, clamp_to_int32, name_of, read_later,
-                                        same_device, saved_tensors, tensor_arg, values_readable)
+from ejkernel_torch.ops._common import (autocast, autograd_function, clamp_to_int32, declare_kernels, name_of,
+                                        read_later, same_device, saved_tensors, tensor_arg, values_readable)
 from triton_kernels import checks, tuning
+from triton_kernels import gluon_grouped_matmul as ggm
 from triton_kernels import grouped_matmul as gm
 from triton_kernels.config_cache import check_autotune
 from triton_kernels.params import FwdParams, op_params
@@ -151,6 +152,8 @@ def _plan(build: Callable[..., LaunchPlan], lhs: torch.Tensor, rhs: torch.Tensor
 # Registered from named functions so that the eager fast path (``_call``) can run the bodies directly.
 _gmm = torch.library.triton_op("ejkernel::grouped_matmul", _gmm_body, mutates_args=())
 _tgmm = torch.library.triton_op("ejkernel::transposed_grouped_matmul", _tgmm_body, mutates_args=())
+declare_kernels("ejkernel::grouped_matmul", (gm.gmm_kernel,))
+declare_kernels("ejkernel::transposed_grouped_matmul", (gm.tgmm_kernel, getattr(ggm, "tgmm_gluon_kernel", None)))
 
 
 def _gmm_setup(ctx, inputs, output):

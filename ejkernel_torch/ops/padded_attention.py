@@ -11,6 +11,7 @@ from ejkernel_torch.ops import _tuning
 from ejkernel_torch.ops._common import (KernelFunction, KernelOp, autocast, first_order, n_pad_arg,
                                         name_of, same_device, saved_tensors, static_shape, tensor_arg)
 from triton_kernels import checks
+from triton_kernels import padded_attention as pa
 from triton_kernels.tuning import PADDED_BWD, PADDED_FWD
 from triton_kernels.padded_attention import attention_bwd_plans, attention_fwd_plan, check_batch, check_sequence, fold_limit
 from triton_kernels.params import BwdParams, FwdParams, decode_params, encode_params, op_params
@@ -37,8 +38,11 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, n_pad:
 
 
 # Folded under vmap past one launch's batch (fold_limit), the samples go to several launches.
-_forward_op = KernelOp("padded_attention_fwd", _forward, folds_under_vmap=True, fold_limit=fold_limit)
-_backward_op = KernelOp("padded_attention_bwd", _backward, folds_under_vmap=True, fold_limit=fold_limit)
+_forward_op = KernelOp("padded_attention_fwd", _forward, kernels=(pa.attention_fwd_kernel,), folds_under_vmap=True,
+                       fold_limit=fold_limit)
+_backward_op = KernelOp("padded_attention_bwd", _backward, kernels=(pa.attention_bwd_delta_kernel,
+                        pa.attention_bwd_dkdv_kernel, pa.attention_bwd_dq_kernel), folds_under_vmap=True,
+                        fold_limit=fold_limit)
 
 
 def _setup(ctx, inputs, output):

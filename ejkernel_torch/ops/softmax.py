@@ -52,13 +52,17 @@ def _scores_v_backward(scores: Tensor, v: Tensor, n_pad: Tensor, out: Tensor, ls
 
 
 # Folded past a launch's limit (a grid axis, int32 row counts), the samples go to several launches.
-_rows_forward_op = KernelOp("softmax_rows_fwd", _rows_forward, folds_under_vmap=True, fold_limit=sm.rows_fold_limit)
-_rows_backward_op = KernelOp("softmax_rows_bwd", _rows_backward, folds_under_vmap=True, fold_limit=sm.rows_fold_limit)
-_padded_probs_op = KernelOp("padded_softmax_fwd", _padded_probs, folds_under_vmap=True, fold_limit=sm.padded_fold_limit)
-_scores_v_forward_op = KernelOp("padded_softmax_v_fwd", _scores_v_forward, folds_under_vmap=True,
-                                fold_limit=pa.fold_limit)
-_scores_v_backward_op = KernelOp("padded_softmax_v_bwd", _scores_v_backward, folds_under_vmap=True,
-                                 fold_limit=pa.fold_limit)
+_rows_forward_op = KernelOp("softmax_rows_fwd", _rows_forward, kernels=(sm.softmax_fwd_kernel,), folds_under_vmap=True,
+                            fold_limit=sm.rows_fold_limit)
+_rows_backward_op = KernelOp("softmax_rows_bwd", _rows_backward, kernels=(sm.softmax_bwd_kernel,),
+                             folds_under_vmap=True, fold_limit=sm.rows_fold_limit)
+_padded_probs_op = KernelOp("padded_softmax_fwd", _padded_probs, kernels=(sm.padded_softmax_fwd_kernel,),
+                            folds_under_vmap=True, fold_limit=sm.padded_fold_limit)
+_scores_v_forward_op = KernelOp("padded_softmax_v_fwd", _scores_v_forward, kernels=(pa.scores_v_fwd_kernel,),
+                                folds_under_vmap=True, fold_limit=pa.fold_limit)
+_scores_v_backward_op = KernelOp("padded_softmax_v_bwd", _scores_v_backward, kernels=(
+    pa.attention_bwd_delta_kernel, pa.scores_v_bwd_ds_kernel, pa.scores_v_bwd_dv_kernel), folds_under_vmap=True,
+    fold_limit=pa.fold_limit)
 
 
 def _softmax_rows_backward(y2d: Tensor, dy2d: Tensor) -> Tensor:

@@ -21,6 +21,12 @@ from .schedule import claims_tiles, persistent_schedule
 from .spec import FLOAT32_MAX, MAX_GRID_YZ, FlashSpec
 from .tiles import LOG2E, softcap_mode
 
+# The kernels each pass's plans launch (the Gluon ones where this Triton has Gluon).
+FORWARD_KERNELS = (flash_fwd_kernel,) + ((gluon_forward.flash_fwd_gluon_kernel,) if gluon_forward.AVAILABLE else ())
+BACKWARD_KERNELS = (flash_bwd_dq_kernel, flash_bwd_dkdv_kernel, flash_bwd_delta_kernel) + (
+    (gluon_backward.flash_bwd_dq_gluon_kernel, gluon_backward.flash_bwd_dkdv_gluon_kernel)
+    if gluon_forward.AVAILABLE else ())
+
 # (kernel parameter, what the fronts pass) in kernel order.
 FEATURE_INPUTS = ("q_ptr", "k_ptr", "v_ptr", "bias_ptr", "q_seg_ptr", "kv_seg_ptr", "cu_q_ptr", "cu_k_ptr", "seed_ptr")
 
