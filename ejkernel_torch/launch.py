@@ -462,7 +462,9 @@ def _with_defaults(kernel, constexprs: tuple) -> tuple:
     """``constexprs`` plus the kernel's defaults for those it lacks. torch.compile's on-disk caches
     key a graph before the op bodies in it are traced, so a graph cached by an older version of
     a kernel carries that version's plan text: a constexpr added since (with a default that keeps
-    the old behavior, as the grouped matmuls' BATCH) failed the plan's binding check."""
+    the old behavior, as the grouped matmuls' BATCH) failed the plan's binding check. (Where torch
+    keys its caches on the kernels the ops declare, ``ops._common.declare_kernels``, such a graph
+    is compiled again instead; this serves a torch without that key.)"""
     bound = {name for name, _ in constexprs}
     return constexprs + tuple((p.name, p.default) for p in kernel.params
                               if p.is_constexpr and p.has_default and p.name not in bound)
