@@ -1,5 +1,6 @@
 """Where flash-attention time goes on a CUDA GPU, kernel by kernel: the forward, and the
-backward's delta, dk/dv and dq kernels, each plan launched directly (no op dispatch).
+backward's kernels in launch order (delta, dk/dv, dq where the Gluon dq runs; dq, which computes
+delta itself, then dk/dv otherwise), each plan launched directly (no op dispatch).
 
     python scripts/probe_flash_kernels.py [--head-dims 64 128] [--causal false true] [--out PATH]
 
