@@ -96,11 +96,10 @@ def main() -> None:
     for case in args.cases:
         rows.append(probe(case, args.dtype))
         print(json.dumps(rows[-1]), flush=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "command": "python scripts/probe_flash_backward.py " + " ".join(sys.argv[1:]), "rows": rows}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        from benchmarks.common import write_run
+
+        write_run(args.out, rows)
 
 
 if __name__ == "__main__":

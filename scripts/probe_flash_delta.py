@@ -83,11 +83,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     rows = [r for seq, head_dim in args.shapes for r in probe(seq, head_dim, args.dtype)]
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "command": "python scripts/probe_flash_delta.py " + " ".join(sys.argv[1:]), "rows": rows}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        from benchmarks.common import write_run
+
+        write_run(args.out, rows)
 
 
 if __name__ == "__main__":
