@@ -9,41 +9,13 @@ import pytest
 torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
 
-from triton_kernels import HOPPER, flash_attention as fa  # noqa: E402
-from triton_kernels import padded_attention as pa, softmax as sm  # noqa: E402
-from triton_kernels.flash_attention.plan import triton_forward_plan  # noqa: E402
-from triton_kernels.grouped_matmul import gmm_plan, tgmm_plan  # noqa: E402
+from tests.plan_catalog import plans_by_op  # noqa: E402
+from triton_kernels import HOPPER  # noqa: E402
 
 METADATA = {"group_sizes_ptr", "group_offset_ptr", "n_pad_ptr", "cu_q_ptr", "cu_k_ptr"}
 
-
-def _plans():
-    yield "gmm", gmm_plan(64, 32, 48, 3, 3, False, "bfloat16", "bfloat16", HOPPER)
-    yield "gmm transpose_rhs", gmm_plan(64, 32, 48, 3, 3, True, "bfloat16", "bfloat16", HOPPER)
-    yield "tgmm", tgmm_plan(64, 32, 48, 3, 3, False, "bfloat16", "bfloat16", HOPPER)
-    yield "tgmm lhs_mk", tgmm_plan(64, 32, 48, 3, 3, True, "bfloat16", "bfloat16", HOPPER)
-    # torch.func.vmap's batches of problems (the pointers each problem's operands start at)
-    yield "gmm batch", gmm_plan(64, 32, 48, 3, 3, False, "bfloat16", "bfloat16", HOPPER, batch=4)
-    yield "gmm batch shared rhs", gmm_plan(64, 32, 48, 3, 3, True, "bfloat16", "bfloat16", HOPPER, batch=4,
-                                           shared_rhs=True)
-    yield "tgmm batch", tgmm_plan(64, 32, 48, 3, 3, False, "bfloat16", "bfloat16", HOPPER, batch=4)
-    yield "tgmm lhs_mk batch", tgmm_plan(64, 32, 48, 3, 3, True, "bfloat16", "bfloat16", HOPPER, batch=4)
-    yield "softmax", sm.softmax_fwd_plan(8, 32, "float32", HOPPER)
-    yield "softmax bwd", sm.softmax_bwd_plan(8, 32, "float32", HOPPER)
-    yield "padded_softmax", sm.padded_softmax_fwd_plan(2, 32, "float32", HOPPER)
-    yield "padded_attention", pa.attention_fwd_plan((2, 32, 16), "float32", 0.25, HOPPER)
-    for i, plan in enumerate(pa.attention_bwd_plans((2, 32, 16), "float32", 0.25, HOPPER)):
-        yield f"padded_attention bwd {i}", plan
-    yield "padded_softmax_v", pa.scores_v_fwd_plan((2, 32, 16), "float32", HOPPER)
-    for i, plan in enumerate(pa.scores_v_bwd_plans((2, 32, 16), "float32", HOPPER)):
-        yield f"padded_softmax_v bwd {i}", plan
-    spec = fa.dense_spec((2, 256, 4, 64), (2, 256, 2, 64), (2, 256, 2, 64), ("bfloat16",) * 3, causal=True)
-    yield "flash_attention", triton_forward_plan(spec, HOPPER)
-    for i, plan in enumerate(fa.backward_plans(spec, HOPPER)):
-        yield f"flash_attention bwd {i}", plan
-
-
-PLANS = dict(_plans())
+# The @triton.jit plans (Gluon ones run in the opaque op under torch.compile, never wrap_triton).
+PLANS = {f"{op} {i}": plan for op, plans in plans_by_op(HOPPER).items() for i, plan in enumerate(plans)}
 
 
 class _Hopper:

@@ -221,9 +221,10 @@ class KernelOp:
     ops and records eager gradients itself. ``folds_under_vmap``: every tensor argument and output
     has one leading axis whose indices the kernels treat on their own; under ``torch.func.vmap``
     the mapped axis folds into it (``register_folding``), one launch for all samples, instead of
-    torch's per-sample fallback. ``kernels``: those ``body``'s plans launch (``declare_kernels``). ``fold_limit``: given a sample's shape of the first tensor
+    torch's per-sample fallback. ``fold_limit``: given a sample's shape of the first tensor
     argument, the most of that leading axis one launch takes (a grid axis, an int32 row count);
-    past it the samples go to several launches. None: no limit."""
+    past it the samples go to several launches. None: no limit. ``kernels``: those ``body``'s
+    plans launch (``declare_kernels``)."""
 
     def __init__(self, name: str, body, *, kernels=(), folds_under_vmap: bool = False, fold_limit=None):
         self.body = body
