@@ -55,13 +55,14 @@ def _probe(kind: str, head_dim: int, seq: int, causal: bool, group: int) -> list
     facts = device_facts(q.device)
     arrays = _features(q, k, v, None, None, None, None, None, None)
     out, lse = launch(fa.forward_plan(spec, facts), *arrays)
-    # The Triton plans: what backward_plans picks where the front cannot run Gluon. Its dq computes
-    # delta itself; the Gluon kernels read it.
+    # The Triton plans: what backward_plans picks where the front cannot run Gluon. Both dq kernels
+    # take the same inputs and compute delta, which the dk/dv kernels read.
     triton_plans = fa.backward_plans(spec, dataclasses.replace(facts, gluon=False))
     dlse = torch.zeros(1, device="cuda", dtype=torch.float32)
-    (delta,) = launch(fa.plan.delta_plan(spec, facts), out, do, dlse, arrays[6], arrays[7])
+    dq_in = arrays + [do, lse, out, dlse]
+    _, delta = launch(triton_plans.dq, *dq_in)
     grads_in = arrays + [do, lse, delta]
-    triton_in = {"dq": arrays + [do, lse, out, dlse], "dkdv": grads_in}
+    triton_in = {"dq": dq_in, "dkdv": grads_in}
     if kind == "fwd":
         from triton_kernels.flash_attention.plan import gluon_forward_plan, triton_forward_plan
 
@@ -76,13 +77,13 @@ def _probe(kind: str, head_dim: int, seq: int, causal: bool, group: int) -> list
         candidates = [("triton", triton_plan)] + [
             (f"gluon {block_name[-1].lower()}{n} s{s}", _variant(gluon_plan(spec, facts), block_name, n, s))
             for n, s in variants]
-    n_out = 1 if kind == "dq" else 2
-    want = launch(triton_plan, *triton_in.get(kind, grads_in))[:n_out]  # dq, or dk and dv, or out and lse
+    n_out = 2
+    want = launch(triton_plan, *triton_in.get(kind, grads_in))[:n_out]  # dq and delta, dk and dv, or out and lse
     per_matmul = flops(b, h, seq, d, causal, "fwd") / 2  # one of the pass's matmuls (MATMULS)
     rows = []
     for name, plan in candidates:
         row = {"pass": kind, "head_dim": d, "seq": seq, "group": group, "causal": causal, "kernel": name}
-        inputs = triton_in.get(kind, grads_in) if plan is triton_plan else grads_in
+        inputs = triton_in.get(kind, grads_in)
         try:
             got = launch(plan, *inputs)[:n_out]
             torch.cuda.synchronize()

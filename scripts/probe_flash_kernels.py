@@ -1,6 +1,6 @@
 """Where flash-attention time goes on a CUDA GPU, kernel by kernel: the forward, and the
-backward's kernels in launch order (delta, dk/dv, dq where the Gluon dq runs; dq, which computes
-delta itself, then dk/dv otherwise), each plan launched directly (no op dispatch).
+backward's kernels in launch order (dq, which computes delta too, then dk/dv), each plan launched
+directly (no op dispatch).
 
     python scripts/probe_flash_kernels.py [--head-dims 64 128] [--causal false true] [--out PATH]
 
@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-MATMULS = {"fwd": 2, "delta": 0, "dkdv": 4, "dq": 3}
+MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3}
 
 
 def _probe(head_dim: int, causal: bool) -> list[dict]:
@@ -44,9 +44,8 @@ def _probe(head_dim: int, causal: bool) -> list[dict]:
     per_matmul = flops(b, h, s, d, causal, "fwd") / 2
     rows = []
     steps = [("fwd", fwd_plan, arrays)] + [(name, plan, [given[n] for n in plan.inputs])
-                                           for name, plan in (("delta", plans.delta), ("dkdv", plans.dkdv),
-                                                              ("dq", plans.dq)) if plan is not None]
-    for name, plan, inputs in steps:  # the Triton dq computes delta too
+                                           for name, plan in (("dq", plans.dq), ("dkdv", plans.dkdv))]
+    for name, plan, inputs in steps:  # dq computes delta too
         ms = bench_torch(lambda: launch(plan, *inputs))
         row = {"head_dim": d, "causal": causal, "kernel": name, "ms": ms,
                "effective_tflops": MATMULS[name] * per_matmul / ms / 1e9}

@@ -9,8 +9,8 @@ arguments); the file's stem names it. Its relative imports are read as imports f
 ``triton_kernels.flash_attention``, so the copy can live anywhere.
 
 For each shape, the plan's dq and dk/dv kernels ("plan") and each variant's run on the same
-inputs (q, k, v, dO random, bf16; lse and delta from the plan's forward and delta kernels). The
-checks on small odd shapes compare each variant's dq, dk and dv with the plan's bit for bit
+inputs (q, k, v, dO random, bf16; o and lse from the plan's forward, delta from its dq). The
+checks on small odd shapes compare each variant's dq, delta, dk and dv with the plan's bit for bit
 (outputs poisoned with NaN first, so unwritten elements show). The timings run the benchmark's
 shapes (batch x seq = 16k tokens, heads = 2048 / head_dim, head_dim 128 and 64, seq 1024-4096,
 causal and not) with the two kernels timed apart, side by side with the plan's (wall clock over
@@ -57,7 +57,7 @@ def variant_plans(spec, facts, module) -> dict:
 
 
 def _inputs(shape, causal: bool):
-    """The spec, the device facts and each backward kernel's arguments."""
+    """The spec, the device facts and the backward kernels' arguments by name (delta from the plan's dq)."""
     import torch
 
     from ejkernel_torch.launch import device_facts, launch
@@ -72,9 +72,9 @@ def _inputs(shape, causal: bool):
     facts = device_facts(q.device)
     features = _features(q, k, v, None, None, None, None, None, None)
     out, lse = launch(fa.forward_plan(spec, facts), *features)
-    (delta,) = launch(fa.plan.delta_plan(spec, facts), out, dout, torch.zeros(1, device="cuda"), features[6],
-                      features[7])
-    return spec, facts, (*features, dout, lse, delta)
+    arrays = dict(zip(fa.BACKWARD_INPUTS, (*features, out, dout, lse, torch.zeros(1, device="cuda"))))
+    _, arrays["delta_ptr"] = launch(fa.plan.gluon_dq_plan(spec, facts), *(arrays[n] for n in fa.plan.DQ_INPUTS))
+    return spec, facts, arrays
 
 
 def _poison(plan) -> None:
@@ -102,12 +102,12 @@ def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
             got = []
             for plan in plans.values():
                 _poison(plan)
-                got += [t for t in launch(plan, *args) if t.numel() > 1]  # dq; dk, dv (not the ds stand-in)
+                got += [t for t in launch(plan, *(args[n] for n in plan.inputs)) if t.numel() > 1]  # dq, delta; dk, dv
             torch.cuda.synchronize()
             results[name] = got
             row[name] = {"nan": any(bool(t.isnan().any()) for t in got)}
             for kind, plan in plans.items():
-                runs[kind][name] = lambda plan=plan: launch(plan, *args)
+                runs[kind][name] = lambda plan=plan: launch(plan, *(args[n] for n in plan.inputs))
         except Exception as e:  # a broken variant is a result too
             row[name] = {"error": error_text(e)}
     for name, got in results.items():

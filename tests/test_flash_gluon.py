@@ -198,12 +198,15 @@ def _same_interface(plan, other):
 @pytest.mark.parametrize("options", [{}, dict(causal=True), dict(dtype="float16", seq_q=1, seq_k=1)])
 def test_head_dim_128_backward_takes_the_gluon_dkdv_and_dq(options):
     plans = fa.backward_plans(_spec(**options), HOPPER_GLUON)
-    assert plans.dq.is_gluon and plans.dkdv.is_gluon and not plans.delta.is_gluon
+    assert plans.dq.is_gluon and plans.dkdv.is_gluon
     assert plans.dq.maxnreg == plans.dkdv.maxnreg == gluon_backward.MAXNREG
-    assert list(plans) == [plans.delta, plans.dkdv, plans.dq]  # the Gluon dq reads delta
+    assert list(plans) == [plans.dq, plans.dkdv]  # dq computes delta, which dk/dv read
     triton = fa.backward_plans(_spec(**options), HOPPER)
-    assert triton.delta is None and list(triton) == [triton.dq, triton.dkdv]  # the Triton dq computes it
-    assert _same_interface(plans.dkdv, triton.dkdv)
+    assert list(triton) == [triton.dq, triton.dkdv]
+    assert _same_interface(plans.dkdv, triton.dkdv) and _same_interface(plans.dq, triton.dq)
+    for use_dlse in (False, True):
+        gluon_dq = fa.backward_plans(_spec(**options), HOPPER_GLUON, False, use_dlse).dq
+        assert gluon_dq.is_gluon and gluon_dq.constexpr_dict["USE_DLSE"] == use_dlse
 
 
 @needs_gluon
@@ -213,7 +216,7 @@ def test_head_dim_64_backward_takes_the_gluon_dkdv_and_from_its_own_length_dq(se
     plans = fa.backward_plans(spec, HOPPER_GLUON)
     assert plans.dkdv.is_gluon and uses_gluon_dkdv(spec, HOPPER_GLUON)
     assert plans.dq.is_gluon == uses_gluon_dq(spec, HOPPER_GLUON) == (seq_k >= GLUON_DQ_MIN_SEQ_K_D64)
-    assert (plans.delta is not None) == plans.dq.is_gluon
+    assert list(plans) == [plans.dq, plans.dkdv]
     assert fa.forward_plan(spec, HOPPER_GLUON).is_gluon
 
 
@@ -296,6 +299,8 @@ def test_gluon_plans_compile_for_hopper(dtype, causal, head_dim):
 
     spec = _spec(dtype, head_dim, causal=causal)
     plans = [fa.forward_plan(spec, HOPPER_GLUON), gluon_dq_plan(spec, HOPPER_GLUON), gluon_dkdv_plan(spec, HOPPER_GLUON)]
+    if dtype == "bfloat16":  # the dq that folds a lse gradient into delta
+        plans.append(gluon_dq_plan(spec, HOPPER_GLUON, use_dlse=True))
     for plan in plans:
         compiled = compile_plan(plan)
         assert compiled.metadata.shared <= HOPPER.shared_memory, plan.name
@@ -453,6 +458,47 @@ def test_claimed_tiles_give_the_static_walks_bits(rng, shape, causal):
         assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d) and torch.equal(a, e)
     counters = [t for key, t in launch_mod._kept.items() if len(key) == 4]  # (device, stream, shape, dtype)
     assert counters and all(int(t.item()) == 0 for t in counters)
+
+
+def _dq_and_delta_float64(q, k, v, o, do, lse, dlse, scale, causal):
+    """dq and delta = rowsum(o * do) - dlse of the backward's formulas, in float64 ([batch, seq, heads,
+    head_dim] arrays; lse and dlse [batch, heads, seq_q]); lse need not be the forward's."""
+    q, k, v, o, do = (np.asarray(x, np.float64).transpose(0, 2, 1, 3) for x in (q, k, v, o, do))
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    delta = (o * do).sum(-1) - dlse
+    p = np.exp(scale * q @ k.swapaxes(-1, -2) - lse[..., None])
+    if causal:  # bottom-right aligned
+        seq_q, seq_k = q.shape[2], k.shape[2]
+        p = np.where(np.arange(seq_k)[None, :] <= np.arange(seq_q)[:, None] + seq_k - seq_q, p, 0.0)
+    ds = p * (do @ v.swapaxes(-1, -2) - delta[..., None])
+    return scale * (ds @ k).transpose(0, 2, 1, 3), delta
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_shape, kv_shape, causal", [((2, 300, 4, 128), (2, 777, 2, 128), True),
+                                                       ((1, 129, 2, 128), (1, 129, 2, 128), False),
+                                                       ((1, 200, 8, 64), (1, 2100, 2, 64), False),
+                                                       ((2, 333, 4, 64), (2, 2049, 4, 64), True)])
+def test_gluon_dq_stores_delta_for_every_row(fw, rng, q_shape, kv_shape, causal):
+    """The Gluon dq computes delta = rowsum(o * do) - dlse for its rows, uses it and stores it
+    (the lse layout) for dk/dv: every row (outputs are poisoned), and dq, against float64. Odd
+    sizes, GQA, a lse gradient."""
+    _hopper_with_gluon()
+    spec = fa.dense_spec(q_shape, kv_shape, kv_shape, ("bfloat16",) * 3, causal=causal)
+    plans = fa.backward_plans(spec, _torch_facts(), False, True)
+    assert plans.dq.is_gluon and list(plans) == [plans.dq, plans.dkdv]
+    q, k, v, o, do = (fw.asarray(rng.standard_normal(shape), "bfloat16")
+                      for shape in (q_shape, kv_shape, kv_shape, q_shape, q_shape))
+    lse = fw.asarray(rng.standard_normal(spec.lse_shape) + 3.0, "float32")
+    dlse = fw.asarray(rng.standard_normal(spec.lse_shape), "float32")
+    features = [q, k, v] + [fw.asarray(np.zeros(1), dtype) for dtype in fa.feature_dtypes(spec)[3:]]
+    arrays = dict(zip(fa.BACKWARD_INPUTS, features + [o, do, lse, dlse]))
+    grads = dict(zip(plans.dq.result_names, fw.launch(plans.dq, *(arrays[name] for name in plans.dq.inputs))))
+    want_dq, want_delta = _dq_and_delta_float64(*(fw.to_numpy(x) for x in (q, k, v, o, do, lse, dlse)),
+                                                spec.softmax_scale, causal)
+    assert rel_error(fw.to_numpy(grads["delta_ptr"]), want_delta) < 1e-6
+    assert rel_error(fw.to_numpy(grads["dq_ptr"]), want_dq) < GRAD_TOLERANCE["bfloat16"]
 
 
 @pytest.mark.gpu

@@ -52,7 +52,6 @@ GPU_ONLY = {
     "scripts/probe_flash_gaps.py": ["--shapes", "128:64:full", "--out", os.devnull],
     "scripts/probe_flash_flush.py": ["--shapes", "128:64:full", "--out", os.devnull],
     "scripts/probe_flash_backward.py": ["--cases", "128:64:full", "--out", os.devnull],
-    "scripts/probe_flash_delta.py": ["--shapes", "128:64", "--out", os.devnull],
 }
 
 

@@ -5,8 +5,7 @@
   uses it, and stores it (lse layout) for dk/dv;
 * ``flash_bwd_dkdv_kernel``: one program per (key block, kv head, batch row), looping over every
   query head of its group and the query blocks that can see the keys; also writes dS (the
-  gradient of the logits) when the bias needs a gradient;
-* ``flash_bwd_delta_kernel``: delta alone, for the Gluon dq kernel, which reads it.
+  gradient of the logits) when the bias needs a gradient.
 
 Probabilities are recomputed from the saved log-sum-exp; dropout regenerates the forward's mask
 from (seed, element offset). Rows that attend nothing have lse = -inf and get p = 0, hence zero
@@ -37,24 +36,6 @@ def _store_delta(o_ptr, do, dlse_ptr, delta_ptr, q_start, offs_m, len_q, h, offs
         delta -= tl.load(dlse_ptr + rows + offs_m, mask=row_mask, other=0.0)
     tl.store(delta_ptr + rows + offs_m, delta, mask=row_mask)
     return delta
-
-
-@triton.jit(do_not_specialize_on_alignment=["seq_q", "seq_k", "total_q", "total_k"])
-def flash_bwd_delta_kernel(o_ptr, do_ptr, dlse_ptr, cu_q_ptr, cu_k_ptr, seq_q, seq_k, total_q, total_k,
-                           delta_ptr,
-                           HEADS_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, USE_DLSE: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    q_start, len_q, _, _ = _sequence(b, cu_q_ptr, cu_k_ptr, seq_q, seq_k, total_q, total_k, IS_VARLEN)
-    if start_m >= len_q:
-        return
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    do = _load_rows(do_ptr, q_start, offs_m, len_q, h, offs_d, HEADS_Q * HEAD_DIM, HEAD_DIM)
-    rows = _row_base(b, h, q_start, seq_q, total_q, HEADS_Q, IS_VARLEN)
-    _store_delta(o_ptr, do, dlse_ptr, delta_ptr, q_start, offs_m, len_q, h, offs_d, rows, HEADS_Q, HEAD_DIM, USE_DLSE)
 
 
 @triton.jit

@@ -10,7 +10,11 @@ that stays in shared memory.
   dS = P * (dP - delta) with P recomputed from the saved log-sum-exp, and adds dS K to dq. The
   dS K product of block j-1 stays in flight while the consumer computes dS of block j. Like
   the forward it is persistent (a program per SM walks the forward's schedule units), with two
-  buffers of q and dO so the next tile's load overlaps the current tile's end.
+  buffers of q and dO so the next tile's load overlaps the current tile's end. It runs first
+  and makes delta = rowsum(O * dO) - dlse for dk/dv: a consumer reads its rows of O from global
+  memory as a tile starts, and sums them with dO while block 0's S and dP are in the tensor
+  cores (a separate delta kernel cost 43 us a backward at 16k tokens x 2048 channels on an
+  H200; folded in, the backward took 1.5-3% less, ``benchmarks/README.md``).
 - dk/dv (``flash_bwd_dkdv_gluon_kernel``) turns it around: a 128-key tile of K and V stays while
   the query, dO, lse and delta blocks of every query head of its group stream past. A consumer
   works on transposed tiles (its 64 keys down, 64 queries across): S^T = K Q^T and
@@ -80,12 +84,13 @@ if AVAILABLE:
         return p * (dp - delta[:, None])
 
     @gluon.jit
-    def _dq_tile(q, do, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, lse2, delta, logit_scale, row0,
-                 seq_q, seq_k, n_blocks, first_masked, ring, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-        """dq (unscaled) of one warpgroup's 64 query rows (``q`` and ``do`` in shared memory) over key
-        blocks 0..n_blocks-1, read from the ring from position ``ring`` on. Arrives on ``q_empty``
-        once the last S and dP are done with ``q`` and ``do``."""
+    def _dq_tile(q, do, o, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, lse2, dlse_ptr, delta_ptr,
+                 lse_base, logit_scale, row0, seq_q, seq_k, n_blocks, first_masked, ring, HEAD_DIM: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, USE_DLSE: gl.constexpr):
+        """dq (unscaled) of one warpgroup's 64 query rows (``q`` and ``do`` in shared memory, ``o`` in
+        registers) over key blocks 0..n_blocks-1, read from the ring from position ``ring`` on; their
+        delta (``_tile_delta``) on the way. Arrives on ``q_empty`` once the last S and dP are done
+        with ``q`` and ``do``."""
         ROWS: gl.constexpr = q.shape[0]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -105,6 +110,8 @@ if AVAILABLE:
         s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(stage), phase)
         dp = warpgroup_mma(do, v_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # delta while block 0's S and dP are computed: their products hide the wait for o.
+        delta = _tile_delta(o, do, dlse_ptr, delta_ptr, lse_base, row0, seq_q, s_layout, USE_DLSE)
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
         mbarrier.arrive(v_empty.index(stage), count=1)
         if first_masked == 0:
@@ -147,11 +154,39 @@ if AVAILABLE:
         return dq
 
     @gluon.jit
-    def _dq_consumer(dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                     k_empty, v_empty, logit_scale, sm_scale, seq_q, seq_k, n_m, per_head, n_units,
+    def _load_tile(ptr, b64, h, row0, seq_q, HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr):
+        """Rows row0.. row0 + ROWS - 1 of head ``h`` of a [batch, seq_q, HEADS_Q, HEAD_DIM] array (0 past
+        seq_q), in 16-byte pieces, each warp holding 16 whole rows as the MMA layouts do (so that a
+        row sum moves to them within the warp)."""
+        ACROSS: gl.constexpr = HEAD_DIM // 8
+        layout: gl.constexpr = gl.BlockedLayout([16 * ACROSS // 32, 8], [32 // ACROSS, ACROSS], [4, 1], [1, 0])
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+        base = ptr + b64 * seq_q * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM
+        return gl.load(base + rows.to(gl.int64)[:, None] * (HEADS_Q * HEAD_DIM) + cols[None, :],
+                       mask=(rows < seq_q)[:, None], other=0.0)
+
+    @gluon.jit
+    def _tile_delta(o, do_tile, dlse_ptr, delta_ptr, at, row0, seq_q, s_layout: gl.constexpr,
+                    USE_DLSE: gl.constexpr):
+        """delta = rowsum(o * dO) - dlse of a warpgroup's rows row0.. (``o`` in registers, dO in shared
+        memory), stored at ``delta_ptr + at + rows`` for dk/dv and returned along S's rows. Rows
+        past seq_q have o = dO = 0, so delta = 0 there."""
+        do = do_tile.load(o.type.layout)
+        delta = gl.convert_layout(gl.sum(o.to(gl.float32) * do.to(gl.float32), axis=1), gl.SliceLayout(1, s_layout))
+        rows = row0 + gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, s_layout))
+        if USE_DLSE:  # d lse / d logits = p, so a gradient on lse folds into delta
+            delta -= gl.load(dlse_ptr + at + rows, mask=rows < seq_q, other=0.0)
+        gl.store(delta_ptr + at + rows, delta, mask=rows < seq_q)
+        return delta
+
+    @gluon.jit
+    def _dq_consumer(dq_ptr, delta_ptr, o_ptr, lse_ptr, dlse_ptr, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
+                     k_ready, v_ready, k_empty, v_empty, logit_scale, sm_scale, seq_q, seq_k, n_m, per_head, n_units,
                      WG: gl.constexpr, HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
-        """Warpgroup ``WG``'s 64 rows of dq for each of this program's tiles, in the loader's order."""
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, USE_DLSE: gl.constexpr):
+        """Warpgroup ``WG``'s 64 rows of dq (and of delta) for each of this program's tiles, in the
+        loader's order."""
         ROWS: gl.constexpr = q_smem.shape[1]
         TILE_M: gl.constexpr = 2 * ROWS
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -166,16 +201,17 @@ if AVAILABLE:
                 n_blocks, first_masked = _block_counts(m0, seq_q, seq_k, TILE_M, BLOCK_N, CAUSAL)
                 b64 = b.to(gl.int64)
                 row0 = m0 + WG * ROWS
+                o = _load_tile(o_ptr, b64, h, row0, seq_q, HEADS_Q, HEAD_DIM, ROWS)  # used after block 0's products
                 rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
                 # Rows past seq_q read lse = delta = 0 (their q and dO rows are TMA zeros, so dS is 0).
                 lse_base = (b64 * HEADS_Q + h) * seq_q
                 lse2 = gl.load(lse_ptr + lse_base + rows, mask=rows < seq_q, other=0.0) * LOG2E
-                delta = gl.load(delta_ptr + lse_base + rows, mask=rows < seq_q, other=0.0)
                 buf = tiles % 2
                 mbarrier.wait(q_ready.index(buf), (tiles // 2) & 1)
-                dq = _dq_tile(q_smem.index(2 * buf + WG), do_smem.index(2 * buf + WG), k_smem, v_smem, k_ready,
-                              v_ready, k_empty, v_empty, q_empty.index(buf), lse2, delta, logit_scale, row0, seq_q,
-                              seq_k, n_blocks, first_masked, ring, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)
+                dq = _dq_tile(q_smem.index(2 * buf + WG), do_smem.index(2 * buf + WG), o, k_smem, v_smem, k_ready,
+                              v_ready, k_empty, v_empty, q_empty.index(buf), lse2, dlse_ptr, delta_ptr, lse_base,
+                              logit_scale, row0, seq_q, seq_k, n_blocks, first_masked, ring, HEAD_DIM, BLOCK_N,
+                              STAGES, CAUSAL, USE_DLSE)
                 out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq_layout))
                 cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
                 ptrs = (dq_ptr + b64 * seq_q * (HEADS_Q * HEAD_DIM) + h * HEAD_DIM
@@ -186,16 +222,17 @@ if AVAILABLE:
 
     @gluon.jit(do_not_specialize_on_alignment=RUNTIME_INTS + ["batch"])
     def flash_bwd_dq_gluon_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, q_seg_ptr, kv_seg_ptr, cu_q_ptr, cu_k_ptr, seed_ptr,
-                                  do_ptr, lse_ptr, delta_ptr,
+                                  do_ptr, lse_ptr, o_ptr, dlse_ptr,
                                   batch, seq_q, seq_k, logit_scale, sm_scale,
-                                  dq_ptr,
+                                  dq_ptr, delta_ptr,
                                   HEADS_Q: gl.constexpr, HEADS_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
                                   CAUSAL: gl.constexpr, PAIRS: gl.constexpr, BLOCK_N: gl.constexpr,
-                                  STAGES: gl.constexpr):
+                                  STAGES: gl.constexpr, USE_DLSE: gl.constexpr):
         """dq of 128-row query tiles, a persistent program per SM walking the forward's schedule
-        (``gluon_forward._tail_slot_tile``). Takes the inputs of ``flash_bwd_dq_kernel`` (the nine
-        feature arrays, dO, the natural lse and delta) and reads q, k, v, dO, lse and delta;
-        ``logit_scale`` is the softmax scale times log2(e)."""
+        (``gluon_forward._tail_slot_tile``). Takes the inputs and gives the outputs of
+        ``flash_bwd_dq_kernel`` (the nine feature arrays, dO, the natural lse, o and dlse; dq and
+        delta = rowsum(o * dO) - dlse, which dk/dv read after it); ``logit_scale`` is the softmax
+        scale times log2(e)."""
         ROWS: gl.constexpr = 64
         TILE_M: gl.constexpr = 2 * ROWS
         dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -209,12 +246,12 @@ if AVAILABLE:
         per_head = (n_m + 1) // 2 if PAIRS else n_m
         n_units = batch * HEADS_Q * per_head
         gl.warp_specialize([
-            (_dq_consumer, (dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                            v_ready, k_empty, v_empty, logit_scale, sm_scale, seq_q, seq_k, n_m, per_head, n_units,
-                            0, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
-            (_dq_consumer, (dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                            v_ready, k_empty, v_empty, logit_scale, sm_scale, seq_q, seq_k, n_m, per_head, n_units,
-                            1, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS)),
+            (_dq_consumer, (dq_ptr, delta_ptr, o_ptr, lse_ptr, dlse_ptr, q_smem, do_smem, k_smem, v_smem, q_ready,
+                            q_empty, k_ready, v_ready, k_empty, v_empty, logit_scale, sm_scale, seq_q, seq_k, n_m,
+                            per_head, n_units, 0, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS, USE_DLSE)),
+            (_dq_consumer, (dq_ptr, delta_ptr, o_ptr, lse_ptr, dlse_ptr, q_smem, do_smem, k_smem, v_smem, q_ready,
+                            q_empty, k_ready, v_ready, k_empty, v_empty, logit_scale, sm_scale, seq_q, seq_k, n_m,
+                            per_head, n_units, 1, HEADS_Q, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PAIRS, USE_DLSE)),
             (_loader_making_descriptors, (q_ptr, do_ptr, k_ptr, v_ptr, batch, q_smem, do_smem, k_smem, v_smem,
                                           q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, seq_q, seq_k, n_m,
                                           per_head, n_units, HEADS_Q, HEADS_KV, HEAD_DIM, BLOCK_N, STAGES, CAUSAL,

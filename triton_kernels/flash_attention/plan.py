@@ -13,7 +13,7 @@ from ..padded_attention import _bwd_tiles, _dot_precision, _fwd_tiles, override_
 from ..params import BwdParams, FwdParams
 from ..plan import DeviceFacts, LaunchPlan, Output, cdiv, fp32, next_power_of_2
 from ..plan import fold_chunks as shared_fold_chunks
-from .backward import flash_bwd_delta_kernel, flash_bwd_dkdv_kernel, flash_bwd_dq_kernel
+from .backward import flash_bwd_dkdv_kernel, flash_bwd_dq_kernel
 from . import gluon_backward, gluon_forward
 from .dropout import dropout_mask_kernel
 from .forward import flash_fwd_kernel
@@ -23,7 +23,7 @@ from .tiles import LOG2E, softcap_mode
 
 # The kernels each pass's plans launch (the Gluon ones where this Triton has Gluon).
 FORWARD_KERNELS = (flash_fwd_kernel,) + ((gluon_forward.flash_fwd_gluon_kernel,) if gluon_forward.AVAILABLE else ())
-BACKWARD_KERNELS = (flash_bwd_dq_kernel, flash_bwd_dkdv_kernel, flash_bwd_delta_kernel) + (
+BACKWARD_KERNELS = (flash_bwd_dq_kernel, flash_bwd_dkdv_kernel) + (
     (gluon_backward.flash_bwd_dq_gluon_kernel, gluon_backward.flash_bwd_dkdv_gluon_kernel)
     if gluon_forward.AVAILABLE else ())
 
@@ -33,6 +33,25 @@ FEATURE_INPUTS = ("q_ptr", "k_ptr", "v_ptr", "bias_ptr", "q_seg_ptr", "kv_seg_pt
 
 def feature_dtypes(spec: FlashSpec) -> tuple[str, ...]:
     return (spec.dtype,) * 3 + (spec.bias_dtype or spec.dtype,) + (spec.segment_dtype,) * 2 + ("int32",) * 3
+
+
+# The backward kernels' inputs by name: dq computes delta = rowsum(o * dO) - dlse, which dk/dv read.
+DQ_INPUTS = FEATURE_INPUTS + ("do_ptr", "lse_ptr", "o_ptr", "dlse_ptr")
+DKDV_INPUTS = FEATURE_INPUTS + ("do_ptr", "lse_ptr", "delta_ptr")
+_FLOAT32_INPUTS = frozenset({"lse_ptr", "dlse_ptr", "delta_ptr"})
+
+
+def backward_input_dtypes(spec: FlashSpec, inputs: tuple[str, ...]) -> tuple[str, ...]:
+    """The dtypes of a backward plan's ``inputs`` (FEATURE_INPUTS, then o/dO in the call's dtype,
+    lse/dlse/delta in float32)."""
+    extra = inputs[len(FEATURE_INPUTS):]
+    return feature_dtypes(spec) + tuple("float32" if name in _FLOAT32_INPUTS else spec.dtype for name in extra)
+
+
+def dq_outputs(spec: FlashSpec) -> tuple[Output, Output]:
+    """dq, and delta in the lse's layout, as both dq kernels write them."""
+    zeroed = _outputs_zeroed(spec)
+    return (Output("dq_ptr", spec.q_shape, spec.dtype, zeroed), Output("delta_ptr", spec.lse_shape, "float32", zeroed))
 
 
 def _check_grid(spec: FlashSpec) -> None:
@@ -236,31 +255,31 @@ def uses_gluon_dq(spec: FlashSpec, facts: DeviceFacts) -> bool:
     return _gluon_covers(spec, facts) and (spec.head_dim == 128 or spec.seq_k >= GLUON_DQ_MIN_SEQ_K_D64)
 
 
-def _gluon_backward_plan(spec: FlashSpec, kernel, schedule: tuple[tuple[int], bool], outputs: tuple[Output, ...],
-                         block: tuple[str, int], stages: int) -> LaunchPlan:
-    """A Gluon backward kernel's plan: the inputs of the Triton backward plans, the scalars the
-    Gluon kernels read, the persistent ``schedule`` (grid, PAIRS), and ``block`` (the streamed
-    block's constexpr) with ``stages``."""
+def _gluon_backward_plan(spec: FlashSpec, kernel, schedule: tuple[tuple[int], bool], inputs: tuple[str, ...],
+                         outputs: tuple[Output, ...], constexprs: tuple[tuple[str, object], ...]) -> LaunchPlan:
+    """A Gluon backward kernel's plan: ``inputs`` named as the Triton backward plans name them, the
+    scalars the Gluon kernels read, the persistent ``schedule`` (grid, PAIRS), and the kernel's
+    own ``constexprs`` (the streamed block, ring stages)."""
     grid, pairs = schedule
     return LaunchPlan(
         kernel=kernel, grid=grid,
-        inputs=FEATURE_INPUTS + ("do_ptr", "lse_ptr", "delta_ptr"),
-        input_dtypes=feature_dtypes(spec) + (spec.dtype, "float32", "float32"),
+        inputs=inputs, input_dtypes=backward_input_dtypes(spec, inputs),
         scalars=(("batch", spec.batch), ("seq_q", spec.seq_q), ("seq_k", spec.seq_k),
                  ("logit_scale", fp32(spec.softmax_scale * LOG2E)), ("sm_scale", fp32(spec.softmax_scale))),
         outputs=outputs,
         constexprs=(("HEADS_Q", spec.heads_q), ("HEADS_KV", spec.heads_kv), ("HEAD_DIM", spec.head_dim),
-                    ("CAUSAL", spec.window is not None), ("PAIRS", pairs), block, ("STAGES", stages)),
+                    ("CAUSAL", spec.window is not None), ("PAIRS", pairs)) + constexprs,
         num_warps=4, num_stages=1, maxnreg=gluon_backward.MAXNREG,
     )
 
 
-def gluon_dq_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
-    """``gluon_backward.flash_bwd_dq_gluon_kernel``'s plan: the inputs and output of the dq plan
-    of ``backward_plans``, for calls that ``uses_gluon`` accepts."""
+def gluon_dq_plan(spec: FlashSpec, facts: DeviceFacts, use_dlse: bool = False) -> LaunchPlan:
+    """``gluon_backward.flash_bwd_dq_gluon_kernel``'s plan: the inputs and outputs of the Triton dq
+    plan of ``backward_plans`` (dq and delta), for calls that ``uses_gluon`` accepts."""
     return _gluon_backward_plan(spec, gluon_backward.flash_bwd_dq_gluon_kernel, _query_tiles(spec, facts),
-                                (Output("dq_ptr", spec.q_shape, spec.dtype),), ("BLOCK_N", gluon_backward.BLOCK_N),
-                                gluon_backward.STAGES)
+                                DQ_INPUTS, dq_outputs(spec), (("BLOCK_N", gluon_backward.BLOCK_N),
+                                                               ("STAGES", gluon_backward.STAGES),
+                                                               ("USE_DLSE", use_dlse)))
 
 
 def gluon_dkdv_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
@@ -269,8 +288,8 @@ def gluon_dkdv_plan(spec: FlashSpec, facts: DeviceFacts) -> LaunchPlan:
     outputs = (Output("dk_ptr", spec.kv_shape, spec.dtype), Output("dv_ptr", spec.kv_shape, spec.dtype),
                Output("ds_ptr", (1,), "float32"))  # the stand-in: these calls have no bias
     stages = gluon_backward.dkdv_stages(spec.head_dim, spec.window is not None)
-    return _gluon_backward_plan(spec, gluon_backward.flash_bwd_dkdv_gluon_kernel, _key_tiles(spec, facts), outputs,
-                                ("BLOCK_M", gluon_backward.BLOCK_M), stages)
+    return _gluon_backward_plan(spec, gluon_backward.flash_bwd_dkdv_gluon_kernel, _key_tiles(spec, facts),
+                                DKDV_INPUTS, outputs, (("BLOCK_M", gluon_backward.BLOCK_M), ("STAGES", stages)))
 
 
 @functools.lru_cache(maxsize=512)
@@ -292,41 +311,23 @@ def triton_forward_plan(spec: FlashSpec, facts: DeviceFacts, params: FwdParams |
     )
 
 
-def delta_plan(spec: FlashSpec, facts: DeviceFacts, use_dlse: bool = False) -> LaunchPlan:
-    """``flash_bwd_delta_kernel``'s plan: (o, do, dlse, cu_q, cu_k) -> delta, which the Gluon dq reads."""
-    block_m = _cpu_block(_extent(spec)[0]) if facts.is_cpu else 64
-    block_d = max(16, next_power_of_2(spec.head_dim))
-    return LaunchPlan(
-        kernel=flash_bwd_delta_kernel, grid=(cdiv(_extent(spec)[0], block_m), spec.heads_q, spec.batch),
-        inputs=("o_ptr", "do_ptr", "dlse_ptr", "cu_q_ptr", "cu_k_ptr"),
-        input_dtypes=(spec.dtype, spec.dtype, "float32", "int32", "int32"),
-        scalars=(("seq_q", spec.seq_q), ("seq_k", spec.seq_k), ("total_q", spec.total_q), ("total_k", spec.total_k)),
-        outputs=(Output("delta_ptr", spec.lse_shape, "float32", _outputs_zeroed(spec)),),
-        constexprs=(("HEADS_Q", spec.heads_q), ("HEAD_DIM", spec.head_dim), ("BLOCK_M", block_m),
-                    ("BLOCK_D", block_d), ("IS_VARLEN", spec.varlen), ("USE_DLSE", use_dlse)),
-        num_warps=4, num_stages=1,
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class BackwardPlans:
-    """The backward's launches. Each plan names its inputs: the arrays a backward starts from
-    (``BACKWARD_INPUTS``) or an earlier launch's outputs, by their names (``run``).
+    """The backward's launches, in the order they run (iterating gives it). Each plan names its
+    inputs: the arrays a backward starts from (``BACKWARD_INPUTS``) or an earlier launch's
+    outputs, by their names (``run``).
 
-    * dq: (FEATURE_INPUTS, do, lse, o, dlse) -> dq, delta with the Triton kernel, which computes
-      delta = rowsum(o * do) - dlse (lse layout) for its rows and runs first; the Gluon dq
-      (``uses_gluon_dq``) reads (FEATURE_INPUTS, do, lse, delta) -> dq instead, after ``delta``.
-    * dkdv: (FEATURE_INPUTS, do, lse, delta) -> dk, dv, ds. ``ds`` is the float32 gradient of the
-      logits [batch, heads_q, seq_q, seq_k] for a bias gradient, else a one-element placeholder.
-    * delta: (o, do, dlse, cu_q, cu_k) -> delta, the Gluon dq's; None with the Triton dq.
+    * dq (``DQ_INPUTS``: FEATURE_INPUTS, do, lse, o, dlse) -> dq, delta: each program computes
+      delta = rowsum(o * do) - dlse (lse layout) for its query rows, uses it and stores it.
+    * dkdv (``DKDV_INPUTS``: FEATURE_INPUTS, do, lse, delta) -> dk, dv, ds. ``ds`` is the float32
+      gradient of the logits [batch, heads_q, seq_q, seq_k] for a bias gradient, else a
+      one-element placeholder.
     """
-    dkdv: LaunchPlan
     dq: LaunchPlan
-    delta: LaunchPlan | None = None
+    dkdv: LaunchPlan
 
     def __iter__(self):
-        """The plans in the order they run."""
-        return iter((self.dq, self.dkdv) if self.delta is None else (self.delta, self.dkdv, self.dq))
+        return iter((self.dq, self.dkdv))
 
     def run(self, launch, arrays: dict) -> dict:
         """``arrays`` (``BACKWARD_INPUTS`` by name) and every launch's outputs by name, each plan run
@@ -357,10 +358,7 @@ def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False, 
     bm, bn, bd, warps, stages = override_tiles(_tiles(spec, facts, backward=True), params, spec.dtype, facts,
                                                "flash_attention bwd_params")
     zeroed = _outputs_zeroed(spec)
-    inputs = FEATURE_INPUTS + ("do_ptr", "lse_ptr", "delta_ptr")
-    dtypes = feature_dtypes(spec) + (spec.dtype, "float32", "float32")
     scalars = _scalars(spec) + (("sm_scale", fp32(spec.softmax_scale)),)
-    consts = _features(spec) + (("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_D", bd))
     precision = (("DOT_PRECISION", _dot_precision(spec.dtype, facts)),)
     if write_ds and spec.bias is None:
         raise ValueError("write_ds needs a bias")
@@ -368,26 +366,26 @@ def backward_plans(spec: FlashSpec, facts: DeviceFacts, write_ds: bool = False, 
     gluon = params is None and uses_gluon_dkdv(spec, facts)
     dkdv = gluon_dkdv_plan(spec, facts) if gluon else LaunchPlan(
         kernel=flash_bwd_dkdv_kernel, grid=(cdiv(_extent(spec)[1], bn), spec.heads_kv, spec.batch),
-        inputs=inputs, input_dtypes=dtypes, scalars=scalars,
+        inputs=DKDV_INPUTS, input_dtypes=backward_input_dtypes(spec, DKDV_INPUTS), scalars=scalars,
         outputs=(Output("dk_ptr", spec.kv_shape, spec.dtype, zeroed),
                  Output("dv_ptr", spec.kv_shape, spec.dtype, zeroed), ds),
-        constexprs=consts + (("WRITE_DS", write_ds),) + precision, num_warps=warps, num_stages=stages,
+        constexprs=_features(spec) + (("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_D", bd), ("WRITE_DS", write_ds))
+        + precision,
+        num_warps=warps, num_stages=stages,
     )
     if params is None and uses_gluon_dq(spec, facts):
-        return BackwardPlans(dkdv, gluon_dq_plan(spec, facts), delta_plan(spec, facts, use_dlse))
+        return BackwardPlans(gluon_dq_plan(spec, facts, use_dlse), dkdv)
     # dq transposes the tile: its program holds bn queries and steps over bm keys. So one
     # (bm, bn) gives both kernels a long resident side and a short streamed one.
     dq = LaunchPlan(
         kernel=flash_bwd_dq_kernel, grid=(cdiv(_extent(spec)[0], bn), spec.heads_q, spec.batch),
-        inputs=FEATURE_INPUTS + ("do_ptr", "lse_ptr", "o_ptr", "dlse_ptr"),
-        input_dtypes=feature_dtypes(spec) + (spec.dtype, "float32", spec.dtype, "float32"), scalars=scalars,
-        outputs=(Output("dq_ptr", spec.q_shape, spec.dtype, zeroed),
-                 Output("delta_ptr", spec.lse_shape, "float32", zeroed)),
+        inputs=DQ_INPUTS, input_dtypes=backward_input_dtypes(spec, DQ_INPUTS), scalars=scalars,
+        outputs=dq_outputs(spec),
         constexprs=_features(spec) + (("BLOCK_M", bn), ("BLOCK_N", bm), ("BLOCK_D", bd), ("USE_DLSE", use_dlse))
         + precision,
         num_warps=warps, num_stages=stages,
     )
-    return BackwardPlans(dkdv, dq)
+    return BackwardPlans(dq, dkdv)
 
 
 @functools.lru_cache(maxsize=128)
