@@ -13,8 +13,9 @@ that stays in shared memory.
   buffers of q and dO so the next tile's load overlaps the current tile's end. It runs first
   and makes delta = rowsum(O * dO) - dlse for dk/dv: a consumer reads its rows of O from global
   memory as a tile starts, and sums them with dO while block 0's S and dP are in the tensor
-  cores (a separate delta kernel cost 43 us a backward at 16k tokens x 2048 channels on an
-  H200; folded in, the backward took 1.5-3% less, ``benchmarks/README.md``).
+  cores. A separate delta kernel cost 43 us a backward at 16k tokens x 2048 channels on an
+  H200; folded in, dq itself runs 2-4% longer, and the backward took 0-3% less up to seq 4096,
+  the same within noise at 8192-16384 (``benchmarks/README.md``, session 51).
 - dk/dv (``flash_bwd_dkdv_gluon_kernel``) turns it around: a 128-key tile of K and V stays while
   the query, dO, lse and delta blocks of every query head of its group stream past. A consumer
   works on transposed tiles (its 64 keys down, 64 queries across): S^T = K Q^T and
