@@ -204,7 +204,7 @@ if AVAILABLE:
                 row0 = m0 + WG * ROWS
                 o = _load_tile(o_ptr, b64, h, row0, seq_q, HEADS_Q, HEAD_DIM, ROWS)  # used after block 0's products
                 rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-                # Rows past seq_q read lse = delta = 0 (their q and dO rows are TMA zeros, so dS is 0).
+                # Rows past seq_q read lse = 0 and make delta = 0 (their q, dO and o rows are zeros, so dS is 0).
                 lse_base = (b64 * HEADS_Q + h) * seq_q
                 lse2 = gl.load(lse_ptr + lse_base + rows, mask=rows < seq_q, other=0.0) * LOG2E
                 buf = tiles % 2
