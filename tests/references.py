@@ -54,6 +54,34 @@ def flash_vjp(fn: Callable, args: Sequence, out, dout, n_diff: int, varlen: bool
     return vjp(lambda *a: fn(*a, return_lse=True), args, (dout, -delta), n_diff)
 
 
+def flash_dq_delta(q, k, v, o, do, lse, dlse, scale: float, causal: bool, cu=None) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 (dq, delta) of the flash backward's formulas from given o, dO, lse and dlse (which
+    need not be a forward's): delta = rowsum(o * dO) - dlse, dS = P (dP - delta) with P =
+    exp(scale q k^T - lse), dq = scale dS k. Dense arrays [batch, seq, heads, dim] and lse
+    [batch, heads, seq_q]; with ``cu`` (cumulative lengths, shared by q and k) varlen ones,
+    [tokens, heads, dim] and [heads, tokens]. Causal is bottom-right aligned; k/v heads are shared
+    by groups of q heads."""
+    if cu is not None:
+        dq, delta = np.zeros(np.shape(q)), np.zeros(np.shape(lse))
+        for a, b in zip(cu[:-1], cu[1:]):
+            part = flash_dq_delta(*(np.asarray(x)[None, a:b] for x in (q, k, v, o, do)),
+                                  *(np.asarray(x)[None, :, a:b] for x in (lse, dlse)), scale, causal)
+            dq[a:b], delta[:, a:b] = part[0][0], part[1][0]
+        return dq, delta
+    q, k, v, o, do = (_t(x).transpose(1, 2) for x in (q, k, v, o, do))  # [batch, heads, seq, dim]
+    lse, dlse = _t(lse), _t(dlse)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    delta = (o * do).sum(-1) - dlse
+    p = torch.exp(scale * q @ k.transpose(-1, -2) - lse[..., None])
+    if causal:
+        seq_q, seq_k = q.shape[2], k.shape[2]
+        keep = torch.arange(seq_k)[None, :] <= torch.arange(seq_q)[:, None] + (seq_k - seq_q)
+        p = torch.where(keep, p, 0.0)
+    ds = p * (do @ v.transpose(-1, -2) - delta[..., None])
+    return (scale * ds @ k).transpose(1, 2).numpy(), delta.numpy()
+
+
 softmax = reference.softmax
 padded_softmax = reference.padded_softmax
 padded_softmax_v = reference.padded_softmax_v

@@ -670,14 +670,36 @@ def test_varlen_grids_cover_the_packed_tokens_only():
         assert [p.grid for p in plans] == [(1, 2, 1), (1, 2, 1), (1, 1, 1)], facts  # forward, dq, dk/dv
 
 
+def check_dq_plan(fw, rng, plan, spec, q_shape, kv_shape, cu=None) -> None:
+    """Runs a dq plan (``plan``: what ``backward_plans(..., use_dlse=True).dq`` gives) on random
+    bf16 q, k, v, o, dO and float32 lse, dlse, and checks the dq and delta it returns against
+    ``references.flash_dq_delta``: every row (outputs are poisoned), delta to 1e-6."""
+    from triton_kernels import flash_attention as fa
+
+    q, k, v, o, do = (fw.asarray(rng.standard_normal(shape), "bfloat16")
+                      for shape in (q_shape, kv_shape, kv_shape, q_shape, q_shape))
+    lse = fw.asarray(rng.standard_normal(spec.lse_shape) + 3.0, "float32")
+    dlse = fw.asarray(rng.standard_normal(spec.lse_shape), "float32")
+    features = [q, k, v] + [fw.asarray(np.zeros(1), dtype) for dtype in fa.feature_dtypes(spec)[3:]]
+    if cu is not None:
+        features[6] = features[7] = fw.asarray(cu)
+    arrays = dict(zip(fa.BACKWARD_INPUTS, features + [o, do, lse, dlse]))
+    got = dict(zip(plan.result_names, fw.launch(plan, *(arrays[name] for name in plan.inputs))))
+    want_dq, want_delta = ref.flash_dq_delta(*(fw.to_numpy(x) for x in (q, k, v, o, do, lse, dlse)),
+                                             spec.softmax_scale, spec.window is not None, cu)
+    assert rel_error(fw.to_numpy(got["delta_ptr"]), want_delta) < 1e-6
+    assert rel_error(fw.to_numpy(got["dq_ptr"]), want_dq) < GRAD_TOLERANCE["bfloat16"]
+
+
 @pytest.mark.parametrize("varlen", [False, True])
 def test_triton_dq_stores_delta_for_every_row(fw, rng, varlen):
     """The Triton dq kernel runs before dk/dv and stores delta = rowsum(o * do) - dlse (the lse
-    layout) for them: every row (outputs are poisoned), against float64. Odd sizes, GQA."""
+    layout) for them, with the dq made from it (``check_dq_plan``). Odd sizes, GQA."""
     from triton_kernels import flash_attention as fa
     from triton_kernels.plan import DeviceFacts
 
     heads_q, heads_kv, head_dim = 3, 1, 40
+    cu = None
     if varlen:
         lengths = [13, 1, 22]
         cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
@@ -689,16 +711,7 @@ def test_triton_dq_stores_delta_for_every_row(fw, rng, varlen):
         spec = fa.dense_spec(q_shape, kv_shape, kv_shape, ("bfloat16",) * 3, causal=True)
     plans = fa.backward_plans(spec, DeviceFacts.cpu(), False, True)
     assert list(plans) == [plans.dq, plans.dkdv]  # dq first: it computes delta
-    q, k, v, o, do = (fw.asarray(rng.standard_normal(shape), "bfloat16")
-                      for shape in (q_shape, kv_shape, kv_shape, q_shape, q_shape))
-    lse, dlse = (fw.asarray(rng.standard_normal(spec.lse_shape), "float32") for _ in range(2))
-    features = [q, k, v] + [fw.asarray(np.zeros(1), dtype) for dtype in fa.feature_dtypes(spec)[3:]]
-    if varlen:
-        features[6] = features[7] = fw.asarray(cu)
-    grads = plans.run(fw.launch, dict(zip(fa.BACKWARD_INPUTS, features + [o, do, lse, dlse])))
-    rowsum = (fw.to_numpy(o) * fw.to_numpy(do)).sum(-1)  # [..., tokens, heads]
-    want = (rowsum.T if varlen else rowsum.transpose(0, 2, 1)) - fw.to_numpy(dlse)
-    assert rel_error(fw.to_numpy(grads["delta_ptr"]), want) < 1e-6
+    check_dq_plan(fw, rng, plans.dq, spec, q_shape, kv_shape, cu)
 
 
 def test_uint32_dropout_seed_is_read_as_its_bits(fw):

@@ -9,6 +9,7 @@ import pytest
 
 from tests import references as ref
 from tests.frameworks import TOLERANCE, rel_error
+from tests.test_flash_attention import check_dq_plan
 from tests.test_gpu_flash_attention import GRAD_TOLERANCE, _inputs, _run
 from triton_kernels import HOPPER, HOPPER_GLUON
 from triton_kernels import flash_attention as fa
@@ -460,21 +461,6 @@ def test_claimed_tiles_give_the_static_walks_bits(rng, shape, causal):
     assert counters and all(int(t.item()) == 0 for t in counters)
 
 
-def _dq_and_delta_float64(q, k, v, o, do, lse, dlse, scale, causal):
-    """dq and delta = rowsum(o * do) - dlse of the backward's formulas, in float64 ([batch, seq, heads,
-    head_dim] arrays; lse and dlse [batch, heads, seq_q]); lse need not be the forward's."""
-    q, k, v, o, do = (np.asarray(x, np.float64).transpose(0, 2, 1, 3) for x in (q, k, v, o, do))
-    group = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    delta = (o * do).sum(-1) - dlse
-    p = np.exp(scale * q @ k.swapaxes(-1, -2) - lse[..., None])
-    if causal:  # bottom-right aligned
-        seq_q, seq_k = q.shape[2], k.shape[2]
-        p = np.where(np.arange(seq_k)[None, :] <= np.arange(seq_q)[:, None] + seq_k - seq_q, p, 0.0)
-    ds = p * (do @ v.swapaxes(-1, -2) - delta[..., None])
-    return scale * (ds @ k).transpose(0, 2, 1, 3), delta
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_shape, kv_shape, causal", [((2, 300, 4, 128), (2, 777, 2, 128), True),
                                                        ((1, 129, 2, 128), (1, 129, 2, 128), False),
@@ -482,23 +468,13 @@ def _dq_and_delta_float64(q, k, v, o, do, lse, dlse, scale, causal):
                                                        ((2, 333, 4, 64), (2, 2049, 4, 64), True)])
 def test_gluon_dq_stores_delta_for_every_row(fw, rng, q_shape, kv_shape, causal):
     """The Gluon dq computes delta = rowsum(o * do) - dlse for its rows, uses it and stores it
-    (the lse layout) for dk/dv: every row (outputs are poisoned), and dq, against float64. Odd
-    sizes, GQA, a lse gradient."""
+    (the lse layout) for dk/dv (``check_dq_plan``: every row, and dq, against float64). Odd sizes,
+    GQA, a lse gradient."""
     _hopper_with_gluon()
     spec = fa.dense_spec(q_shape, kv_shape, kv_shape, ("bfloat16",) * 3, causal=causal)
     plans = fa.backward_plans(spec, _torch_facts(), False, True)
     assert plans.dq.is_gluon and list(plans) == [plans.dq, plans.dkdv]
-    q, k, v, o, do = (fw.asarray(rng.standard_normal(shape), "bfloat16")
-                      for shape in (q_shape, kv_shape, kv_shape, q_shape, q_shape))
-    lse = fw.asarray(rng.standard_normal(spec.lse_shape) + 3.0, "float32")
-    dlse = fw.asarray(rng.standard_normal(spec.lse_shape), "float32")
-    features = [q, k, v] + [fw.asarray(np.zeros(1), dtype) for dtype in fa.feature_dtypes(spec)[3:]]
-    arrays = dict(zip(fa.BACKWARD_INPUTS, features + [o, do, lse, dlse]))
-    grads = dict(zip(plans.dq.result_names, fw.launch(plans.dq, *(arrays[name] for name in plans.dq.inputs))))
-    want_dq, want_delta = _dq_and_delta_float64(*(fw.to_numpy(x) for x in (q, k, v, o, do, lse, dlse)),
-                                                spec.softmax_scale, causal)
-    assert rel_error(fw.to_numpy(grads["delta_ptr"]), want_delta) < 1e-6
-    assert rel_error(fw.to_numpy(grads["dq_ptr"]), want_dq) < GRAD_TOLERANCE["bfloat16"]
+    check_dq_plan(fw, rng, plans.dq, spec, q_shape, kv_shape)
 
 
 @pytest.mark.gpu
