@@ -327,6 +327,34 @@ def test_gluon_forward_claiming_its_tiles_compiles_for_hopper(head_dim, causal):
 
 
 @needs_gluon
+@pytest.mark.parametrize("causal", [False, True])
+def test_jax_call_hands_the_kernel_its_scratch_in_the_global_scratch_slot(causal):
+    """The jax launch passes the global scratch as one more array parameter after the plan's own
+    (``ejkernel_jax._gluon_call``): that is where Triton's ABI takes it, so the compiled entry must
+    have exactly the plan's parameters, then the global and the profile scratch pointers."""
+    from ejkernel_jax._gluon_call import Array, parameters, scratch_bytes
+    from triton_kernels.aot import compile_plan
+
+    q = (8, 1024, 2048 // 64, 64)
+    spec = fa.dense_spec(q, q, q, ("bfloat16",) * 3, causal=causal)
+    plans = fa.backward_plans(spec, HOPPER_GLUON)
+    for plan in (fa.forward_plan(spec, HOPPER_GLUON), plans.dkdv, gluon_dq_plan(spec, HOPPER_GLUON)):
+        compiled = compile_plan(plan)
+        md = compiled.metadata
+        own = parameters(plan, None)
+        assert sum(isinstance(p, Array) for p in own) == len(plan.inputs) + len(plan.outputs)
+        entry = re.search(r"\.entry\s+\w+\s*\((.*?)\)", compiled.asm["ptx"], re.S).group(1)
+        assert entry.count(".param") == len(own) + 2, plan.name
+        with_scratch = parameters(plan, md.global_scratch_align)
+        assert with_scratch[:-1] == own and with_scratch[-1] == Array(0, max(16, md.global_scratch_align))
+        assert scratch_bytes(plan, md.global_scratch_size) == md.global_scratch_size * plan.grid[0] > 0
+        counter = {o.name: o for o in plan.outputs}.get("next_tile_ptr")
+        if counter is not None:  # zeroed by the call where the forward claims its tiles
+            index = list(n for n in plan.kernel.arg_names if n not in plan.aot_constexprs()).index("next_tile_ptr")
+            assert own[index] == Array(4 if counter.zeroed else 0, 16)
+
+
+@needs_gluon
 def test_gluon_plan_with_unit_sequences_compiles():
     from triton_kernels.aot import compile_plan
 
