@@ -12,12 +12,12 @@ on a GPU).
 Global scratch comes from XLA, not from jaxlib. Asked for scratch, jaxlib allocates it on the
 stream for every launch and frees it after (``cuMemAllocAsync`` / ``cuMemFreeAsync``), which left
 the GPU idle 0.6-3.8 us longer a call than without (on an H200, flash forwards at seq 1024-4096,
-``scripts/probe_flash_gaps.py --jax``; torch's launcher keeps its scratch). So jaxlib is told the kernel needs none, and the
-custom call gets one more output, the scratch, which XLA places with the others (no work on the
-stream) and which ``launch`` does not return. It is passed as the last array parameter: Triton's
-ABI takes the global scratch pointer right after the kernel's own parameters, so ours lands there;
-jaxlib's own (null) pointers follow it, in the profile scratch slot (unused) and past the kernel's
-parameters, where CUDA reads nothing.
+``scripts/probe_flash_gaps.py --jax``; torch's launcher keeps its scratch). So jaxlib is told the
+kernel needs none, and the custom call gets one more output, the scratch, which XLA places with
+the others (no work on the stream) and which ``launch`` does not return. It is passed as the last
+array parameter: Triton's ABI takes the global scratch pointer right after the kernel's own
+parameters, so ours lands there; jaxlib's own (null) pointers follow it, in the profile scratch
+slot (unused) and past the kernel's parameters, where CUDA reads nothing.
 """
 from __future__ import annotations
 

@@ -59,33 +59,29 @@ def _probe(kind: str, head_dim: int, seq: int, causal: bool, group: int) -> list
     # take the same inputs and compute delta, which the dk/dv kernels read.
     triton_plans = fa.backward_plans(spec, dataclasses.replace(facts, gluon=False))
     dlse = torch.zeros(1, device="cuda", dtype=torch.float32)
-    dq_in = arrays + [do, lse, out, dlse]
-    _, delta = launch(triton_plans.dq, *dq_in)
-    grads_in = arrays + [do, lse, delta]
-    triton_in = {"dq": dq_in, "dkdv": grads_in}
+    given = triton_plans.run(launch, fa.backward_inputs(arrays, out, do, lse, dlse))  # delta among them
     if kind == "fwd":
         from triton_kernels.flash_attention.plan import gluon_forward_plan, triton_forward_plan
 
-        grads_in = arrays
         triton_plan = triton_forward_plan(spec, facts)
+        inputs = arrays
         candidates = [("triton", triton_plan)] + [
             (f"gluon persistent s{s}", _variant(gluon_forward_plan(spec, facts), "BLOCK_N", 128, s)) for s in (2, 3)]
     else:
         triton_plan, gluon_plan = ((triton_plans.dq, gluon_dq_plan) if kind == "dq"
                                    else (triton_plans.dkdv, gluon_dkdv_plan))
+        inputs = triton_plan.inputs_from(given)
         block_name, variants = VARIANTS[kind]
         candidates = [("triton", triton_plan)] + [
             (f"gluon {block_name[-1].lower()}{n} s{s}", _variant(gluon_plan(spec, facts), block_name, n, s))
             for n, s in variants]
-    n_out = 2
-    want = launch(triton_plan, *triton_in.get(kind, grads_in))[:n_out]  # dq and delta, dk and dv, or out and lse
+    want = launch(triton_plan, *inputs)[:2]  # out and lse, dq and delta, or dk and dv
     per_matmul = flops(b, h, seq, d, causal, "fwd") / 2  # one of the pass's matmuls (MATMULS)
     rows = []
     for name, plan in candidates:
         row = {"pass": kind, "head_dim": d, "seq": seq, "group": group, "causal": causal, "kernel": name}
-        inputs = triton_in.get(kind, grads_in)
         try:
-            got = launch(plan, *inputs)[:n_out]
+            got = launch(plan, *inputs)[:2]
             torch.cuda.synchronize()
             row["rel_err_vs_triton"] = _rel_err(got, want)
             row["ms"] = bench_torch(lambda: launch(plan, *inputs))

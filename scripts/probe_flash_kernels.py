@@ -40,10 +40,10 @@ def _probe(head_dim: int, causal: bool) -> list[dict]:
     out, lse = launch(fwd_plan, *arrays)
     plans = fa.backward_plans(spec, facts)
     dlse = torch.zeros(1, device="cuda", dtype=torch.float32)
-    given = plans.run(launch, dict(zip(fa.BACKWARD_INPUTS, (*arrays, out, do, lse, dlse))))
+    given = plans.run(launch, fa.backward_inputs(arrays, out, do, lse, dlse))
     per_matmul = flops(b, h, s, d, causal, "fwd") / 2
     rows = []
-    steps = [("fwd", fwd_plan, arrays)] + [(name, plan, [given[n] for n in plan.inputs])
+    steps = [("fwd", fwd_plan, arrays)] + [(name, plan, plan.inputs_from(given))
                                            for name, plan in (("dq", plans.dq), ("dkdv", plans.dkdv))]
     for name, plan, inputs in steps:  # dq computes delta too
         ms = bench_torch(lambda: launch(plan, *inputs))

@@ -72,8 +72,9 @@ def _inputs(shape, causal: bool):
     facts = device_facts(q.device)
     features = _features(q, k, v, None, None, None, None, None, None)
     out, lse = launch(fa.forward_plan(spec, facts), *features)
-    arrays = dict(zip(fa.BACKWARD_INPUTS, (*features, out, dout, lse, torch.zeros(1, device="cuda"))))
-    _, arrays["delta_ptr"] = launch(fa.plan.gluon_dq_plan(spec, facts), *(arrays[n] for n in fa.plan.DQ_INPUTS))
+    arrays = fa.backward_inputs(features, out, dout, lse, torch.zeros(1, device="cuda"))
+    dq_plan = fa.plan.gluon_dq_plan(spec, facts)
+    _, arrays["delta_ptr"] = launch(dq_plan, *dq_plan.inputs_from(arrays))
     return spec, facts, arrays
 
 
@@ -102,12 +103,12 @@ def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
             got = []
             for plan in plans.values():
                 _poison(plan)
-                got += [t for t in launch(plan, *(args[n] for n in plan.inputs)) if t.numel() > 1]  # dq, delta; dk, dv
+                got += [t for t in launch(plan, *plan.inputs_from(args)) if t.numel() > 1]  # dq, delta; dk, dv
             torch.cuda.synchronize()
             results[name] = got
             row[name] = {"nan": any(bool(t.isnan().any()) for t in got)}
             for kind, plan in plans.items():
-                runs[kind][name] = lambda plan=plan: launch(plan, *(args[n] for n in plan.inputs))
+                runs[kind][name] = lambda plan=plan: launch(plan, *plan.inputs_from(args))
         except Exception as e:  # a broken variant is a result too
             row[name] = {"error": error_text(e)}
     for name, got in results.items():

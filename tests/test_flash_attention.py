@@ -683,8 +683,8 @@ def check_dq_plan(fw, rng, plan, spec, q_shape, kv_shape, cu=None) -> None:
     features = [q, k, v] + [fw.asarray(np.zeros(1), dtype) for dtype in fa.feature_dtypes(spec)[3:]]
     if cu is not None:
         features[6] = features[7] = fw.asarray(cu)
-    arrays = dict(zip(fa.BACKWARD_INPUTS, features + [o, do, lse, dlse]))
-    got = dict(zip(plan.result_names, fw.launch(plan, *(arrays[name] for name in plan.inputs))))
+    arrays = fa.backward_inputs(features, o, do, lse, dlse)
+    got = dict(zip(plan.result_names, fw.launch(plan, *plan.inputs_from(arrays))))
     want_dq, want_delta = ref.flash_dq_delta(*(fw.to_numpy(x) for x in (q, k, v, o, do, lse, dlse)),
                                              spec.softmax_scale, spec.window is not None, cu)
     assert rel_error(fw.to_numpy(got["delta_ptr"]), want_delta) < 1e-6

@@ -252,6 +252,11 @@ class LaunchPlan:
         """The names of what ``results`` returns, in its order."""
         return tuple(o.name for o in self.outputs if o.returned)
 
+    def inputs_from(self, arrays: Mapping[str, Any]) -> tuple[Any, ...]:
+        """This plan's inputs taken from ``arrays`` by name, in its order (plans chained by name,
+        each taking what the others returned: ``result_names``)."""
+        return tuple(arrays[name] for name in self.inputs)
+
     def results(self, outputs: Sequence[Any]) -> tuple[Any, ...]:
         """What a launch returns of the ``outputs`` it allocated: all but the unreturned ones."""
         kept = self._returned

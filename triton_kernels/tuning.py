@@ -297,11 +297,9 @@ def _flash_bwd_workload(spec, facts, features, launch):
     from . import flash_attention as fa
 
     out, lse = launch(fa.forward_plan(spec, facts, None), *features)
-    given = dict(zip(fa.BACKWARD_INPUTS, (*features, out, out, lse, lse)))  # lse stands in for the unused dlse
 
-    def run(params):
-        grads = fa.backward_plans(spec, facts, False, False, params).run(launch, given)
-        return grads["dq_ptr"], grads["dk_ptr"], grads["dv_ptr"]
+    def run(params):  # out stands in for dO, lse for the unused dlse
+        return fa.backward_plans(spec, facts, False, False, params).gradients(launch, features, out, out, lse, lse)[:3]
 
     return run
 

@@ -7,7 +7,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from ejkernel_jax._vma import vary_together
@@ -40,9 +39,7 @@ def _backward_kernels(spec, params, bias_grad, use_dlse, q, k, v, bias, aux, out
     bias_grad; ``dlse`` is None unless use_dlse."""
     plans = fa.backward_plans(spec, device_facts(), bias_grad, use_dlse, _tuning.resolve(FLASH_BWD, spec, params[1]))
     dlse_arg = dlse if use_dlse else jnp.zeros((1,), jnp.float32)
-    given = (*_features(q, k, v, bias, aux), out, dout, lse, dlse_arg)
-    grads = plans.run(launch, dict(zip(fa.BACKWARD_INPUTS, given)))
-    return grads["dq_ptr"], grads["dk_ptr"], grads["dv_ptr"], grads["ds_ptr"]
+    return plans.gradients(launch, _features(q, k, v, bias, aux), out, dout, lse, dlse_arg)
 
 
 # -- vmap: the mapped axis folded into the batch --------------------------------------------------

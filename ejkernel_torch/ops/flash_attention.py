@@ -200,9 +200,7 @@ def _launch_backward(plans, run, cached: bool, dout, dlse, out, lse, arrays) -> 
     """The backward's launches of ``plans`` (``fa.BackwardPlans``), each with ``run``
     (``launch_traceable``, or ``launch_prechecked`` in plain eager mode); ``cached``: see ``_features``."""
     dlse_arg = dlse if dlse is not None else _dummy(arrays[0].device, torch.float32, cached)
-    given = (*_features(*arrays, cached=cached), out, dout, lse, dlse_arg)
-    grads = plans.run(run, dict(zip(fa.BACKWARD_INPUTS, given)))
-    return grads["dq_ptr"], grads["dk_ptr"], grads["dv_ptr"], grads["ds_ptr"]
+    return plans.gradients(run, _features(*arrays, cached=cached), out, dout, lse, dlse_arg)
 
 
 # Registered from a named function so that ``_backward`` can also call the body directly.

@@ -330,16 +330,28 @@ class BackwardPlans:
         return iter((self.dq, self.dkdv))
 
     def run(self, launch, arrays: dict) -> dict:
-        """``arrays`` (``BACKWARD_INPUTS`` by name) and every launch's outputs by name, each plan run
-        by ``launch(plan, *its inputs)``; dlse is a one-element stand-in unless the plans use it."""
+        """``arrays`` (``backward_inputs``) and every launch's outputs by name, each plan run by
+        ``launch(plan, *its inputs)``."""
         arrays = dict(arrays)
         for plan in self:
-            arrays.update(zip(plan.result_names, launch(plan, *(arrays[name] for name in plan.inputs))))
+            arrays.update(zip(plan.result_names, launch(plan, *plan.inputs_from(arrays))))
         return arrays
+
+    def gradients(self, launch, features, o, do, lse, dlse) -> tuple:
+        """(dq, dk, dv, ds) of a backward run from ``backward_inputs(features, o, do, lse, dlse)``."""
+        arrays = self.run(launch, backward_inputs(features, o, do, lse, dlse))
+        return arrays["dq_ptr"], arrays["dk_ptr"], arrays["dv_ptr"], arrays["ds_ptr"]
 
 
 # The arrays a backward starts from, as the plans name them.
 BACKWARD_INPUTS = FEATURE_INPUTS + ("o_ptr", "do_ptr", "lse_ptr", "dlse_ptr")
+
+
+def backward_inputs(features, o, do, lse, dlse) -> dict:
+    """The arrays a backward starts from by name (``BACKWARD_INPUTS``): the ``FEATURE_INPUTS``
+    arrays in order, the forward's output and lse, the incoming gradients of both (dlse: a
+    one-element stand-in unless the plans use it)."""
+    return dict(zip(BACKWARD_INPUTS, (*features, o, do, lse, dlse)))
 
 
 @functools.lru_cache(maxsize=512)
