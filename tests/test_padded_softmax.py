@@ -383,7 +383,7 @@ def test_vmap_past_a_launch_limit_folds_in_several_launches(fw, rng, monkeypatch
         monkeypatch.setattr(softmax, "MAX_ROWS", 8 * _SEQ)
         too_big = "scores has 63 rows \\(batch \\* seq\\), more than the 56"
     batches = _record_plan_batches(fw, monkeypatch, op)
-    n, b = 5, 2  # folded: 10 rows, launched as 4 + 1 samples (8 + 2 rows)
+    n = 5  # samples of 2 batch rows; folded: 10 rows, launched as 4 + 1 samples (8 + 2 rows)
     n_pad = np.array([[0, 7], [3, 1], [0, 5], [2, 0], [7, 4]], np.int32)
     scores, v, with_v, args, in_dims, argnums, loss = _vmap_case(fw, rng, op, n_pad)
     out = fw.to_numpy(fw.vmap(getattr(fw.ops, op), in_dims)(*args))

@@ -1,8 +1,6 @@
 """Small helpers the torch ops share: argument normalisation before any kernel runs."""
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.weak import WeakIdKeyDictionary
