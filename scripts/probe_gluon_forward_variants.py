@@ -5,7 +5,8 @@
 
 Each VARIANT.py is a copy of ``triton_kernels/flash_attention/gluon_forward.py`` with one change
 (its ``flash_fwd_gluon_kernel`` must take the same arguments; its own ``forward_consumers``
-picks the consumer warpgroups); the file's stem names it. The
+picks the consumer warpgroups, and a ``variant_plan(plan)`` in it may change the launch, e.g.
+its warps); the file's stem names it. The
 plan's kernel ("plan") and each variant are first checked against the Triton forward on small odd
 shapes (relative error of the output and lse, the worse of the two; NaN reported), then timed side
 by side (wall clock over batches, in turn; ``speedup_vs_plan`` > 1: the variant is faster) on the
@@ -28,6 +29,12 @@ CHECKS = [(1, 128, 128, 1, 128, False), (1, 128, 128, 1, 128, True), (1, 256, 25
           (2, 1000, 1000, 3, 64, False), (1, 4096, 4096, 2, 128, True), (2, 1000, 1000, 3, 64, True),
           (1, 2048, 2048, 2, 64, True), (1, 1152, 1152, 2, 64, True), (2, 1000, 1100, 3, 128, True),
           (2, 700, 1000, 3, 64, True), (1, 1, 777, 2, 128, True), (1, 300, 365, 2, 64, True)]
+
+
+def variant_plan(module, plan):
+    """``plan`` as the variant launches it: its ``variant_plan(plan)`` where it has one (e.g. to
+    launch more warps), else unchanged."""
+    return getattr(module, "variant_plan", lambda p: p)(plan)
 
 
 def _load_kernel(path: str):
@@ -60,7 +67,7 @@ def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
             consumers = None if module is None else module.forward_consumers(d, causal, s, sk)
             plan = gluon_forward_plan(spec, facts, consumers)
             if module is not None:
-                plan = dataclasses.replace(plan, kernel=module.flash_fwd_gluon_kernel)
+                plan = variant_plan(module, dataclasses.replace(plan, kernel=module.flash_fwd_gluon_kernel))
             for w in want:  # NaN where the outputs will be allocated next, so unwritten elements show
                 torch.full_like(w, float("nan"))
             got = launch(plan, *arrays)

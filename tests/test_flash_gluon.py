@@ -328,6 +328,24 @@ def test_gluon_forward_claiming_its_tiles_compiles_for_hopper(head_dim, causal):
 
 @needs_gluon
 @pytest.mark.parametrize("causal", [False, True])
+def test_sass_loops_finds_a_key_loop_for_each_consumer_warpgroup(causal):
+    """``scripts/sass_loops.py`` weighs a forward's code without a GPU: each consumer warpgroup
+    is a partition of its own, so each runs its own copy of the loop over key blocks."""
+    from scripts.sass_loops import report
+
+    q = (16, 1024, 32, 64)
+    plan = fa.forward_plan(fa.dense_spec(q, q, q, ("bfloat16",) * 3, causal=causal), HOPPER_GLUON)
+    found = report(plan)
+    loops = found["key_loops"]
+    assert len(loops) == plan.constexpr_dict["CONSUMERS"] == (2 if causal else 3)
+    assert all(loop["exp2"] > 0 and loop["wgmma"] > 0 for loop in loops)
+    sizes = [loop["instructions"] for loop in loops]
+    assert max(sizes) - min(sizes) <= 8  # copies of one loop, scheduled alike
+    assert found["instructions"] > sum(loop["instructions"] for loop in loops)
+
+
+@needs_gluon
+@pytest.mark.parametrize("causal", [False, True])
 def test_jax_call_hands_the_kernel_its_scratch_in_the_global_scratch_slot(causal):
     """The jax launch passes the global scratch as one more array parameter after the plan's own
     (``ejkernel_jax._gluon_call``): that is where Triton's ABI takes it, so the compiled entry must

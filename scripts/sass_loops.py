@@ -1,0 +1,119 @@
+"""The Gluon flash forward's machine code, on this machine (no GPU): its size and its key loops.
+
+    python scripts/sass_loops.py [VARIANT.py ...] [--shapes 1024:64:causal 1024:64:full] [--out PATH]
+
+Each shape's forward plan (bf16, the benchmark's batch x seq = 16k tokens and heads = 2048 /
+head_dim) is compiled for sm_90 ahead of time, with the plan's kernel and with each VARIANT.py's
+(a copy of ``triton_kernels/flash_attention/gluon_forward.py`` with one change, as
+``probe_gluon_forward_variants.py`` takes them, launched as it launches them), and Triton's cuobjdump lists its SASS. Reported:
+the instruction count, and each innermost loop that issues wgmma (a consumer warpgroup's loop over
+key blocks; one a warpgroup, as each is a partition of its own) with its instructions, its
+exp2s (``MUFU.EX2``) and its wgmmas (``HGMMA``).
+
+Why: the forward's speed at short causal shapes follows its code more than its arithmetic. On an
+H200 a 64-wide path for the diagonal block, compiled in but never taken, cost 2-4% at head_dim 64
+(benchmarks/README.md, session 53); with this script a variant's code can be weighed before a
+GPU times it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+_INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(\S.*?)\s*;")
+_BRANCH = re.compile(r"\bBRA\s+0x([0-9a-f]+)")
+_WGMMA = re.compile(r"\bHGMMA\b")
+
+
+def sass(cubin: bytes) -> list[tuple[int, str]]:
+    """(address, instruction) of ``cubin``'s one kernel, by Triton's bundled cuobjdump."""
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    return [(int(m.group(1), 16), m.group(2)) for m in map(_INSTRUCTION.match, text.splitlines()) if m]
+
+
+def innermost_loops(code: list[tuple[int, str]]) -> list[dict]:
+    """The loops (a backward branch and its target) that hold no other loop and issue wgmma."""
+    index = {address: i for i, (address, _) in enumerate(code)}
+    spans = []
+    for i, (address, text) in enumerate(code):
+        branch = _BRANCH.search(text)
+        if branch and int(branch.group(1), 16) <= address and int(branch.group(1), 16) in index:
+            spans.append((index[int(branch.group(1), 16)], i))
+    loops = []
+    for start, end in spans:
+        if any(start <= s and e <= end and (s, e) != (start, end) for s, e in spans):
+            continue
+        body = [text for _, text in code[start:end + 1]]
+        wgmma = sum(bool(_WGMMA.search(t)) for t in body)
+        if wgmma:
+            loops.append({"instructions": len(body), "exp2": sum("MUFU.EX2" in t for t in body), "wgmma": wgmma})
+    return loops
+
+
+def report(plan) -> dict:
+    from triton_kernels.aot import compile_plan
+
+    code = sass(compile_plan(plan).asm["cubin"])
+    return {"instructions": len(code), "key_loops": innermost_loops(code)}
+
+
+def _plan(shape, module):
+    from triton_kernels import HOPPER
+    from triton_kernels import flash_attention as fa
+    from triton_kernels.flash_attention.plan import gluon_forward_plan
+
+    from scripts.probe_gluon_forward_variants import variant_plan
+
+    seq, head_dim, causal = shape
+    dims = (16384 // seq, seq, 2048 // head_dim, head_dim)
+    spec = fa.dense_spec(dims, dims, dims, ("bfloat16",) * 3, causal=causal)
+    if module is None:
+        return gluon_forward_plan(spec, HOPPER)
+    plan = gluon_forward_plan(spec, HOPPER, module.forward_consumers(head_dim, causal, seq, seq))
+    return variant_plan(module, dataclasses.replace(plan, kernel=module.flash_fwd_gluon_kernel))
+
+
+def main() -> None:
+    from benchmarks.common import flash_shape
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("variants", nargs="*", help="kernel files (copies of gluon_forward.py with a change)")
+    parser.add_argument("--shapes", nargs="*", type=flash_shape, default=[(1024, 64, True), (1024, 64, False),
+                                                                          (1024, 128, True), (1024, 128, False)])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from benchmarks.common import load_kernel_copy
+
+    kernels = {"plan": None, **dict(load_kernel_copy(path, "sass_variant") for path in args.variants)}
+    rows = []
+    for seq, head_dim, causal in args.shapes:
+        row = {"seq": seq, "head_dim": head_dim, "causal": causal}
+        for name, module in kernels.items():
+            row[name] = report(_plan((seq, head_dim, causal), module))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.out:
+        import triton
+
+        with open(args.out, "w") as f:
+            json.dump({"command": "python " + " ".join(sys.argv), "triton": triton.__version__, "rows": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
