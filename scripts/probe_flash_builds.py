@@ -33,7 +33,6 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -67,18 +66,13 @@ def ptxas_version(ptxas: str) -> str:
 
 
 def sass_instructions(cubin: bytes) -> int | None:
-    """Instruction count of ``cubin``'s SASS (Triton's bundled cuobjdump), None without it."""
-    from triton import knobs
+    """Instruction count of ``cubin``'s SASS (``sass_loops.sass``), None without Triton's cuobjdump."""
+    from scripts.sass_loops import sass
 
     try:
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(cubin)
-            f.flush()
-            text = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
-                                  check=True).stdout
+        return len(sass(cubin))
     except Exception:  # no cuobjdump in this Triton: the count is extra information only
         return None
-    return sum(1 for line in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+\S", line))
 
 
 def triton_ptxas() -> str:
