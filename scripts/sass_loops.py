@@ -4,11 +4,11 @@
 
 Each shape's forward plan (bf16, the benchmark's batch x seq = 16k tokens and heads = 2048 /
 head_dim) is compiled for sm_90 ahead of time, with the plan's kernel and with each VARIANT.py's
-(a copy of ``triton_kernels/flash_attention/gluon_forward.py`` with one change, as
-``probe_gluon_forward_variants.py`` takes them, launched as it launches them), and Triton's cuobjdump lists its SASS. Reported:
-the instruction count, and each innermost loop that issues wgmma (a consumer warpgroup's loop over
-key blocks; one a warpgroup, as each is a partition of its own) with its instructions, its
-exp2s (``MUFU.EX2``) and its wgmmas (``HGMMA``).
+(a copy of ``triton_kernels/flash_attention/gluon_forward.py`` with one change, taken and
+launched as ``probe_gluon_forward_variants.py`` does), and Triton's cuobjdump lists its SASS.
+Reported: the instruction count, and each innermost loop that issues wgmma (a consumer
+warpgroup's loop over key blocks; one a warpgroup, as each is a partition of its own) with its
+instructions, its exp2s (``MUFU.EX2``) and its wgmmas (``HGMMA``).
 
 Why: the forward's speed at short causal shapes follows its code more than its arithmetic. On an
 H200 a 64-wide path for the diagonal block, compiled in but never taken, cost 2-4% at head_dim 64
@@ -51,8 +51,9 @@ def innermost_loops(code: list[tuple[int, str]]) -> list[dict]:
     spans = []
     for i, (address, text) in enumerate(code):
         branch = _BRANCH.search(text)
-        if branch and int(branch.group(1), 16) <= address and int(branch.group(1), 16) in index:
-            spans.append((index[int(branch.group(1), 16)], i))
+        target = int(branch.group(1), 16) if branch else None
+        if target is not None and target <= address and target in index:
+            spans.append((index[target], i))
     loops = []
     for start, end in spans:
         if any(start <= s and e <= end and (s, e) != (start, end) for s, e in spans):
