@@ -10,10 +10,11 @@ Reported: the instruction count, and each innermost loop that issues wgmma (a co
 warpgroup's loop over key blocks; one a warpgroup, as each is a partition of its own) with its
 instructions, its exp2s (``MUFU.EX2``) and its wgmmas (``HGMMA``).
 
-Why: the forward's speed at short causal shapes follows its code more than its arithmetic. On an
-H200 a 64-wide path for the diagonal block, compiled in but never taken, cost 2-4% at head_dim 64
-(benchmarks/README.md, session 53); with this script a variant's code can be weighed before a
-GPU times it.
+Why: at short causal shapes the forward's speed moved more with its code than with its
+arithmetic. On an H200 a 64-wide path for the diagonal block, compiled in but never taken, cost
+2-4% at head_dim 64, and ptxas had scheduled the same-length key loop differently; 776 fewer
+instructions outside the loop did not help (benchmarks/README.md, session 53). This shows what a
+variant changes in the machine code before a GPU times it.
 """
 from __future__ import annotations
 
