@@ -8,7 +8,8 @@ head_dim) is compiled for sm_90 ahead of time, with the plan's kernel and with e
 launched as ``probe_gluon_forward_variants.py`` does), and Triton's cuobjdump lists its SASS.
 Reported: the instruction count, and each innermost loop that issues wgmma (a consumer
 warpgroup's loop over key blocks; one a warpgroup, as each is a partition of its own) with its
-instructions, its exp2s (``MUFU.EX2``) and its wgmmas (``HGMMA``).
+first instruction's byte address, its instructions, its exp2s (``MUFU.EX2``) and its wgmmas
+(``HGMMA``).
 
 Why: at short causal shapes the forward's speed moved more with its code than with its
 arithmetic. On an H200 a 64-wide path for the diagonal block, compiled in but never taken, cost
@@ -62,7 +63,8 @@ def innermost_loops(code: list[tuple[int, str]]) -> list[dict]:
         body = [text for _, text in code[start:end + 1]]
         wgmma = sum(bool(_WGMMA.search(t)) for t in body)
         if wgmma:
-            loops.append({"instructions": len(body), "exp2": sum("MUFU.EX2" in t for t in body), "wgmma": wgmma})
+            loops.append({"address": code[start][0], "instructions": len(body),
+                          "exp2": sum("MUFU.EX2" in t for t in body), "wgmma": wgmma})
     return loops
 
 
