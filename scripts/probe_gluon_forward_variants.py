@@ -31,9 +31,16 @@ CHECKS = [(1, 128, 128, 1, 128, False), (1, 128, 128, 1, 128, True), (1, 256, 25
           (2, 700, 1000, 3, 64, True), (1, 1, 777, 2, 128, True), (1, 300, 365, 2, 64, True)]
 
 
-def variant_plan(module, plan):
-    """``plan`` as the variant launches it: its ``variant_plan(plan)`` where it has one (e.g. to
-    launch more warps), else unchanged."""
+def forward_plan_of(module, spec, facts):
+    """The Gluon forward plan of ``spec`` with ``module``'s kernel (None: the plan's own): the
+    consumers its ``forward_consumers`` picks, launched as its ``variant_plan(plan)`` says where
+    it has one (e.g. more warps)."""
+    from triton_kernels.flash_attention.plan import gluon_forward_plan
+
+    if module is None:
+        return gluon_forward_plan(spec, facts)
+    consumers = module.forward_consumers(spec.head_dim, spec.window is not None, spec.seq_q, spec.seq_k)
+    plan = dataclasses.replace(gluon_forward_plan(spec, facts, consumers), kernel=module.flash_fwd_gluon_kernel)
     return getattr(module, "variant_plan", lambda p: p)(plan)
 
 
@@ -51,7 +58,7 @@ def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
     from ejkernel_torch.launch import device_facts, launch
     from ejkernel_torch.ops.flash_attention import _features
     from triton_kernels import flash_attention as fa
-    from triton_kernels.flash_attention.plan import gluon_forward_plan, triton_forward_plan
+    from triton_kernels.flash_attention.plan import triton_forward_plan
 
     b, s, sk, h, d = shape
     q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
@@ -64,10 +71,7 @@ def _row(shape, causal: bool, variants: dict, timed: bool) -> dict:
     runs = {}
     for name, module in variants.items():
         try:
-            consumers = None if module is None else module.forward_consumers(d, causal, s, sk)
-            plan = gluon_forward_plan(spec, facts, consumers)
-            if module is not None:
-                plan = variant_plan(module, dataclasses.replace(plan, kernel=module.flash_fwd_gluon_kernel))
+            plan = forward_plan_of(module, spec, facts)
             for w in want:  # NaN where the outputs will be allocated next, so unwritten elements show
                 torch.full_like(w, float("nan"))
             got = launch(plan, *arrays)

@@ -20,7 +20,6 @@ variant changes in the machine code before a GPU times it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -76,19 +75,14 @@ def report(plan) -> dict:
 
 
 def _plan(shape, module):
+    """The forward plan of a benchmark shape, with ``module``'s kernel as the variant probe runs it."""
+    from scripts.probe_gluon_forward_variants import forward_plan_of
     from triton_kernels import HOPPER
     from triton_kernels import flash_attention as fa
-    from triton_kernels.flash_attention.plan import gluon_forward_plan
-
-    from scripts.probe_gluon_forward_variants import variant_plan
 
     seq, head_dim, causal = shape
     dims = (16384 // seq, seq, 2048 // head_dim, head_dim)
-    spec = fa.dense_spec(dims, dims, dims, ("bfloat16",) * 3, causal=causal)
-    if module is None:
-        return gluon_forward_plan(spec, HOPPER)
-    plan = gluon_forward_plan(spec, HOPPER, module.forward_consumers(head_dim, causal, seq, seq))
-    return variant_plan(module, dataclasses.replace(plan, kernel=module.flash_fwd_gluon_kernel))
+    return forward_plan_of(module, fa.dense_spec(dims, dims, dims, ("bfloat16",) * 3, causal=causal), HOPPER)
 
 
 def main() -> None:
