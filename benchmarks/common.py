@@ -320,12 +320,17 @@ def variant_probe_main(description: str, kernel_file: str, checks: list[tuple], 
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     variants = {"plan": None} | dict(load(p) for p in args.variants)
-    rows = [row(shape[:5], shape[5], variants, False) for shape in checks]
+    runs = [(shape, False) for shape in checks]
     if not args.no_time:
-        rows += [row(shape[:5], shape[5], variants, True) for shape in
+        runs += [(shape, True) for shape in
                  variant_timed_shapes(args.head_dims, args.seqs, tuple(c == "true" for c in args.causal))]
-    if args.out:
-        write_run(args.out, rows, triton=triton.__version__)
+    rows = []
+    for shape, timed in runs:
+        rows.append(row(shape[:5], shape[5], variants, timed))  # which prints it
+        # The file after each row: a variant that hangs the GPU leaves the rows before it (the
+        # run is killed by a timeout, not by Python).
+        if args.out:
+            write_run(args.out, rows, triton=triton.__version__)
 
 
 def gmm_shape(text: str) -> tuple[int, int, int, int]:
