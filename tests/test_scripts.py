@@ -52,6 +52,7 @@ GPU_ONLY = {
     "scripts/probe_flash_gaps.py": ["--shapes", "128:64:full", "--out", os.devnull],
     "scripts/probe_flash_flush.py": ["--shapes", "128:64:full", "--out", os.devnull],
     "scripts/probe_flash_backward.py": ["--cases", "128:64:full", "--out", os.devnull],
+    "scripts/ncu_stalls.py": ["--shapes", "128:64:full", "--out", os.devnull],
 }
 
 
@@ -193,3 +194,44 @@ def test_builds_probe_reassembles_tritons_own_cubin():
     assert probe.assemble(compiled, probe.triton_ptxas()) == compiled.kernel
     count = probe.sass_instructions(compiled.kernel)
     assert count is None or count > 0x10000 // 16, count
+
+
+def _source_page(instructions):
+    """An ncu source page in CSV (``ncu --page source --csv --print-source sass``): (address,
+    SASS, samples, executed, wait samples, long-scoreboard samples) a line."""
+    lines = ['"Kernel Name","flash_fwd_gluon_kernel",',
+             '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_wait",'
+             '"stall_long_sb","stall_wait (Not Issued)"']
+    for address, sass, samples, executed, wait, long_sb in instructions:
+        lines.append(f'"0x{address:x}","      {sass}","{samples}","{executed:,}","{wait}","{long_sb}","0"')
+    return "\n".join(lines) + "\n"
+
+
+def test_ncu_stalls_puts_each_sample_in_its_partition_and_loop_region():
+    """``scripts/ncu_stalls.py`` cuts the SASS at USETMAXREG into partitions: the one with a key
+    loop (a back edge around HGMMA) is a consumer's, split before / in / after its loop; the one
+    with TMA loads the loader's; the rest "other". Shares are of the kernel's and the consumer's."""
+    from scripts.ncu_stalls import summarise
+
+    page = _source_page([
+        (0x7f0000000100, "USETMAXREG.DEALLOC.CTAPOOL 0x78", 0, 10, 0, 0),
+        (0x7f0000000110, "NOP", 40, 10, 0, 0),
+        (0x7f0000000120, "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe8", 0, 10, 0, 0),
+        (0x7f0000000130, "IADD3 R1, R2, R3, RZ", 10, 1000, 10, 0),
+        (0x7f0000000140, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR28], R24", 20, 4000, 15, 5),
+        (0x7f0000000150, "MUFU.EX2 R5, R6", 30, 4000, 30, 0),
+        (0x7f0000000160, "@P0 BRA 0x7f0000000140", 10, 4000, 0, 10),
+        (0x7f0000000170, "STS [R1], R2", 5, 1000, 5, 0),
+        (0x7f0000000180, "USETMAXREG.DEALLOC.CTAPOOL 0x18", 0, 10, 0, 0),
+        (0x7f0000000190, "UTMALDG.3D [UR16], [UR28]", 7, 100, 0, 7),
+        (0x7f00000001a0, "EXIT", 0, 10, 0, 0),
+    ])
+    regions = summarise(page)
+    assert sorted(regions) == ["consumer 0 after loop", "consumer 0 before loop", "consumer 0 loop", "loader", "other"]
+    loop = regions["consumer 0 loop"]
+    assert (loop["samples"], loop["instructions"], loop["executed"]) == (60, 3, 12000)
+    assert loop["share_of_kernel"] == round(60 / 122, 4) and loop["share_of_consumer"] == round(60 / 75, 4)
+    assert loop["stalls"] == {"wait": 0.75, "long_sb": 0.25}
+    assert regions["consumer 0 before loop"]["samples"] == 10 and regions["consumer 0 after loop"]["samples"] == 5
+    assert regions["loader"]["samples"] == 7 and regions["loader"]["stalls"] == {"long_sb": 1.0}
+    assert regions["other"]["samples"] == 40 and "share_of_consumer" not in regions["other"]
