@@ -1,12 +1,15 @@
 """Where the Gluon flash forward's warps spend their time, from Nsight Compute's stall samples.
 
     python scripts/ncu_stalls.py [--shapes 1024:64:causal 1024:64:full] [--variant VARIANT.py] [--out PATH]
+    python scripts/ncu_stalls.py --baseline cudnn [--shapes ...]     # torch SDPA's cuDNN kernel instead
     python scripts/ncu_stalls.py --csv SOURCE.csv [SOURCE.csv ...]      # summarise saved source pages
 
 On a GPU with ``ncu``: each shape's forward plan (bf16, the benchmark's batch x seq = 16k tokens
 and heads = 2048 / head_dim; with ``--variant``, that copy of ``gluon_forward.py``'s kernel) is
 launched three times in a child process, ncu samples the third launch (SourceCounters,
-WarpStateStats), and its per-instruction source page is read back. ``--csv`` summarises such a
+WarpStateStats), and its per-instruction source page is read back. ``--baseline cudnn`` samples
+the longest kernel of torch SDPA's cuDNN forward at the same shape instead (its SASS is cut the
+same way where it is built alike). ``--csv`` summarises such a
 page saved earlier (``ncu -i R.ncu-rep --page source --csv --print-source sass``), on any machine.
 
 The SASS is cut into partitions at the ``USETMAXREG`` instructions each warp-specialized
@@ -28,6 +31,7 @@ import csv
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -123,8 +127,9 @@ def summarise(text: str, top: int = 4) -> dict:
     return summary
 
 
-def _launch(shape: str, variant: str | None) -> None:
-    """Child of ``main``: the forward plan of ``shape`` launched three times (ncu samples the third)."""
+def _forward(shape: str, variant: str | None, baseline: str | None):
+    """The forward call at ``shape``: the plan's (or ``variant``'s) kernel, or with ``baseline``
+    torch SDPA's cuDNN backend on the same arrays (heads-first views, as the benchmark calls it)."""
     import torch
 
     from benchmarks.common import flash_shape, load_kernel_copy
@@ -136,38 +141,83 @@ def _launch(shape: str, variant: str | None) -> None:
     seq, head_dim, causal = flash_shape(shape)
     dims = (16384 // seq, seq, 2048 // head_dim, head_dim)
     q, k, v = (torch.randn(*dims, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    if baseline:
+        from benchmarks.flash_attention import _sdpa
+
+        sdpa, heads_first = _sdpa(baseline, causal), [t.transpose(1, 2) for t in (q, k, v)]
+        return lambda: sdpa(*heads_first)
     spec = fa.dense_spec(q.shape, k.shape, v.shape, ("bfloat16",) * 3, causal=causal)
     module = load_kernel_copy(variant, "ncu_variant")[1] if variant else None
     plan = forward_plan_of(module, spec, device_facts(q.device))
     arrays = _features(q, k, v, None, None, None, None, None, None)
+    return lambda: launch(plan, *arrays)
+
+
+def _launch(shape: str, variant: str | None, baseline: str | None) -> None:
+    """Child of ``profile``: the forward launched three times (ncu samples the third)."""
+    import torch
+
+    forward = _forward(shape, variant, baseline)
     for _ in range(3):
-        launch(plan, *arrays)
+        forward()
     torch.cuda.synchronize()
 
 
-def profile(shape: str, variant: str | None) -> str:
-    """The ncu source page (CSV text) of the third forward launch at ``shape``."""
+def _longest_kernel(shape: str, baseline: str) -> None:
+    """Child of ``profile``: prints the name of the longest kernel of one ``baseline`` forward."""
+    from benchmarks.common import profiled_kernels
+
+    forward = _forward(shape, None, baseline)
+    forward()
+    print(max(profiled_kernels(forward, 1), key=lambda e: e.time_range.elapsed_us()).name)
+
+
+def profile(shape: str, variant: str | None, baseline: str | None = None) -> str:
+    """The ncu source page (CSV text) of the third forward launch at ``shape`` (its longest
+    kernel with ``baseline``)."""
+    child = [sys.executable, os.path.abspath(__file__), "--shapes", shape] + (["--variant", variant] if variant else [])
+    kernel = "regex:flash_fwd_gluon"
+    if baseline:
+        child += ["--baseline", baseline]
+        name = subprocess.run(child + ["--child", "name"], check=True, capture_output=True, text=True).stdout
+        kernel = "regex:^" + re.escape(name.strip().splitlines()[-1].split("(")[0].split("<")[0])
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "forward")
-        child = [sys.executable, os.path.abspath(__file__), "--launch", shape] + (["--variant", variant] if variant else [])
-        subprocess.run(["ncu", "--kernel-name", "regex:flash_fwd_gluon", "--launch-skip", "2", "--launch-count", "1",
-                        "--section", "SourceCounters", "--section", "WarpStateStats", "-o", report, *child],
-                       check=True, capture_output=True, text=True)
+        subprocess.run(["ncu", "--kernel-name-base", "demangled", "--kernel-name", kernel, "--launch-skip", "2",
+                        "--launch-count", "1", "--section", "SourceCounters", "--section", "WarpStateStats",
+                        "-o", report, *child, "--child", "launch"], check=True, capture_output=True, text=True)
         return subprocess.run(["ncu", "-i", report + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass"],
                               check=True, capture_output=True, text=True).stdout
+
+
+def _profiled_rows(shapes: list[str], variant: str | None, baseline: str | None, keep: str | None) -> list[dict]:
+    """A summary of each shape's profile, its source page kept in ``keep`` if given."""
+    rows = []
+    for shape in shapes:
+        page = profile(shape, variant, baseline)
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            with open(os.path.join(keep, f"{baseline or 'ours'}-{shape.replace(':', '_')}.csv"), "w") as f:
+                f.write(page)
+        rows.append({"shape": shape, "variant": variant, "baseline": baseline, "regions": summarise(page)})
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=["1024:64:causal", "1024:64:full"])
     parser.add_argument("--variant", default=None, help="a copy of gluon_forward.py to profile instead of the plan's")
+    parser.add_argument("--baseline", choices=["cudnn"], default=None, help="profile torch SDPA's backend instead")
     parser.add_argument("--csv", nargs="*", default=None, help="summarise saved ncu source pages instead")
-    parser.add_argument("--launch", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--keep", default=None, help="a folder to keep each source page in (CSV)")
+    parser.add_argument("--child", choices=["launch", "name"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    if args.launch:
-        return _launch(args.launch, args.variant)
+    if args.child == "launch":
+        return _launch(args.shapes[0], args.variant, args.baseline)
+    if args.child == "name":
+        return _longest_kernel(args.shapes[0], args.baseline)
     if args.csv is not None:
         rows = []
         for path in args.csv:
@@ -180,8 +230,7 @@ def main() -> None:
 
         if not torch.cuda.is_available() or shutil.which("ncu") is None:
             sys.exit("needs a CUDA GPU and Nsight Compute's ncu")
-        rows = [{"shape": shape, "variant": args.variant, "regions": summarise(profile(shape, args.variant))}
-                for shape in args.shapes]
+        rows = _profiled_rows(args.shapes, args.variant, args.baseline, args.keep)
     for row in rows:
         print(json.dumps(row), flush=True)
     if args.out:
