@@ -523,7 +523,11 @@ if AVAILABLE:
         total = _claimable(n_units, per_head, n_m, PAIRS)
         ring = 0
         tiles = 0
-        claim = gl.atomic_add(next_tile_ptr, 1)
+        # Relaxed claims: a claim only needs its own number, and orders no other memory. The
+        # default acq_rel put MEMBAR.GPU, ERRBAR and an L1 invalidation before each; relaxed, the
+        # consumers' code is unchanged and calls ran 0.999-1.010x as fast (causal, head_dim 64 and
+        # 128, seq 1024 and 2048, H200; probe_gluon_forward_variants-relaxed-claim-nvidia-h200.json).
+        claim = gl.atomic_add(next_tile_ptr, 1, sem="relaxed")
         while claim < total:
             m0, h, b, exists = _claimed_tile(claim, n_m, per_head, n_units, HEADS_Q, TILE_M, PAIRS)
             if exists:
@@ -536,13 +540,13 @@ if AVAILABLE:
                 mbarrier.expect(bar, PARTS * q_desc.block_type.nbytes)
                 for i in gl.static_range(PARTS):
                     _tma_load(q_desc, [b, m0 + i * ROWS, h * HEAD_DIM], bar, q_smem.index(PARTS * buf + i))
-                claim = gl.atomic_add(next_tile_ptr, 1)  # the next claim's latency hides behind this tile's blocks
+                claim = gl.atomic_add(next_tile_ptr, 1, sem="relaxed")  # the next claim's latency hides behind this tile's blocks
                 _kv_blocks(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b,
                            (h // GROUP) * HEAD_DIM, n_blocks, ring, BLOCK_N, STAGES)
                 ring += n_blocks
                 tiles += 1
             else:
-                claim = gl.atomic_add(next_tile_ptr, 1)
+                claim = gl.atomic_add(next_tile_ptr, 1, sem="relaxed")
         # Every program ends on one claim past the tiles, so the launch's last claim is this one:
         # put the counter back to zero, and a launcher may keep it for the stream's next launch.
         if claim == total + gl.num_programs(0) - 1:
