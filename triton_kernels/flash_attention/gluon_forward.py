@@ -540,7 +540,8 @@ if AVAILABLE:
                 mbarrier.expect(bar, PARTS * q_desc.block_type.nbytes)
                 for i in gl.static_range(PARTS):
                     _tma_load(q_desc, [b, m0 + i * ROWS, h * HEAD_DIM], bar, q_smem.index(PARTS * buf + i))
-                claim = gl.atomic_add(next_tile_ptr, 1, sem="relaxed")  # the next claim's latency hides behind this tile's blocks
+                # the next claim's latency hides behind this tile's blocks
+                claim = gl.atomic_add(next_tile_ptr, 1, sem="relaxed")
                 _kv_blocks(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, b,
                            (h // GROUP) * HEAD_DIM, n_blocks, ring, BLOCK_N, STAGES)
                 ring += n_blocks
