@@ -17,8 +17,10 @@ partition starts or ends with. A partition holding a key loop (an innermost loop
 wgmma, as ``sass_loops.py`` finds it) is a consumer warpgroup's, split into its code before the
 loop (a tile's start: the query and first key block, block 0's QK^T and softmax), the loop, and
 after it (the last PV and the epilogue); one holding TMA loads and no key loop is the loader's;
-the rest is set-up and the idle warps of the loader's warpgroup. Reported for each region: its
-stall samples, their share of the kernel's and of its consumer's, and the leading stall reasons.
+the rest is set-up and the idle warps of the loader's warpgroup. (Consumer warpgroups that share
+one copy of the code, as cuDNN's do, are one consumer here.) Reported for each region: its stall
+samples, their share of the kernel's and of its consumer's, and the leading stall reasons. Sample
+counts compare within a kernel, not across kernels.
 
 Why: the short causal forward moved with its code more than with its arithmetic (session 53);
 this says where a consumer's time goes before a variant is written.
