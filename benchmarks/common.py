@@ -341,6 +341,12 @@ def gmm_shape(text: str) -> tuple[int, int, int, int]:
     return values
 
 
+def flash_dims(seq: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(batch, seq, heads, head_dim) of the flash benchmark's shape at ``seq`` and ``head_dim``:
+    batch x seq = 16k tokens, heads = 2048 / head_dim."""
+    return 16384 // seq, seq, 2048 // head_dim, head_dim
+
+
 def flash_shape(text: str) -> tuple[int, int, bool]:
     """argparse type of a flash-attention shape ``SEQ:HEAD_DIM:full|causal`` (the benchmark's
     batch x seq = 16k tokens and heads = 2048 / head_dim go with it)."""

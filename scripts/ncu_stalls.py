@@ -134,14 +134,14 @@ def _forward(shape: str, variant: str | None, baseline: str | None):
     torch SDPA's cuDNN backend on the same arrays (heads-first views, as the benchmark calls it)."""
     import torch
 
-    from benchmarks.common import flash_shape, load_kernel_copy
+    from benchmarks.common import flash_dims, flash_shape, load_kernel_copy
     from ejkernel_torch.launch import device_facts, launch
     from ejkernel_torch.ops.flash_attention import _features
     from scripts.probe_gluon_forward_variants import forward_plan_of
     from triton_kernels import flash_attention as fa
 
     seq, head_dim, causal = flash_shape(shape)
-    dims = (16384 // seq, seq, 2048 // head_dim, head_dim)
+    dims = flash_dims(seq, head_dim)
     q, k, v = (torch.randn(*dims, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     if baseline:
         from benchmarks.flash_attention import _sdpa

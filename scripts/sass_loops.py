@@ -76,12 +76,13 @@ def report(plan) -> dict:
 
 def _plan(shape, module):
     """The forward plan of a benchmark shape, with ``module``'s kernel as the variant probe runs it."""
+    from benchmarks.common import flash_dims
     from scripts.probe_gluon_forward_variants import forward_plan_of
     from triton_kernels import HOPPER
     from triton_kernels import flash_attention as fa
 
     seq, head_dim, causal = shape
-    dims = (16384 // seq, seq, 2048 // head_dim, head_dim)
+    dims = flash_dims(seq, head_dim)
     return forward_plan_of(module, fa.dense_spec(dims, dims, dims, ("bfloat16",) * 3, causal=causal), HOPPER)
 
 
