@@ -327,6 +327,10 @@ def test_gluon_forward_claiming_its_tiles_compiles_for_hopper(head_dim, causal):
     claims = re.findall(r"atom\.global\.[\w.]*add[\w.]*", ptx)
     assert claims and all(".relaxed." in c for c in claims), claims
     assert re.search(r"atom\.global\.[\w.]*exch", ptx)
+    # the epilogue divides once a row (a thread holds two of a warpgroup's rows), not once an
+    # output element (32 or 64 a thread), and multiplies
+    divisions = re.findall(r"\bdiv\.[\w.]*f32", ptx)
+    assert len(divisions) == 2 * plan.constexpr_dict["CONSUMERS"], divisions
 
 
 @needs_gluon

@@ -245,8 +245,12 @@ if AVAILABLE:
         ``o_smem``); store their natural log-sum-exp."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, acc.type.layout))
-        o_smem.store((acc / l_o[:, None]).to(o_smem.dtype))
+        # One reciprocal a row, then products: `acc / l` divided each element (div.full, ~3 SASS
+        # instructions an element): 88 instructions a consumer at head_dim 64, 188 at 128, and
+        # calls 1.01-1.05x as fast (H200; probe_gluon_forward_variants-recip-skew-nvidia-h200.json).
+        # Every row has l >= 1: it attends key 0, whose term is exp2(0).
+        inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, acc.type.layout))
+        o_smem.store((acc * inv_l[:, None]).to(o_smem.dtype))
         fence_async_shared()  # the generic-proxy writes above, before the TMA engine reads them
         _thread_barrier()  # every thread's rows are in o_smem before one thread starts the copy
         _tma_store(o_desc, [b, row0, col], o_smem)
