@@ -21,6 +21,7 @@ from triton_kernels.params import (
     attention_smem_bytes,
     check_params,
     check_shared_memory,
+    dtype_name,
     select_num_stages,
     select_num_warps,
     shared_memory_limit,
@@ -122,6 +123,16 @@ def test_stable_json_same_for_torch_and_jax_arrays(torch_fw, jax_fw):
         assert stable_json(t) == stable_json(j) == expected
         assert stable_json(torch_fw.dtype(name)) == stable_json(jax_fw.dtype(name)) == f'"{name}"'
     assert stable_json(np.float32(2.5)) == "2.5"
+
+
+def test_dtype_names_of_ml_dtypes_instances():
+    """ml_dtypes >= 0.7 gives each of its dtypes a DType class of its own, in module ml_dtypes
+    (a subclass of numpy.dtype): still a dtype, named as numpy names it."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    for name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        assert dtype_name(np.dtype(getattr(ml_dtypes, name))) == name
+        assert dtype_name(getattr(ml_dtypes, name)) == name  # the scalar type
+    assert dtype_name(np.dtype("float16")) == "float16"
 
 
 def test_triton_kernels_modules_import_no_framework():

@@ -38,9 +38,16 @@ def _dtype_name_or_none(o: Any) -> str | None:
         return o.__name__ if (o.__module__ or "").startswith("numpy") else None
     if t.__module__ == "torch" and t.__name__ == "dtype":
         return str(o).removeprefix("torch.")
-    if (t.__module__ or "").startswith("numpy") and hasattr(o, "kind") and isinstance(getattr(o, "name", None), str):
+    if _is_numpy_dtype(o) and isinstance(getattr(o, "name", None), str):
         return o.name
     return None
+
+
+def _is_numpy_dtype(o: Any) -> bool:
+    """Whether ``o`` is a numpy dtype instance, without importing numpy. ml_dtypes >= 0.7 gives
+    each of its dtypes a class of its own (``ml_dtypes.bfloat16``, a subclass of ``numpy.dtype``),
+    so the class's module alone does not tell."""
+    return any(c.__name__ == "dtype" and c.__module__ == "numpy" for c in type(o).__mro__)
 
 
 def dtype_name(dtype: Any) -> str:
