@@ -82,20 +82,44 @@ def interleaved(timers: dict, rounds: int = 9, warmup: int = 1) -> dict[str, lis
 EVENT_ROUNDS = 5
 
 
-def event_rounds(calls: dict, errors: dict, rounds: int = EVENT_ROUNDS, timer=None) -> dict[str, list[float]]:
+def event_rounds(calls: dict, errors: dict, rounds: int = EVENT_ROUNDS, timer=None,
+                 spans: dict | None = None) -> dict[str, list[float]]:
     """``rounds`` samples of each of ``calls`` (name -> call without arguments), taken in turn
     (``interleaved``), each sample ``timer(call)``: by default a ``do_bench`` of 200 / ``rounds``
     ms, so a method gets the time one 200 ms ``do_bench`` gave it. Timed one after another, a
     10 ms training step read 0.92-1.00x its baseline in three runs of one H200 start, depending on
     what ran before it; within a round the two meet the same clock. Each call runs once first
-    (it compiles); one that fails is recorded in ``errors`` (by name) and left out."""
+    (it compiles); one that fails is recorded in ``errors`` (by name) and left out. Given a dict
+    ``spans``, each sample's start and end (``time.perf_counter()``) are listed there under its
+    name, round by round, so that a ``GpuLog`` can tell the clocks each sample met."""
     timer = timer or (lambda call: bench_torch(call, warmup_ms=10, rep_ms=200 // rounds))
     timers = {}
     for name, call in calls.items():
         try_time({}, errors, name, call)
         if name not in errors:
             timers[name] = functools.partial(timer, call)
+            if spans is not None:
+                timers[name] = _stamped(timers[name], spans.setdefault(name, []))
     return interleaved(timers, rounds=rounds, warmup=0)
+
+
+def _stamped(sample, spans: list):
+    """``sample`` that also appends the ``time.perf_counter()`` readings around it to ``spans``."""
+    def run():
+        start = time.perf_counter()
+        value = sample()
+        spans.append((start, time.perf_counter()))
+        return value
+    return run
+
+
+def clock_ratio(clocks: dict[str, list[dict]], numerator: str, denominator: str) -> float | None:
+    """The median over rounds of one method's SM clock over another's (``GpuLog.during`` of each
+    sample, ``event_rounds``'s ``spans``); None where a round of either has no clock sample."""
+    pairs = list(zip(clocks.get(numerator, []), clocks.get(denominator, [])))
+    if not pairs or any("sm_mhz" not in a or "sm_mhz" not in b for a, b in pairs):
+        return None
+    return statistics.median(a["sm_mhz"] / b["sm_mhz"] for a, b in pairs)
 
 
 def median_ratio(samples: dict[str, list[float]], numerator: str, denominator: str) -> float:

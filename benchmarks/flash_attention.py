@@ -35,9 +35,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np
 
-from benchmarks.common import (EVENT_ROUNDS, calls_per_batch, device_name, event_rounds, host_ms, interleaved,
-                               median_ratio, pin_configs, program_batch, spin_until_ready, try_time,
-                               value_and_pullback, wall_batch, write_bar_svg, write_json)
+from benchmarks.common import (EVENT_ROUNDS, GpuLog, calls_per_batch, clock_ratio, device_name, event_rounds,
+                               host_ms, interleaved, median_ratio, pin_configs, program_batch, spin_until_ready,
+                               try_time, value_and_pullback, wall_batch, write_bar_svg, write_json)
 from triton_kernels.params import BwdParams, FwdParams
 
 TOKENS = 16384
@@ -82,9 +82,11 @@ def _torch_step(fn, q, k, v, dout):
 
 
 def bench_torch_impls(q, k, v, dout, causal, fwd_params=None, bwd_params=None,
-                      only_ours=False) -> tuple[dict, dict, dict]:
+                      only_ours=False) -> tuple[dict, dict, dict, dict]:
     """Ours and SDPA's backends from torch, timed by CUDA events side by side (``event_rounds``).
-    Returns (median ms by "phase/method", errors, the rounds' samples)."""
+    Returns (median ms by "phase/method", errors, the rounds' samples, and the clocks each sample
+    met: ``GpuLog.during``, empty dicts without nvidia-smi). The long calls without a mask run at
+    the power cap, where the SM clock moves 1.5-1.9 GHz (H200): a ratio can come from the clock."""
     import ejkernel_torch
 
     ours = lambda a, b, c: ejkernel_torch.flash_attention(a, b, c, causal=causal, fwd_params=fwd_params,  # noqa: E731
@@ -94,10 +96,13 @@ def bench_torch_impls(q, k, v, dout, causal, fwd_params=None, bwd_params=None,
         heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
         for name in ("flash", "cudnn", "efficient"):
             impls[f"sdpa_{name}"] = (_sdpa(name, causal), heads_first[:3], heads_first[3])
-    errors = {}
-    rounds = event_rounds({f"{phase}/{name}": _torch_call(fn, args, cot, phase)
-                           for name, (fn, args, cot) in impls.items() for phase in ("fwd", "fwd+bwd")}, errors)
-    return {name: statistics.median(samples) for name, samples in rounds.items()}, errors, rounds
+    errors, spans = {}, {}
+    with GpuLog() as log:
+        rounds = event_rounds({f"{phase}/{name}": _torch_call(fn, args, cot, phase)
+                               for name, (fn, args, cot) in impls.items() for phase in ("fwd", "fwd+bwd")},
+                              errors, spans=spans)
+    clocks = {name: [log.during(*span) for span in spans.get(name, [])] for name in rounds}
+    return {name: statistics.median(samples) for name, samples in rounds.items()}, errors, rounds, clocks
 
 
 def _ours_and_cudnn(q, k, v, dout, causal) -> dict:
@@ -242,7 +247,7 @@ def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=Tr
     heads = HIDDEN // head_dim
     arrays = _inputs(batch, seq, heads, head_dim)
     q, k, v, dout = (torch.from_numpy(a).to("cuda", getattr(torch, dtype)) for a in arrays)
-    times, errors, rounds = bench_torch_impls(q, k, v, dout, causal)
+    times, errors, rounds, clocks = bench_torch_impls(q, k, v, dout, causal)
     side_ratios = host_costs(q, k, v, dout, causal, times)
     if with_jax:
         wall, ratios, wall_errors = bench_side_by_side(q, k, v, dout, arrays, dtype, causal, times, jax_wait)
@@ -250,7 +255,7 @@ def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=Tr
         times.update(wall)
         errors.update(wall_errors)
     row = {"batch": batch, "seq": seq, "heads": heads, "head_dim": head_dim, "causal": causal, "dtype": dtype,
-           "ms": times, "rounds_ms": rounds, "errors": errors,
+           "ms": times, "rounds_ms": rounds, "rounds_clocks": clocks, "errors": errors,
            "tflops": {n: flops(batch, heads, seq, head_dim, causal, n.split("/")[0]) / (ms * 1e-3) / 1e12
                       for n, ms in times.items()}}
     for phase in ("fwd", "fwd+bwd"):
@@ -260,6 +265,9 @@ def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=Tr
             best = min(sdpa, key=sdpa.get)  # by its median; the ratio is taken within each round
             row[f"{phase}: ours_torch vs best sdpa"] = median_ratio(rounds, f"{phase}/{best}", f"{phase}/ours_torch")
             row[f"{phase}: best sdpa"] = best
+            clock = clock_ratio(clocks, f"{phase}/ours_torch", f"{phase}/{best}")
+            if clock is not None:  # > 1: ours met the higher SM clock
+                row[f"{phase}: ours_torch clock / best sdpa clock"] = clock
     row.update(side_ratios)  # time ratios > 1: jax is slower; "vs" ratios > 1: ours is faster
     if sweep:
         row["sweep"] = sweep_configs(q, k, v, dout, causal)
@@ -273,10 +281,10 @@ def _label(p) -> str:
 def sweep_configs(q, k, v, dout, causal) -> dict:
     out = {"fwd": {}, "fwd+bwd": {}}
     for p in SWEEP_FWD:
-        t, e, _ = bench_torch_impls(q, k, v, dout, causal, fwd_params=p, only_ours=True)
+        t, e, *_ = bench_torch_impls(q, k, v, dout, causal, fwd_params=p, only_ours=True)
         out["fwd"][_label(p)] = t.get("fwd/ours_torch") or e.get("fwd/ours_torch")
     for p in SWEEP_BWD:
-        t, e, _ = bench_torch_impls(q, k, v, dout, causal, bwd_params=p, only_ours=True)
+        t, e, *_ = bench_torch_impls(q, k, v, dout, causal, bwd_params=p, only_ours=True)
         out["fwd+bwd"][_label(p)] = t.get("fwd+bwd/ours_torch") or e.get("fwd+bwd/ours_torch")
     return out
 
@@ -336,6 +344,17 @@ def measure_overhead(device: str) -> dict:
 
 def _svg_label(r: dict) -> str:
     return f'{r["dtype"][:4]} d{r["head_dim"]} s{r["seq"] // 1024}k{" causal" if r["causal"] else ""}'
+
+
+def _versus(row: dict) -> str:
+    """Ours over the best SDPA backend, each phase, and the SM clocks they met: the row's ratios."""
+    parts = []
+    for phase in ("fwd", "fwd+bwd"):
+        if f"{phase}: ours_torch vs best sdpa" in row:
+            part = f"{phase} vs {row[f'{phase}: best sdpa']} {row[f'{phase}: ours_torch vs best sdpa']:.3f}"
+            clock = row.get(f"{phase}: ours_torch clock / best sdpa clock")
+            parts.append(part + (f" (clock ratio {clock:.3f})" if clock is not None else ""))
+    return ", ".join(parts)
 
 
 def _summary(rows: list[dict]) -> dict:
@@ -411,6 +430,7 @@ def main() -> None:
               + " | ".join(f"{phase}: " + ", ".join(f"{n.split('/')[1]} {v:.0f}" for n, v in t.items()
                                                    if n.startswith(phase + "/"))
                            for phase in ("fwd", "fwd+bwd")), flush=True)
+        print("    " + _versus(row), flush=True)
         for name, err in row["errors"].items():
             print(f"    {name}: {err}")
         if "sweep" in row:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from benchmarks.common import (calls_per_batch, error_text, event_rounds, host_ms, interleaved, median_ratio,
+from benchmarks.common import (calls_per_batch, clock_ratio, error_text, event_rounds, host_ms, interleaved, median_ratio,
                                program_batch, spin_until_ready, time_beside_plan, wall_batch, write_run)
 
 
@@ -217,13 +217,78 @@ def test_flash_ours_vs_best_sdpa_is_taken_within_rounds(monkeypatch):
     rounds = {"fwd/ours_torch": [1.1, 1.2, 2.2], "fwd/sdpa_cudnn": [1.0, 1.5, 2.0], "fwd/sdpa_flash": [1.6, 1.6, 1.6]}
     for name in list(rounds):
         rounds[name.replace("fwd/", "fwd+bwd/")] = rounds[name]
-    monkeypatch.setattr(bench, "event_rounds", lambda calls, errors: {k: rounds[k] for k in calls if k in rounds})
+    monkeypatch.setattr(bench, "event_rounds",
+                        lambda calls, errors, spans: {k: rounds[k] for k in calls if k in rounds})
     monkeypatch.setattr(bench, "host_costs", lambda *args: {})
     monkeypatch.setattr(torch.Tensor, "to", lambda t, *args, **kwargs: t)  # the inputs stay on the CPU
     row = bench.run_shape(64, 16, False, "bfloat16", batch=1, with_jax=False)
     assert row["fwd: best sdpa"] == "sdpa_cudnn"
     assert row["fwd: ours_torch vs best sdpa"] == pytest.approx(1.0 / 1.1)
     assert row["ms"]["fwd/sdpa_cudnn"] == 1.5 and row["rounds_ms"]["fwd/ours_torch"] == [1.1, 1.2, 2.2]
+    assert "fwd: ours_torch clock / best sdpa clock" not in row  # no clock samples: no ratio
+
+
+def test_flash_row_reports_the_clocks_each_method_met_within_rounds(monkeypatch):
+    # Each sample's span is stamped with the clock a fake GpuLog reports for it; the row gives
+    # the clocks per round and the median of ours' over the best backend's (1500/1600, 1700/1700,
+    # 1900/1800): 1.0, not a ratio of medians.
+    import torch
+
+    from benchmarks import flash_attention as bench
+
+    mhz = {"ours_torch": [1500, 1700, 1900], "sdpa_cudnn": [1600, 1700, 1800], "sdpa_flash": [1980] * 3}
+    ms = {"ours_torch": [1.0, 1.0, 1.0], "sdpa_cudnn": [1.1, 1.1, 1.1], "sdpa_flash": [2.0, 2.0, 2.0]}
+
+    def event_rounds(calls, errors, spans):
+        for name in calls:
+            if name.split("/")[1] in mhz:  # efficient: taken as failed, as in the test above
+                spans[name] = [(clock, clock) for clock in mhz[name.split("/")[1]]]
+        return {name: ms[name.split("/")[1]] for name in calls if name.split("/")[1] in ms}
+
+    class FakeLog:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def during(self, start, end):
+            return {"sm_mhz": start}
+
+    monkeypatch.setattr(bench, "event_rounds", event_rounds)
+    monkeypatch.setattr(bench, "GpuLog", FakeLog)
+    monkeypatch.setattr(bench, "host_costs", lambda *args: {})
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *args, **kwargs: t)
+    row = bench.run_shape(64, 16, False, "bfloat16", batch=1, with_jax=False)
+    assert [c["sm_mhz"] for c in row["rounds_clocks"]["fwd/ours_torch"]] == [1500, 1700, 1900]
+    assert row["fwd: ours_torch clock / best sdpa clock"] == pytest.approx(1.0)
+    assert row["fwd+bwd: ours_torch clock / best sdpa clock"] == pytest.approx(1.0)
+    assert bench._versus(row) == ("fwd vs sdpa_cudnn 1.100 (clock ratio 1.000), "
+                                  "fwd+bwd vs sdpa_cudnn 1.100 (clock ratio 1.000)")
+
+
+def test_event_rounds_stamp_each_sample_in_the_order_they_ran():
+    ticks = iter(range(100))
+
+    def timer(fn):
+        return float(next(ticks))
+
+    spans = {}
+    samples = event_rounds({"a": lambda: None, "b": lambda: None}, {}, rounds=3, timer=timer, spans=spans)
+    assert samples == {"a": [0.0, 3.0, 4.0], "b": [1.0, 2.0, 5.0]}  # a b, b a, a b
+    assert [len(spans[n]) for n in "ab"] == [3, 3]
+    for name in "ab":
+        assert all(start <= end for start, end in spans[name])
+    # The second round ran b before a, the third a before b.
+    assert spans["b"][1][1] <= spans["a"][1][0] and spans["a"][2][1] <= spans["b"][2][0]
+
+
+def test_clock_ratio_is_the_median_within_rounds_and_none_without_samples():
+    clocks = {"x": [{"sm_mhz": 1500}, {"sm_mhz": 1800}, {"sm_mhz": 1600}],
+              "y": [{"sm_mhz": 1500}, {"sm_mhz": 1500}, {"sm_mhz": 2000}]}
+    assert clock_ratio(clocks, "x", "y") == pytest.approx(1.0)  # 1.0, 1.2, 0.8
+    assert clock_ratio({"x": clocks["x"], "y": [{}, {"sm_mhz": 1}, {"sm_mhz": 1}]}, "x", "y") is None
+    assert clock_ratio(clocks, "x", "missing") is None
 
 
 def test_program_batch_runs_the_program_once_and_divides_by_its_calls():
