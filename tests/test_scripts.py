@@ -53,6 +53,7 @@ GPU_ONLY = {
     "scripts/probe_flash_flush.py": ["--shapes", "128:64:full", "--out", os.devnull],
     "scripts/probe_flash_backward.py": ["--cases", "128:64:full", "--out", os.devnull],
     "scripts/ncu_stalls.py": ["--shapes", "128:64:full", "--out", os.devnull],
+    "scripts/probe_bench_order.py": ["--shapes", "128:64:full", "--repeats", "1", "--out", os.devnull],
 }
 
 
