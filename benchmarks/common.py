@@ -89,9 +89,13 @@ def event_rounds(calls: dict, errors: dict, rounds: int = EVENT_ROUNDS, timer=No
     ms, so a method gets the time one 200 ms ``do_bench`` gave it. Timed one after another, a
     10 ms training step read 0.92-1.00x its baseline in three runs of one H200 start, depending on
     what ran before it; within a round the two meet the same clock. Each call runs once first
-    (it compiles); one that fails is recorded in ``errors`` (by name) and left out. Given a dict
-    ``spans``, each sample's start and end (``time.perf_counter()``) are listed there under its
-    name, round by round, so that a ``GpuLog`` can tell the clocks each sample met."""
+    (it compiles); one that fails is recorded in ``errors`` (by name) and left out. Then one whole
+    round is sampled and dropped: its first method started on a GPU that had idled while the host
+    set up, at the full clock where the later rounds ran at the power cap: in six whole H200 runs
+    the median row's first round read ours' forward (the first method) 1-5% faster against cuDNN
+    than its later rounds did (session 56). Given a dict ``spans``, each kept sample's start and end
+    (``time.perf_counter()``) are listed there under its name, round by round, so that a
+    ``GpuLog`` can tell the clocks each sample met."""
     timer = timer or (lambda call: bench_torch(call, warmup_ms=10, rep_ms=200 // rounds))
     timers = {}
     for name, call in calls.items():
@@ -100,7 +104,10 @@ def event_rounds(calls: dict, errors: dict, rounds: int = EVENT_ROUNDS, timer=No
             timers[name] = functools.partial(timer, call)
             if spans is not None:
                 timers[name] = _stamped(timers[name], spans.setdefault(name, []))
-    return interleaved(timers, rounds=rounds, warmup=0)
+    samples = interleaved(timers, rounds=rounds, warmup=1)
+    for name in timers if spans is not None else ():
+        del spans[name][:-rounds]  # the dropped round's
+    return samples
 
 
 def _stamped(sample, spans: list):
