@@ -113,3 +113,17 @@ def _sweep_plans():
 def test_benchmark_sweep_configs_compile(plan):
     """What benchmarks/flash_attention.py --sweep launches compiles for sm_90 and fits."""
     _check(plan)
+
+
+@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 64)])
+def test_forward_normalises_its_rows_by_one_reciprocal_each(dtype, head_dim):
+    # The epilogue divides once for each row a thread holds, then multiplies: dividing each of
+    # the thread's output elements put one div.full an element in the PTX (64 here).
+    import re
+
+    plan = fa.forward_plan(_dense(dtype, head_dim, False), HOPPER)
+    assert plan.name == "flash_fwd_kernel"
+    divisions = re.findall(r"\bdiv\.[\w.]*f32", compile_plan(plan).asm["ptx"])
+    c = plan.constexpr_dict
+    elements_a_thread = c["BLOCK_M"] * c["BLOCK_D"] // (32 * plan.num_warps)
+    assert 0 < len(divisions) <= elements_a_thread // 8, (len(divisions), elements_a_thread)
