@@ -163,7 +163,8 @@ def _load_token_rows(ptr, b, offs, pad, seq_len):
 def _finish_rows(acc, m_i, l_i, o_ptr, lse_ptr, b, base, offs_m, offs_d, seq_len, head_dim, UNIT: tl.constexpr):
     """Store the output rows and their log-sum-exp, in the logits' units (see _online_softmax_update)."""
     empty = l_i == 0.0
-    _store_tile(o_ptr, base, offs_m, offs_d, seq_len, head_dim, acc / tl.where(empty, 1.0, l_i)[:, None])
+    # one reciprocal a row, then products: not a division an element (as the flash forward)
+    _store_tile(o_ptr, base, offs_m, offs_d, seq_len, head_dim, acc * (1.0 / tl.where(empty, 1.0, l_i))[:, None])
     log_l = tl.log2(tl.where(empty, 1.0, l_i))
     if UNIT != 1.0:
         log_l = log_l / UNIT
