@@ -105,8 +105,9 @@ def event_rounds(calls: dict, errors: dict, rounds: int = EVENT_ROUNDS, timer=No
             if spans is not None:
                 timers[name] = _stamped(timers[name], spans.setdefault(name, []))
     samples = interleaved(timers, rounds=rounds, warmup=1)
-    for name in timers if spans is not None else ():
-        del spans[name][:-rounds]  # the dropped round's
+    if spans is not None:
+        for name in timers:
+            del spans[name][:-rounds]  # the dropped round's
     return samples
 
 

@@ -461,8 +461,8 @@ def _write(args, rows: list[dict], extras: dict) -> None:
 
     payload = {"device": device_name(), "torch": torch.__version__, "jax": jax.__version__,
                "method": f"torch: triton.testing.do_bench (CUDA events, L2 flushed), the methods in {EVENT_ROUNDS} "
-                         f"interleaved rounds of {200 // EVENT_ROUNDS} ms after one dropped round (rounds_ms, rounds_clocks: the "
-                         "SM clock each sample met, by nvidia-smi), each one's ms the median of its "
+                         f"interleaved rounds of {200 // EVENT_ROUNDS} ms after one dropped round (rounds_ms; "
+                         "rounds_clocks: the SM clock each sample met, by nvidia-smi), each one's ms the median of its "
                          f"rounds, ours vs best sdpa the median of the per-round ratios; jax and *_wall: median of "
                          "pipelined batches of >= 25 ms (20-200 calls), jax's waited for as jax_wait says (block: "
                          "jax.block_until_ready; spin: polled), the wall-clock methods in 9 interleaved rounds, "

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from benchmarks.common import (calls_per_batch, clock_ratio, error_text, event_rounds, host_ms, interleaved, median_ratio,
-                               program_batch, spin_until_ready, time_beside_plan, wall_batch, write_run)
+from benchmarks.common import (calls_per_batch, clock_ratio, error_text, event_rounds, host_ms, interleaved,
+                               median_ratio, program_batch, spin_until_ready, time_beside_plan, wall_batch, write_run)
 
 
 def _recording_timers(names, log):
@@ -283,8 +283,6 @@ def test_event_rounds_stamp_each_sample_in_the_order_they_ran():
     assert [len(spans[n]) for n in "ab"] == [3, 3]  # the kept rounds' only
     for name in "ab":  # each span is its own sample's
         assert all(start <= when[tick] <= end for (start, end), tick in zip(spans[name], samples[name]))
-    for name in "ab":
-        assert all(start <= end for start, end in spans[name])
     # The second round ran b before a, the third a before b.
     assert spans["b"][1][1] <= spans["a"][1][0] and spans["a"][2][1] <= spans["b"][2][0]
 

@@ -163,9 +163,10 @@ def _load_token_rows(ptr, b, offs, pad, seq_len):
 def _finish_rows(acc, m_i, l_i, o_ptr, lse_ptr, b, base, offs_m, offs_d, seq_len, head_dim, UNIT: tl.constexpr):
     """Store the output rows and their log-sum-exp, in the logits' units (see _online_softmax_update)."""
     empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
     # one reciprocal a row, then products: not a division an element (as the flash forward)
-    _store_tile(o_ptr, base, offs_m, offs_d, seq_len, head_dim, acc * (1.0 / tl.where(empty, 1.0, l_i))[:, None])
-    log_l = tl.log2(tl.where(empty, 1.0, l_i))
+    _store_tile(o_ptr, base, offs_m, offs_d, seq_len, head_dim, acc * (1.0 / l_safe)[:, None])
+    log_l = tl.log2(l_safe)
     if UNIT != 1.0:
         log_l = log_l / UNIT
     tl.store(lse_ptr + b * seq_len + offs_m, tl.where(empty, -float("inf"), m_i + log_l), mask=offs_m < seq_len)
