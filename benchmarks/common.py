@@ -63,19 +63,31 @@ def program_batch(program, args, wait, calls: int):
 
 def interleaved(timers: dict, rounds: int = 9, warmup: int = 1) -> dict[str, list[float]]:
     """``rounds`` samples of each timer (``wall_batch``), taken in turn round after round, the
-    order reversed every other round, after ``warmup`` unrecorded ones. Timed seconds apart, one
+    order reversed every other round, after ``warmup`` unrecorded rounds. Timed seconds apart, one
     method's timings wandered on the H100s here by as much as the differences we look for, so
     methods compared are sampled side by side, and their ratio taken within a round
-    (``median_ratio``)."""
+    (``median_ratio``).
+
+    The warm-up rounds keep the alternation (the one just before the first recorded round is
+    reversed), so every recorded round follows what the same round of the pattern follows: at the
+    power cap a sample's clock depends on the method run just before it. With the warm-up round in
+    the first round's order, that round's first method followed the last one (a slow, cool
+    kernel) and met the full clock, 1.04x faster over the median row than in its later rounds
+    (H200, session 57)."""
     names = list(timers)
-    for name in names:
-        for _ in range(warmup):
+    for r in range(-warmup, 0):
+        for name in _round_order(names, r):
             timers[name]()
     samples = {name: [] for name in names}
     for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in _round_order(names, r):
             samples[name].append(timers[name]())
     return samples
+
+
+def _round_order(names: list, r: int) -> list:
+    """The methods in round ``r``'s order: as given in even rounds, reversed in odd ones."""
+    return names if r % 2 == 0 else names[::-1]
 
 
 # Rounds of CUDA-event timing (``event_rounds``): a method's figure is the median of its rounds.
@@ -90,12 +102,14 @@ def event_rounds(calls: dict, errors: dict, rounds: int = EVENT_ROUNDS, timer=No
     10 ms training step read 0.92-1.00x its baseline in three runs of one H200 start, depending on
     what ran before it; within a round the two meet the same clock. Each call runs once first
     (it compiles); one that fails is recorded in ``errors`` (by name) and left out. Then one whole
-    round is sampled and dropped: its first method started on a GPU that had idled while the host
-    set up, at the full clock where the later rounds ran at the power cap: in six whole H200 runs
-    the median row's first round read ours' forward (the first method) 1-5% faster against cuDNN
-    than its later rounds did (session 56). Given a dict ``spans``, each kept sample's start and end
-    (``time.perf_counter()``) are listed there under its name, round by round, so that a
-    ``GpuLog`` can tell the clocks each sample met."""
+    round is sampled and dropped, in reversed order (``interleaved``'s warm-up), so that the first
+    kept round's first method (ours' forward) follows itself, as in every later even round. At the
+    power cap the clock a sample meets depends on what ran before it: with no dropped round, or
+    one in the first round's order, that method followed SDPA's slow, cool memory-efficient
+    backend and met the full clock, and the median row's first round read ours' forward 1-5%
+    (session 56) and 4% (session 57, H200) faster against cuDNN than its later rounds did. Given a
+    dict ``spans``, each kept sample's start and end (``time.perf_counter()``) are listed there
+    under its name, round by round, so that a ``GpuLog`` can tell the clocks each sample met."""
     timer = timer or (lambda call: bench_torch(call, warmup_ms=10, rep_ms=200 // rounds))
     timers = {}
     for name, call in calls.items():

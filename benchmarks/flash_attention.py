@@ -461,14 +461,14 @@ def _write(args, rows: list[dict], extras: dict) -> None:
 
     payload = {"device": device_name(), "torch": torch.__version__, "jax": jax.__version__,
                "method": f"torch: triton.testing.do_bench (CUDA events, L2 flushed), the methods in {EVENT_ROUNDS} "
-                         f"interleaved rounds of {200 // EVENT_ROUNDS} ms after one dropped round (rounds_ms; "
-                         "rounds_clocks: the SM clock each sample met, by nvidia-smi), each one's ms the median of its "
-                         f"rounds, ours vs best sdpa the median of the per-round ratios; jax and *_wall: median of "
-                         "pipelined batches of >= 25 ms (20-200 calls), jax's waited for as jax_wait says (block: "
-                         "jax.block_until_ready; spin: polled), the wall-clock methods in 9 interleaved rounds, "
-                         "jax/torch ratios the median of per-round ratios; *_program: a forward batch as one "
-                         "jitted program of chained calls, in the same rounds; TFLOP/s on 4*B*H*S^2*D (x0.5 "
-                         "causal, x3.5 fwd+bwd)",
+                         f"interleaved rounds of {200 // EVENT_ROUNDS} ms after one dropped round, reversed "
+                         "(rounds_ms; rounds_clocks: the SM clock each sample met, by nvidia-smi), each one's ms the "
+                         "median of its rounds, ours vs best sdpa the median of the per-round ratios; jax and "
+                         "*_wall: median of pipelined batches of >= 25 ms (20-200 calls), jax's waited for as "
+                         "jax_wait says (block: jax.block_until_ready; spin: polled), the wall-clock methods in 9 "
+                         "interleaved rounds, jax/torch ratios the median of per-round ratios; *_program: a forward "
+                         "batch as one jitted program of chained calls, in the same rounds; TFLOP/s on 4*B*H*S^2*D "
+                         "(x0.5 causal, x3.5 fwd+bwd)",
                "ratios": _summary(rows), "failed": _failures(rows), "results": rows, **extras}
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"flash_attention-{device_name()}.json")
     write_json(out, payload)

@@ -25,10 +25,22 @@ def _recording_timers(names, log):
 def test_interleaved_warms_up_then_alternates_the_order():
     log = []
     samples = interleaved(_recording_timers(["a", "b", "c"], log), rounds=4, warmup=2)
-    assert log == ["a", "a", "b", "b", "c", "c",  # warm-up, not recorded
+    assert log == ["a", "b", "c", "c", "b", "a",  # warm-up rounds, not recorded
                    "a", "b", "c", "c", "b", "a", "a", "b", "c", "c", "b", "a"]
     # Each method's samples are its own calls, in round order.
     assert samples == {"a": [7.0, 12.0, 13.0, 18.0], "b": [8.0, 11.0, 14.0, 17.0], "c": [9.0, 10.0, 15.0, 16.0]}
+
+
+@pytest.mark.parametrize("warmup", [1, 2, 3])
+def test_every_recorded_round_follows_what_its_place_in_the_pattern_follows(warmup):
+    # At the power cap a sample's clock depends on the call before it: the first recorded round
+    # must follow the same method as every later round of its parity does.
+    log = []
+    interleaved(_recording_timers(["a", "b", "c"], log), rounds=5, warmup=warmup)
+    first_calls = [warmup * 3 + 3 * r for r in range(5)]  # each recorded round's first call
+    before = [log[i - 1] for i in first_calls]
+    assert before[0::2] == ["a"] * 3  # even rounds start with "a", after a reversed round
+    assert before[1::2] == ["c"] * 2
 
 
 def test_median_ratio_pairs_samples_within_a_round():
@@ -203,9 +215,9 @@ def test_event_rounds_time_each_working_call_in_turn_after_one_untimed_call():
     calls = {name: call(name) for name in ("a", "missing", "b")}
     samples = event_rounds(calls, errors, rounds=3, timer=timer)
     assert errors == {"missing": "RuntimeError: no such kernel"}  # recorded, not timed, not fatal
-    # One untimed call each (compiles), one round sampled and dropped (the GPU comes out of idle),
-    # then rounds in turn, the order reversed every other round.
-    assert [name for _, name in log] == ["a", "missing", "b", "a", "b", "a", "b", "b", "a", "a", "b"]
+    # One untimed call each (compiles), one round sampled and dropped, reversed (the first kept
+    # round then follows what every even round follows), then rounds in turn, alternating.
+    assert [name for _, name in log] == ["a", "missing", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
     assert samples == {"a": [6.0, 9.0, 10.0], "b": [7.0, 8.0, 11.0]}
 
 
@@ -279,7 +291,7 @@ def test_event_rounds_stamp_each_sample_in_the_order_they_ran():
 
     spans = {}
     samples = event_rounds({"a": lambda: None, "b": lambda: None}, {}, rounds=3, timer=timer, spans=spans)
-    assert samples == {"a": [2.0, 5.0, 6.0], "b": [3.0, 4.0, 7.0]}  # (a b dropped), a b, b a, a b
+    assert samples == {"a": [2.0, 5.0, 6.0], "b": [3.0, 4.0, 7.0]}  # (b a dropped), a b, b a, a b
     assert [len(spans[n]) for n in "ab"] == [3, 3]  # the kept rounds' only
     for name in "ab":  # each span is its own sample's
         assert all(start <= when[tick] <= end for (start, end), tick in zip(spans[name], samples[name]))
