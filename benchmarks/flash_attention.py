@@ -247,15 +247,20 @@ def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=Tr
     heads = HIDDEN // head_dim
     arrays = _inputs(batch, seq, heads, head_dim)
     q, k, v, dout = (torch.from_numpy(a).to("cuda", getattr(torch, dtype)) for a in arrays)
+    # Where a row's device time goes (a whole run with jax takes about 25 minutes of a session's 30).
+    seconds, start = {}, time.perf_counter()
     times, errors, rounds, clocks = bench_torch_impls(q, k, v, dout, causal)
+    seconds["torch events"], start = time.perf_counter() - start, time.perf_counter()
     side_ratios = host_costs(q, k, v, dout, causal, times)
+    seconds["host costs"], start = time.perf_counter() - start, time.perf_counter()
     if with_jax:
         wall, ratios, wall_errors = bench_side_by_side(q, k, v, dout, arrays, dtype, causal, times, jax_wait)
         side_ratios.update(ratios)
         times.update(wall)
         errors.update(wall_errors)
+        seconds["wall clock, with jax"] = time.perf_counter() - start
     row = {"batch": batch, "seq": seq, "heads": heads, "head_dim": head_dim, "causal": causal, "dtype": dtype,
-           "ms": times, "rounds_ms": rounds, "rounds_clocks": clocks, "errors": errors,
+           "seconds": seconds, "ms": times, "rounds_ms": rounds, "rounds_clocks": clocks, "errors": errors,
            "tflops": {n: flops(batch, heads, seq, head_dim, causal, n.split("/")[0]) / (ms * 1e-3) / 1e12
                       for n, ms in times.items()}}
     for phase in ("fwd", "fwd+bwd"):
@@ -431,6 +436,7 @@ def main() -> None:
                                                    if n.startswith(phase + "/"))
                            for phase in ("fwd", "fwd+bwd")), flush=True)
         print("    " + _versus(row), flush=True)
+        print("    seconds: " + ", ".join(f"{part} {t:.1f}" for part, t in row["seconds"].items()), flush=True)
         for name, err in row["errors"].items():
             print(f"    {name}: {err}")
         if "sweep" in row:

@@ -240,6 +240,8 @@ def test_flash_ours_vs_best_sdpa_is_taken_within_rounds(monkeypatch):
     assert row["fwd: ours_torch vs best sdpa"] == pytest.approx(1.0 / 1.1)
     assert row["ms"]["fwd/sdpa_cudnn"] == 1.5 and row["rounds_ms"]["fwd/ours_torch"] == [1.1, 1.2, 2.2]
     assert "fwd: ours_torch clock / best sdpa clock" not in row  # no clock samples: no ratio
+    assert set(row["seconds"]) == {"torch events", "host costs"}  # what the row's parts took
+    assert all(0 <= t < 60 for t in row["seconds"].values())
 
 
 def test_flash_row_reports_the_clocks_each_method_met_within_rounds(monkeypatch):
