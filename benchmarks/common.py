@@ -66,14 +66,10 @@ def interleaved(timers: dict, rounds: int = 9, warmup: int = 1) -> dict[str, lis
     order reversed every other round, after ``warmup`` unrecorded rounds. Timed seconds apart, one
     method's timings wandered on the H100s here by as much as the differences we look for, so
     methods compared are sampled side by side, and their ratio taken within a round
-    (``median_ratio``).
-
-    The warm-up rounds keep the alternation (the one just before the first recorded round is
-    reversed), so every recorded round follows what the same round of the pattern follows: at the
-    power cap a sample's clock depends on the method run just before it. With the warm-up round in
-    the first round's order, that round's first method followed the last one (a slow, cool
-    kernel) and met the full clock, 1.04x faster over the median row than in its later rounds
-    (H200, session 57)."""
+    (``median_ratio``). The warm-up rounds keep the alternation (the one just before the first
+    recorded round is reversed), so every recorded round follows what the same round of the
+    pattern follows: at the power cap a sample's clock depends on the method run just before it
+    (``event_rounds``)."""
     names = list(timers)
     for r in range(-warmup, 0):
         for name in _round_order(names, r):

@@ -24,6 +24,7 @@ charts next to it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import statistics
@@ -240,6 +241,14 @@ def _inputs(batch, seq, heads, head_dim, seed=0):
     return [rng.standard_normal((batch, seq, heads, head_dim), dtype=np.float32) for _ in range(4)]
 
 
+@contextlib.contextmanager
+def _timed(seconds: dict, part: str):
+    """Records the seconds the ``with`` block took under ``part``."""
+    start = time.perf_counter()
+    yield
+    seconds[part] = time.perf_counter() - start
+
+
 def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=True, jax_wait=None) -> dict:
     import torch
 
@@ -247,18 +256,17 @@ def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=Tr
     heads = HIDDEN // head_dim
     arrays = _inputs(batch, seq, heads, head_dim)
     q, k, v, dout = (torch.from_numpy(a).to("cuda", getattr(torch, dtype)) for a in arrays)
-    # Where a row's device time goes (a whole run with jax takes about 25 minutes of a session's 30).
-    seconds, start = {}, time.perf_counter()
-    times, errors, rounds, clocks = bench_torch_impls(q, k, v, dout, causal)
-    seconds["torch events"], start = time.perf_counter() - start, time.perf_counter()
-    side_ratios = host_costs(q, k, v, dout, causal, times)
-    seconds["host costs"], start = time.perf_counter() - start, time.perf_counter()
+    seconds = {}  # where a row's device time goes: a whole run with jax takes ~25 of a session's 30 minutes
+    with _timed(seconds, "torch events"):
+        times, errors, rounds, clocks = bench_torch_impls(q, k, v, dout, causal)
+    with _timed(seconds, "host costs"):
+        side_ratios = host_costs(q, k, v, dout, causal, times)
     if with_jax:
-        wall, ratios, wall_errors = bench_side_by_side(q, k, v, dout, arrays, dtype, causal, times, jax_wait)
+        with _timed(seconds, "wall clock, with jax"):
+            wall, ratios, wall_errors = bench_side_by_side(q, k, v, dout, arrays, dtype, causal, times, jax_wait)
         side_ratios.update(ratios)
         times.update(wall)
         errors.update(wall_errors)
-        seconds["wall clock, with jax"] = time.perf_counter() - start
     row = {"batch": batch, "seq": seq, "heads": heads, "head_dim": head_dim, "causal": causal, "dtype": dtype,
            "seconds": seconds, "ms": times, "rounds_ms": rounds, "rounds_clocks": clocks, "errors": errors,
            "tflops": {n: flops(batch, heads, seq, head_dim, causal, n.split("/")[0]) / (ms * 1e-3) / 1e12
