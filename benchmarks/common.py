@@ -91,22 +91,23 @@ EVENT_ROUNDS = 5
 
 
 def event_rounds(calls: dict, errors: dict, rounds: int = EVENT_ROUNDS, timer=None,
-                 spans: dict | None = None) -> dict[str, list[float]]:
+                 spans: dict | None = None, warmup_ms: int = 10) -> dict[str, list[float]]:
     """``rounds`` samples of each of ``calls`` (name -> call without arguments), taken in turn
-    (``interleaved``), each sample ``timer(call)``: by default a ``do_bench`` of 200 / ``rounds``
-    ms, so a method gets the time one 200 ms ``do_bench`` gave it. Timed one after another, a
-    10 ms training step read 0.92-1.00x its baseline in three runs of one H200 start, depending on
-    what ran before it; within a round the two meet the same clock. Each call runs once first
-    (it compiles); one that fails is recorded in ``errors`` (by name) and left out. Then one whole
-    round is sampled and dropped, in reversed order (``interleaved``'s warm-up), so that the first
-    kept round's first method (ours' forward) follows itself, as in every later even round. At the
-    power cap the clock a sample meets depends on what ran before it: with no dropped round, or
-    one in the first round's order, that method followed SDPA's slow, cool memory-efficient
-    backend and met the full clock, and the median row's first round read ours' forward 1-5%
-    (session 56) and 4% (session 57, H200) faster against cuDNN than its later rounds did. Given a
-    dict ``spans``, each kept sample's start and end (``time.perf_counter()``) are listed there
-    under its name, round by round, so that a ``GpuLog`` can tell the clocks each sample met."""
-    timer = timer or (lambda call: bench_torch(call, warmup_ms=10, rep_ms=200 // rounds))
+    (``interleaved``), each sample ``timer(call)``: by default a ``do_bench`` of 200 / ``rounds`` ms
+    after ``warmup_ms`` of untimed calls, so a method gets the time one 200 ms ``do_bench`` gave it.
+    Timed one after another, a 10 ms training step read 0.92-1.00x its baseline in three runs of one
+    H200 start, depending on what ran before it; within a round the two meet the same clock. Each
+    call runs once first (it compiles); one that fails is recorded in ``errors`` (by name) and left
+    out. Then one whole round is sampled and dropped, in reversed order (``interleaved``'s warm-up),
+    so that the first kept round's first method (ours' forward) follows itself, as in every later
+    even round. At the power cap the clock a sample meets depends on what ran before it: with no
+    dropped round, or one in the first round's order, that method followed SDPA's slow, cool
+    memory-efficient backend and met the full clock, and the median row's first round read ours'
+    forward 1-5% (session 56) and 4% (session 57, H200) faster against cuDNN than its later rounds
+    did. Given a dict ``spans``, each kept sample's start and end (``time.perf_counter()``) are
+    listed there under its name, round by round, so that a ``GpuLog`` can tell the clocks each
+    sample met."""
+    timer = timer or (lambda call: bench_torch(call, warmup_ms=warmup_ms, rep_ms=200 // rounds))
     timers = {}
     for name, call in calls.items():
         try_time({}, errors, name, call)

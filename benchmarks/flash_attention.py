@@ -44,6 +44,11 @@ from triton_kernels.params import BwdParams, FwdParams
 TOKENS = 16384
 HIDDEN = 2048
 SEQS = (1024, 2048, 4096, 8192, 16384)
+# Untimed calls before each CUDA-event sample, in ms. At the power cap (the long rows without a
+# mask, H200) a sample 10 ms after the method before it still met that method's clock: one row's
+# forward ratio moved 0.98-1.05 between repeats. After 200 ms each method runs at the clock of its
+# own power draw and repeats agree within 1-2% (scripts/probe_bench_order.py, benchmarks/README.md).
+EVENT_WARMUP_MS = 200
 # Configs --sweep times for our kernels (tests/test_aot_flash_attention.py compiles them for sm_90).
 SWEEP_FWD = [FwdParams(blocksize_m=bm, blocksize_n=bn, num_warps=w, num_stages=s)
              for bm, bn, w, s in ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 4, 3),
@@ -83,8 +88,9 @@ def _torch_step(fn, q, k, v, dout):
 
 
 def bench_torch_impls(q, k, v, dout, causal, fwd_params=None, bwd_params=None,
-                      only_ours=False) -> tuple[dict, dict, dict, dict]:
-    """Ours and SDPA's backends from torch, timed by CUDA events side by side (``event_rounds``).
+                      only_ours=False, warmup_ms=EVENT_WARMUP_MS) -> tuple[dict, dict, dict, dict]:
+    """Ours and SDPA's backends from torch, timed by CUDA events side by side (``event_rounds``,
+    each sample after ``warmup_ms`` of untimed calls).
     Returns (median ms by "phase/method", errors, the rounds' samples, and the clocks each sample
     met: ``GpuLog.during``, empty dicts without nvidia-smi). The long calls without a mask run at
     the power cap, where the SM clock moves 1.5-1.9 GHz (H200): a ratio can come from the clock."""
@@ -101,7 +107,7 @@ def bench_torch_impls(q, k, v, dout, causal, fwd_params=None, bwd_params=None,
     with GpuLog() as log:
         rounds = event_rounds({f"{phase}/{name}": _torch_call(fn, args, cot, phase)
                                for name, (fn, args, cot) in impls.items() for phase in ("fwd", "fwd+bwd")},
-                              errors, spans=spans)
+                              errors, spans=spans, warmup_ms=warmup_ms)
     clocks = {name: [log.during(*span) for span in spans.get(name, [])] for name in rounds}
     return {name: statistics.median(samples) for name, samples in rounds.items()}, errors, rounds, clocks
 
@@ -249,7 +255,8 @@ def _timed(seconds: dict, part: str):
     seconds[part] = time.perf_counter() - start
 
 
-def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=True, jax_wait=None) -> dict:
+def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=True, jax_wait=None,
+              warmup_ms=EVENT_WARMUP_MS) -> dict:
     import torch
 
     batch = batch or max(1, TOKENS // seq)
@@ -258,7 +265,7 @@ def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=Tr
     q, k, v, dout = (torch.from_numpy(a).to("cuda", getattr(torch, dtype)) for a in arrays)
     seconds = {}  # where a row's device time goes: a whole run with jax takes ~25 of a session's 30 minutes
     with _timed(seconds, "torch events"):
-        times, errors, rounds, clocks = bench_torch_impls(q, k, v, dout, causal)
+        times, errors, rounds, clocks = bench_torch_impls(q, k, v, dout, causal, warmup_ms=warmup_ms)
     with _timed(seconds, "host costs"):
         side_ratios = host_costs(q, k, v, dout, causal, times)
     if with_jax:
@@ -418,6 +425,8 @@ def main() -> None:
     parser.add_argument("--jax-wait", default="block", choices=["block", "spin"],
                         help="how a jax batch is waited for: block (jax.block_until_ready, the thread sleeps; "
                              "default) or spin (poll Array.is_ready, as torch.cuda.synchronize spins)")
+    parser.add_argument("--warmup-ms", type=int, default=EVENT_WARMUP_MS,
+                        help="untimed calls before each CUDA-event sample, in ms (sessions before 58 ran 10)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     configs = pin_configs(args.config_cache)
@@ -432,11 +441,13 @@ def main() -> None:
     # back costs a host more than the backward's own Python on some machines (VMs).
     torch.autograd.set_multithreading_enabled(args.autograd_threads == "on")
     # first: a run cut short has them
-    extras = {**configs, "autograd_threads": args.autograd_threads, "jax_wait": args.jax_wait, **_extras(args)}
+    extras = {**configs, "event_warmup_ms": args.warmup_ms, "autograd_threads": args.autograd_threads,
+              "jax_wait": args.jax_wait, **_extras(args)}
     rows = []
     jax_wait = spin_until_ready if args.jax_wait == "spin" else None  # None: jax.block_until_ready
     for dtype, d, seq, causal in itertools.product(args.dtypes, args.head_dims, args.seqs, args.causal):
-        row = run_shape(seq, d, causal == "true", dtype, sweep=args.sweep, with_jax=not args.no_jax, jax_wait=jax_wait)
+        row = run_shape(seq, d, causal == "true", dtype, sweep=args.sweep, with_jax=not args.no_jax, jax_wait=jax_wait,
+                        warmup_ms=args.warmup_ms)
         rows.append(row)
         t = row["tflops"]
         print(f"{dtype:9s} d{d:<4d} s{seq:<6d} {'causal' if causal == 'true' else 'full  '} "
@@ -460,7 +471,8 @@ def _extras(args) -> dict:
     if args.long:
         long_rows = []
         for causal in (False, True):
-            long_rows.append(run_shape(65536, 128, causal, args.dtypes[0], batch=1, with_jax=False))
+            long_rows.append(run_shape(65536, 128, causal, args.dtypes[0], batch=1, with_jax=False,
+                                       warmup_ms=args.warmup_ms))
             print("seq 65536:", {n: round(v) for n, v in long_rows[-1]["tflops"].items()}, flush=True)
         extras["seq_65536"] = long_rows
     if args.overhead:
@@ -475,7 +487,8 @@ def _write(args, rows: list[dict], extras: dict) -> None:
 
     payload = {"device": device_name(), "torch": torch.__version__, "jax": jax.__version__,
                "method": f"torch: triton.testing.do_bench (CUDA events, L2 flushed), the methods in {EVENT_ROUNDS} "
-                         f"interleaved rounds of {200 // EVENT_ROUNDS} ms after one dropped round, reversed "
+                         f"interleaved rounds of {200 // EVENT_ROUNDS} ms, each after {extras['event_warmup_ms']} "
+                         "ms of untimed calls (event_warmup_ms), after one dropped round, reversed "
                          "(rounds_ms; rounds_clocks: the SM clock each sample met, by nvidia-smi), each one's ms the "
                          "median of its rounds, ours vs best sdpa the median of the per-round ratios; jax and "
                          "*_wall: median of pipelined batches of >= 25 ms (20-200 calls), jax's waited for as "

@@ -1,12 +1,12 @@
 """Does the flash benchmark's order of methods move its ratios on a power-capped GPU?
 
-``event_rounds`` times every method for 40 ms in turn, the order reversed every other round, after
-10 ms of warm-up. At the power cap the SM clock a sample meets depends on what ran just before
-it. This probe reruns ``benchmarks.flash_attention.run_shape`` (torch only) with the benchmark's
-order and warm-up, with a longer warm-up (each method settles at its own clock first), and with the
-methods in reversed order; variants alternate, ``--repeats`` times. Per run: ours over the best SDPA
-backend and ours' SM clock over its clock (``event_rounds`` spans, ``GpuLog``), both medians of the
-per-round ratios.
+``event_rounds`` times every method for 40 ms in turn, the order reversed every other round, each
+sample after a warm-up (the benchmark's ``--warmup-ms``: 10 ms before session 58, 200 since). At
+the power cap the SM clock a sample meets depends on what ran just before it. This probe reruns
+``benchmarks.flash_attention.run_shape`` (torch only) with each of ``--warmups`` in the benchmark's
+order, and with the first of them in reversed order; variants alternate, ``--repeats`` times. Per
+run: ours over the best SDPA backend and ours' SM clock over its clock (``event_rounds`` spans,
+``GpuLog``), both medians of the per-round ratios.
 
     python scripts/probe_bench_order.py [--shapes 16384:128:full 16384:64:causal] [--dtype float16]
         [--warmups 10 50] [--repeats 2] [--out FILE]
@@ -25,13 +25,11 @@ from benchmarks import flash_attention as bench  # noqa: E402
 from benchmarks.common import flash_shape  # noqa: E402
 
 
-def ordered_rounds(reverse: bool, warmup_ms: int):
-    """``event_rounds`` with the methods in the benchmark's order or reversed, and this warm-up."""
-    def rounds(calls, errors, spans=None):
+def ordered_rounds(reverse: bool):
+    """``event_rounds`` with the methods in the benchmark's order or reversed."""
+    def rounds(calls, errors, **options):
         names = list(calls)[::-1] if reverse else list(calls)
-        timer = lambda call: common.bench_torch(call, warmup_ms=warmup_ms,  # noqa: E731
-                                                rep_ms=200 // common.EVENT_ROUNDS)
-        return common.event_rounds({n: calls[n] for n in names}, errors, timer=timer, spans=spans)
+        return common.event_rounds({n: calls[n] for n in names}, errors, **options)
     return rounds
 
 
@@ -40,7 +38,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", type=flash_shape,
                         default=[flash_shape(s) for s in ("16384:128:full", "16384:64:causal")])
     parser.add_argument("--dtype", default="float16")
-    parser.add_argument("--warmups", nargs="*", type=int, default=[10, 50], help="ms; the first is the benchmark's")
+    parser.add_argument("--warmups", nargs="*", type=int, default=[10, 50],
+                        help="ms; the first is the reversed variant's")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -54,8 +53,8 @@ def main() -> None:
     for seq, head_dim, causal in args.shapes:
         for repeat in range(args.repeats):
             for name, (reverse, warmup_ms) in variants.items():
-                bench.event_rounds = ordered_rounds(reverse, warmup_ms)
-                row = bench.run_shape(seq, head_dim, causal, args.dtype, with_jax=False)
+                bench.event_rounds = ordered_rounds(reverse)
+                row = bench.run_shape(seq, head_dim, causal, args.dtype, with_jax=False, warmup_ms=warmup_ms)
                 entry = {"seq": seq, "head_dim": head_dim, "causal": causal, "dtype": args.dtype, "variant": name,
                          "repeat": repeat, **{k: v for k, v in row.items() if k.startswith("fwd")},
                          "rounds_ms": row["rounds_ms"], "rounds_clocks": row["rounds_clocks"]}

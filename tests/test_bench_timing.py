@@ -221,6 +221,31 @@ def test_event_rounds_time_each_working_call_in_turn_after_one_untimed_call():
     assert samples == {"a": [6.0, 9.0, 10.0], "b": [7.0, 8.0, 11.0]}
 
 
+def test_event_rounds_warm_each_sample_up_for_the_given_milliseconds(monkeypatch):
+    from benchmarks import common
+
+    seen = []
+    monkeypatch.setattr(common, "bench_torch", lambda call, warmup_ms, rep_ms: seen.append((warmup_ms, rep_ms)) or 1.0)
+    event_rounds({"a": lambda: None}, {}, rounds=2, warmup_ms=150)
+    assert seen == [(150, 100)] * 3  # the dropped round's sample, then two kept ones
+
+
+@pytest.mark.parametrize("given, expected", [({}, 200), ({"warmup_ms": 7}, 7)])
+def test_flash_rows_warm_each_event_sample_up_for_200_ms_unless_told(monkeypatch, given, expected):
+    # 200 ms: at the power cap a sample 10 ms after the method before it met that method's clock.
+    import torch
+
+    from benchmarks import flash_attention as bench
+
+    seen = []
+    monkeypatch.setattr(bench, "event_rounds",
+                        lambda calls, errors, spans, warmup_ms: seen.append(warmup_ms) or {k: [1.0] for k in calls})
+    monkeypatch.setattr(bench, "host_costs", lambda *args: {})
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *args, **kwargs: t)
+    bench.run_shape(64, 16, False, "bfloat16", batch=1, with_jax=False, **given)
+    assert seen == [expected]
+
+
 def test_flash_ours_vs_best_sdpa_is_taken_within_rounds(monkeypatch):
     # cuDNN is the best backend by its median; the row reports the median of the per-round ratios
     # (1.0 / 1.1, 1.5 / 1.2, 2.0 / 2.2), not the ratio of the two medians (1.5 / 1.2).
@@ -232,7 +257,7 @@ def test_flash_ours_vs_best_sdpa_is_taken_within_rounds(monkeypatch):
     for name in list(rounds):
         rounds[name.replace("fwd/", "fwd+bwd/")] = rounds[name]
     monkeypatch.setattr(bench, "event_rounds",
-                        lambda calls, errors, spans: {k: rounds[k] for k in calls if k in rounds})
+                        lambda calls, errors, spans, warmup_ms: {k: rounds[k] for k in calls if k in rounds})
     monkeypatch.setattr(bench, "host_costs", lambda *args: {})
     monkeypatch.setattr(torch.Tensor, "to", lambda t, *args, **kwargs: t)  # the inputs stay on the CPU
     row = bench.run_shape(64, 16, False, "bfloat16", batch=1, with_jax=False)
@@ -255,7 +280,7 @@ def test_flash_row_reports_the_clocks_each_method_met_within_rounds(monkeypatch)
     mhz = {"ours_torch": [1500, 1700, 1900], "sdpa_cudnn": [1600, 1700, 1800], "sdpa_flash": [1980] * 3}
     ms = {"ours_torch": [1.0, 1.0, 1.0], "sdpa_cudnn": [1.1, 1.1, 1.1], "sdpa_flash": [2.0, 2.0, 2.0]}
 
-    def event_rounds(calls, errors, spans):
+    def event_rounds(calls, errors, spans, warmup_ms):
         for name in calls:
             if name.split("/")[1] in mhz:  # efficient: taken as failed, as in the test above
                 spans[name] = [(clock, clock) for clock in mhz[name.split("/")[1]]]
