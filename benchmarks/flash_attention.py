@@ -47,7 +47,7 @@ SEQS = (1024, 2048, 4096, 8192, 16384)
 # Untimed calls before each CUDA-event sample, in ms. At the power cap (the long rows without a
 # mask, H200) a sample 10 ms after the method before it still met that method's clock: one row's
 # forward ratio moved 0.98-1.05 between repeats. After 200 ms each method runs at the clock of its
-# own power draw and repeats agree within 1-2% (scripts/probe_bench_order.py, benchmarks/README.md).
+# own power draw and repeats agree within 2% (scripts/probe_bench_order.py, benchmarks/README.md).
 EVENT_WARMUP_MS = 200
 # Configs --sweep times for our kernels (tests/test_aot_flash_attention.py compiles them for sm_90).
 SWEEP_FWD = [FwdParams(blocksize_m=bm, blocksize_n=bn, num_warps=w, num_stages=s)
