@@ -34,7 +34,8 @@ def _write(tmp_path, name, rows, long_rows=None):
 
 
 def _long(errors=None):
-    return [{"causal": c, "ms": {"fwd/ours_torch": 9.0}, "errors": errors or {}} for c in (False, True)]
+    return [{"causal": c, "ms": {"fwd/ours_torch": 9.0, "fwd+bwd/ours_torch": 30.0}, "errors": errors or {}}
+            for c in (False, True)]
 
 
 def test_a_run_split_over_files_that_meets_every_goal(tmp_path):
@@ -57,6 +58,13 @@ def test_each_goal_names_the_rows_that_miss_it(tmp_path):
                       "forward+backward >= 0.85x best SDPA": ["bfloat16 d64 s2048 causal: 0.849"],
                       "jax within 3% of torch (fwd, fwd+bwd)": ["bfloat16 d64 s4096 causal fwd+bwd: 1.031"],
                       "seq 65,536 runs": ["causal=False: ['fwd/ours_torch']", "causal=True: ['fwd/ours_torch']"]}
+
+
+def test_long_rows_must_time_ours_forward_and_backward(tmp_path):
+    long_rows = _long()
+    del long_rows[1]["ms"]["fwd+bwd/ours_torch"]
+    misses = flash_goals.goals(*flash_goals.load([_write(tmp_path, "a.json", _grid(), long_rows)]))
+    assert misses["seq 65,536 runs"] == ["causal=True: not timed forward and backward"]
 
 
 def test_a_torch_only_run_or_one_without_the_long_rows_does_not_meet_the_goals(tmp_path):
@@ -85,3 +93,11 @@ def test_summary_and_table(tmp_path):
     assert len(table) == 2 + 10
     assert table[2] == "| 64 | 1024 | 500 / 500 | " + " | ".join(["1.05 / 1.05"] * 2 + ["0.95 / 0.95"] * 2
                                                                    + ["1.00 / 1.00"] * 4) + " |"
+
+
+def test_summary_reads_runs_that_did_not_record_rounds_or_seconds(tmp_path):
+    rows = _grid()
+    for row in rows:
+        del row["rounds_ms"], row["seconds"]
+    lines = flash_goals.summary(flash_goals.load([_write(tmp_path, "a.json", rows)])[0])
+    assert lines[3].endswith(": none") and lines[4] == "seconds: not recorded"
