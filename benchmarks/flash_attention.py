@@ -43,6 +43,9 @@ from triton_kernels.params import BwdParams, FwdParams
 
 TOKENS = 16384
 HIDDEN = 2048
+# The issue's grid (the defaults; scripts/flash_goals.py checks a run against it).
+DTYPES = ("bfloat16", "float16")
+HEAD_DIMS = (64, 128)
 SEQS = (1024, 2048, 4096, 8192, 16384)
 # Untimed calls before each CUDA-event sample, in ms. At the power cap (the long rows without a
 # mask, H200) a sample 10 ms after the method before it still met that method's clock: one row's
@@ -377,7 +380,8 @@ def _versus(row: dict) -> str:
     return ", ".join(parts)
 
 
-def _summary(rows: list[dict]) -> dict:
+def ratio_spreads(rows: list[dict]) -> dict:
+    """Each ratio the rows report ("phase: ..." keys) -> its median, min and max over the rows."""
     ratios = {}
     for key in sorted({k for r in rows for k, v in r.items() if ": " in k and isinstance(v, float)}):
         values = [r[key] for r in rows if key in r]
@@ -409,8 +413,8 @@ def smoke() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--dtypes", nargs="*", default=["bfloat16", "float16"])
-    parser.add_argument("--head-dims", nargs="*", type=int, default=[64, 128])
+    parser.add_argument("--dtypes", nargs="*", default=list(DTYPES))
+    parser.add_argument("--head-dims", nargs="*", type=int, default=list(HEAD_DIMS))
     parser.add_argument("--seqs", nargs="*", type=int, default=list(SEQS))
     parser.add_argument("--causal", nargs="*", default=["false", "true"], choices=["false", "true"])
     parser.add_argument("--sweep", action="store_true", help="also time SWEEP_FWD / SWEEP_BWD for ours")
@@ -461,7 +465,7 @@ def main() -> None:
         if "sweep" in row:
             print("    sweep ms:", row["sweep"], flush=True)
         _write(args, rows, extras)  # after every shape: a run cut short keeps what it measured
-    print("ratios:", _summary(rows))
+    print("ratios:", ratio_spreads(rows))
     if _failures(rows):
         print("failed (those rows compare with the methods that ran):", _failures(rows))
 
@@ -496,7 +500,7 @@ def _write(args, rows: list[dict], extras: dict) -> None:
                          "interleaved rounds, jax/torch ratios the median of per-round ratios; *_program: a forward "
                          "batch as one jitted program of chained calls, in the same rounds; TFLOP/s on 4*B*H*S^2*D "
                          "(x0.5 causal, x3.5 fwd+bwd)",
-               "ratios": _summary(rows), "failed": _failures(rows), "results": rows, **extras}
+               "ratios": ratio_spreads(rows), "failed": _failures(rows), "results": rows, **extras}
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"flash_attention-{device_name()}.json")
     write_json(out, payload)
     for phase in ("fwd", "fwd+bwd"):

@@ -21,11 +21,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
+import sys
 
-DTYPES = ("bfloat16", "float16")
-HEAD_DIMS = (64, 128)
-SEQS = (1024, 2048, 4096, 8192, 16384)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from benchmarks.flash_attention import DTYPES, HEAD_DIMS, SEQS, ratio_spreads  # noqa: E402
+
 FWD, FWD_BWD = "fwd: ours_torch vs best sdpa", "fwd+bwd: ours_torch vs best sdpa"
 JAX = {"fwd": "fwd: ours_jax time / ours_torch time", "fwd+bwd": "fwd+bwd: ours_jax time / ours_torch time"}
 PROGRAM = "fwd: ours_jax_program time / ours_torch time"
@@ -81,15 +84,13 @@ def goals(rows: dict, long_rows: list[dict]) -> dict[str, list[str]]:
     return misses
 
 
-def _spread(values: list[float]) -> str:
-    return f"median {statistics.median(values):.3f}, {min(values):.3f}-{max(values):.3f}" if values else "none"
+def _text(spread: dict | None) -> str:
+    return f"median {spread['median']:.3f}, {spread['min']:.3f}-{spread['max']:.3f}" if spread else "none"
 
 
 def summary(rows: dict) -> list[str]:
     """The run's medians, the first round's bias and the seconds its parts took."""
-    def figures(name):
-        return [r[name] for r in rows.values() if name in r]
-
+    spreads = ratio_spreads(list(rows.values()))
     bias = []
     for row in rows.values():
         rounds = row.get("rounds_ms", {})  # older runs did not record their rounds
@@ -97,15 +98,16 @@ def summary(rows: dict) -> list[str]:
         ratios = [s / o for o, s in zip(ours, sdpa)]
         if len(ratios) > 1:
             bias.append(ratios[0] / statistics.median(ratios[1:]))
+    bias_spread = {"median": statistics.median(bias), "min": min(bias), "max": max(bias)} if bias else None
     seconds = {}
     for row in rows.values():
         for part, t in row.get("seconds", {}).items():
             seconds[part] = seconds.get(part, 0.0) + t
-    return [f"forward vs best SDPA: {_spread(figures(FWD))}",
-            f"forward+backward vs best SDPA: {_spread(figures(FWD_BWD))}",
-            f"jax / torch, forward: {_spread(figures(JAX['fwd']))}; in one program: {_spread(figures(PROGRAM))}; "
-            f"forward+backward: {_spread(figures(JAX['fwd+bwd']))}",
-            f"first round over the later rounds' median (ours vs cuDNN, forward): {_spread(bias)}",
+    return [f"forward vs best SDPA: {_text(spreads.get(FWD))}",
+            f"forward+backward vs best SDPA: {_text(spreads.get(FWD_BWD))}",
+            f"jax / torch, forward: {_text(spreads.get(JAX['fwd']))}; in one program: {_text(spreads.get(PROGRAM))}; "
+            f"forward+backward: {_text(spreads.get(JAX['fwd+bwd']))}",
+            f"first round over the later rounds' median (ours vs cuDNN, forward): {_text(bias_spread)}",
             "seconds: " + (", ".join(f"{part} {t:.0f}" for part, t in seconds.items()) or "not recorded")]
 
 
