@@ -266,7 +266,7 @@ def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=Tr
     heads = HIDDEN // head_dim
     arrays = _inputs(batch, seq, heads, head_dim)
     q, k, v, dout = (torch.from_numpy(a).to("cuda", getattr(torch, dtype)) for a in arrays)
-    seconds = {}  # where a row's device time goes: a whole run with jax takes ~25 of a session's 30 minutes
+    seconds = {}  # where a row's device time goes: a whole run with jax takes most of a session's device time
     with _timed(seconds, "torch events"):
         times, errors, rounds, clocks = bench_torch_impls(q, k, v, dout, causal, warmup_ms=warmup_ms)
     with _timed(seconds, "host costs"):
