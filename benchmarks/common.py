@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import platform
 import statistics
@@ -61,15 +62,15 @@ def program_batch(program, args, wait, calls: int):
     return sample
 
 
-def interleaved(timers: dict, rounds: int = 9, warmup: int = 1) -> dict[str, list[float]]:
+def interleaved(timers: dict, rounds: int = 8, warmup: int = 1) -> dict[str, list[float]]:
     """``rounds`` samples of each timer (``wall_batch``), taken in turn round after round, the
     order reversed every other round, after ``warmup`` unrecorded rounds. Timed seconds apart, one
     method's timings wandered on the H100s here by as much as the differences we look for, so
-    methods compared are sampled side by side, and their ratio taken within a round
-    (``median_ratio``). The warm-up rounds keep the alternation (the one just before the first
-    recorded round is reversed), so every recorded round follows what the same round of the
-    pattern follows: at the power cap a sample's clock depends on the method run just before it
-    (``event_rounds``)."""
+    methods compared are sampled side by side, and their ratio taken within a pair of rounds, one
+    of each order (``median_ratio``: ``rounds`` even). The warm-up rounds keep the alternation
+    (the one just before the first recorded round is reversed), so every recorded round follows
+    what the same round of the pattern follows: at the power cap a sample's clock depends on the
+    method run just before it (``event_rounds``)."""
     names = list(timers)
     for r in range(-warmup, 0):
         for name in _round_order(names, r):
@@ -86,8 +87,9 @@ def _round_order(names: list, r: int) -> list:
     return names if r % 2 == 0 else names[::-1]
 
 
-# Rounds of CUDA-event timing (``event_rounds``): a method's figure is the median of its rounds.
-EVENT_ROUNDS = 5
+# Rounds of CUDA-event timing (``event_rounds``): a method's figure is the median of its rounds,
+# a ratio the median of three pairs of rounds (``median_ratio``).
+EVENT_ROUNDS = 6
 
 
 def event_rounds(calls: dict, errors: dict, rounds: int = EVENT_ROUNDS, timer=None,
@@ -133,17 +135,31 @@ def _stamped(sample, spans: list):
 
 
 def clock_ratio(clocks: dict[str, list[dict]], numerator: str, denominator: str) -> float | None:
-    """The median over rounds of one method's SM clock over another's (``GpuLog.during`` of each
-    sample, ``event_rounds``'s ``spans``); None where a round of either has no clock sample."""
-    pairs = list(zip(clocks.get(numerator, []), clocks.get(denominator, [])))
-    if not pairs or any("sm_mhz" not in a or "sm_mhz" not in b for a, b in pairs):
+    """One method's SM clock over another's (``GpuLog.during`` of each sample, ``event_rounds``'s
+    ``spans``), the median over pairs of rounds as ``median_ratio`` takes it; None where a round of
+    either has no clock sample."""
+    rounds = list(zip(clocks.get(numerator, []), clocks.get(denominator, [])))
+    if not rounds or any("sm_mhz" not in a or "sm_mhz" not in b for a, b in rounds):
         return None
-    return statistics.median(a["sm_mhz"] / b["sm_mhz"] for a, b in pairs)
+    return paired_median([a["sm_mhz"] / b["sm_mhz"] for a, b in rounds])
 
 
 def median_ratio(samples: dict[str, list[float]], numerator: str, denominator: str) -> float:
-    """The median over rounds of one method's time over another's (``interleaved``)."""
-    return statistics.median(a / b for a, b in zip(samples[numerator], samples[denominator]))
+    """One method's time over another's (``interleaved``): the ratio within each round, the
+    geometric mean of each pair of rounds (one in each order), the median of the pairs."""
+    return paired_median([a / b for a, b in zip(samples[numerator], samples[denominator])])
+
+
+def paired_median(per_round: list[float]) -> float:
+    """The median over pairs of rounds (0 and 1, 2 and 3, ...: ``interleaved``'s two orders) of
+    the geometric mean of a pair's two values. The order moved ours vs cuDNN by up to 13% on an
+    H200 at the power cap, even after 200 ms of warm-up a sample (session 59: one row's five
+    rounds read 0.94, 1.07, 0.95, 1.03, 0.96), so a median over single rounds, odd in number,
+    took the order that had more rounds; a pair holds one of each."""
+    if not per_round or len(per_round) % 2:
+        raise ValueError(f"per_round must hold an even, nonzero number of rounds (pairs of orders), "
+                         f"got {len(per_round)}")
+    return statistics.median(math.sqrt(per_round[i] * per_round[i + 1]) for i in range(0, len(per_round), 2))
 
 
 # Wall-clock batches last at least this long: a batch's start and its final wait cost a fixed

@@ -325,8 +325,9 @@ def _write(args, device: str, rows: list[dict], configs: dict) -> None:
     write_json(out, {"device": device, "torch": torch.__version__, "jax": jax.__version__, **configs,
                      "method": f"torch: triton.testing.do_bench median (events, L2 flushed), every method but "
                                f"torch_loop in {EVENT_ROUNDS} interleaved rounds of {200 // EVENT_ROUNDS} ms "
-                               "after one dropped round, reversed (rounds_ms), its ratios the median of the ratios "
-                               "within a round, its ms the median of the rounds; jax: median of 9 batches of 50 "
+                               "after one dropped round, reversed (rounds_ms), its ratios the median over pairs of "
+                               "rounds (one of each order) of the geometric mean of the ratios within each round, "
+                               "its ms the median of the rounds; jax: median of 9 batches of 50 "
                                "pipelined calls; TFLOP/s on "
                                f"2*sum(group_sizes)*k*n per matmul (x3 for fwd+bwd)",
                      "ratios": ratios, "results": rows})

@@ -88,7 +88,7 @@ def run(seq, head_dim, causal, dtype: str = "bfloat16") -> dict:
             timers[f"{name}{calls}"] = program_batch(program, (qj, kj, vj), jax.block_until_ready, calls)
         timers[f"program_spin{calls}"] = program_batch(programs["program"], (qj, kj, vj), spin_until_ready, calls)
     timers["torch_events100"] = _events_timer(ours_torch, 100)
-    samples = interleaved(timers, rounds=7)
+    samples = interleaved(timers, rounds=8)
     medians = {name: statistics.median(s) for name, s in samples.items()}
     return {"seq": seq, "head_dim": head_dim, "causal": causal, "dtype": dtype,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),

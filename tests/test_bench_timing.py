@@ -4,6 +4,7 @@ The jax-vs-torch ratios in benchmarks/flash_attention.py are only as good as the
 samples, so the pairing is checked here with fake timers that record when they ran.
 """
 import json
+import math
 import sys
 import time
 
@@ -46,9 +47,25 @@ def test_every_recorded_round_follows_what_its_place_in_the_pattern_follows(warm
 def test_median_ratio_pairs_samples_within_a_round():
     # Method a drifts 2x over the run, b with it; within a round a is always 1.1x b. Medians of
     # each taken apart would give 1.2 / 1.0 here; the per-round ratio gives 1.1.
-    samples = {"a": [1.1, 1.32, 2.2], "b": [1.0, 1.2, 2.0]}
-    assert abs(median_ratio(samples, "a", "b") - 1.1) < 1e-12
-    assert abs(median_ratio({"a": [1.0, 5.0, 2.0], "b": [1.0, 1.0, 1.0]}, "a", "b") - 2.0) < 1e-12
+    samples = {"a": [1.1, 1.32, 2.2, 1.76], "b": [1.0, 1.2, 2.0, 1.6]}
+    assert median_ratio(samples, "a", "b") == pytest.approx(1.1, abs=1e-12)
+    # Per-round ratios 1, 4 | 4, 4 | 1, 1: pairs 2, 4, 1 (geometric means), their median 2.
+    assert median_ratio({"a": [1.0, 4.0, 4.0, 4.0, 1.0, 1.0], "b": [1.0] * 6}, "a", "b") == pytest.approx(2.0)
+
+
+def test_median_ratio_weighs_both_orders_of_a_round_alike():
+    # The round order alternates; here a is 5% slower whenever it runs first (even rounds), b
+    # 5% slower whenever it does (odd rounds). The median of five single rounds took the even
+    # rounds' ratio, 1.05 * 1.05 (three of the five); each pair of rounds holds one of each order.
+    even, odd = 1.05 * 1.05, 1 / (1.05 * 1.05)
+    samples = {"a": [even, odd] * 3, "b": [1.0] * 6}
+    assert median_ratio(samples, "a", "b") == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("rounds", [0, 1, 3, 5])
+def test_median_ratio_wants_whole_pairs_of_rounds(rounds):
+    with pytest.raises(ValueError, match="even, nonzero number of rounds"):
+        median_ratio({"a": [1.0] * rounds, "b": [1.0] * rounds}, "a", "b")
 
 
 def test_wall_batch_calls_back_to_back_then_waits_for_the_last_output():
@@ -103,14 +120,17 @@ def test_time_beside_plan_sizes_batches_from_the_plan_and_pairs_rounds(monkeypat
         return lambda: fn()  # a "sample" is the fake call's value: ms a call
 
     monkeypatch.setattr(common, "wall_batch", fake_wall_batch)
-    # Three sizing samples, a warm-up round (not recorded), then nine rounds.
-    plan_ms = iter([0.5, 0.35, 0.4, 9.0, 1.2, 1.3, 0.9, 1.4, 1.5, 0.8, 1.6, 1.7, 0.7])
+    # Three sizing samples, a warm-up round (not recorded), then eight rounds.
+    plan_ms = iter([0.5, 0.35, 0.4, 9.0, 1.2, 1.3, 0.9, 1.4, 1.5, 0.8, 1.6, 1.7])
     runs = {"plan": lambda: next(plan_ms), "variant": lambda: 0.5}
     got = time_beside_plan(runs, lambda _: None)
     # Sized from the plan's fastest of three 20-call batches (0.35 ms -> 72 calls a batch).
     assert [calls for _, calls in sized] == [20, 20, 20, 72, 72]
-    assert got["plan"] == (1.3, 1.0)
-    assert got["variant"] == (0.5, 2.6)  # the plan's time over the variant's, median of the rounds
+    assert got["plan"] == (pytest.approx(1.35), 1.0)
+    # The plan's time over the variant's: rounds' ratios 2.4 2.6 | 1.8 2.8 | 3.0 1.6 | 3.2 3.4,
+    # the pairs' geometric means' median.
+    assert got["variant"][0] == 0.5
+    assert got["variant"][1] == pytest.approx((math.sqrt(2.4 * 2.6) + math.sqrt(1.8 * 2.8)) / 2)
 
 
 def test_error_text_is_the_type_and_first_line():
@@ -239,21 +259,58 @@ def test_flash_rows_warm_each_event_sample_up_for_200_ms_unless_told(monkeypatch
 
     seen = []
     monkeypatch.setattr(bench, "event_rounds",
-                        lambda calls, errors, spans, warmup_ms: seen.append(warmup_ms) or {k: [1.0] for k in calls})
+                        lambda calls, errors, spans, warmup_ms: seen.append(warmup_ms) or {k: [1.0, 1.0] for k in calls})
     monkeypatch.setattr(bench, "host_costs", lambda *args: {})
     monkeypatch.setattr(torch.Tensor, "to", lambda t, *args, **kwargs: t)
     bench.run_shape(64, 16, False, "bfloat16", batch=1, with_jax=False, **given)
     assert seen == [expected]
 
 
-def test_flash_ours_vs_best_sdpa_is_taken_within_rounds(monkeypatch):
-    # cuDNN is the best backend by its median; the row reports the median of the per-round ratios
-    # (1.0 / 1.1, 1.5 / 1.2, 2.0 / 2.2), not the ratio of the two medians (1.5 / 1.2).
+def test_flash_row_times_the_backends_it_is_given_and_host_costs_unless_told(monkeypatch):
     import torch
 
     from benchmarks import flash_attention as bench
 
-    rounds = {"fwd/ours_torch": [1.1, 1.2, 2.2], "fwd/sdpa_cudnn": [1.0, 1.5, 2.0], "fwd/sdpa_flash": [1.6, 1.6, 1.6]}
+    timed, host = [], []
+    monkeypatch.setattr(bench, "event_rounds",
+                        lambda calls, errors, spans, warmup_ms: timed.append(sorted(calls)) or {k: [1.0, 1.0] for k in calls})
+    monkeypatch.setattr(bench, "host_costs", lambda *args: host.append(args) or {})
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *args, **kwargs: t)
+    row = bench.run_shape(64, 16, True, "bfloat16", batch=1, with_jax=False, sdpa=("cudnn",), with_host=False)
+    assert timed == [["fwd+bwd/ours_torch", "fwd+bwd/sdpa_cudnn", "fwd/ours_torch", "fwd/sdpa_cudnn"]]
+    assert host == [] and set(row["seconds"]) == {"torch events"}
+    assert row["fwd: best sdpa"] == "sdpa_cudnn"
+    bench.run_shape(64, 16, True, "bfloat16", batch=1, with_jax=False)
+    assert {name.split("/")[1] for name in timed[1]} == {"ours_torch", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"}
+    assert len(host) == 1
+
+
+def test_flash_long_rows_leave_out_the_efficient_backend_and_host_costs(monkeypatch):
+    import argparse
+
+    from benchmarks import flash_attention as bench
+
+    calls = []
+    monkeypatch.setattr(bench, "run_shape", lambda *args, **kwargs: calls.append((args, kwargs)) or {"tflops": {}})
+    args = argparse.Namespace(long=True, overhead=False, dtypes=["bfloat16"], warmup_ms=200)
+    extras = bench._extras(args)
+    assert len(extras["seq_65536"]) == 2
+    assert [a for a, _ in calls] == [(65536, 128, False, "bfloat16"), (65536, 128, True, "bfloat16")]
+    for _, kwargs in calls:
+        assert kwargs["sdpa"] == ("flash", "cudnn") and kwargs["with_host"] is False and kwargs["with_jax"] is False
+        assert kwargs["batch"] == 1 and kwargs["warmup_ms"] == 200
+
+
+def test_flash_ours_vs_best_sdpa_is_taken_within_rounds(monkeypatch):
+    # cuDNN is the best backend by its median; the row reports the ratios within rounds (1.0 / 1.1,
+    # 1.5 / 1.2 | 2.0 / 2.2, 1.8 / 2.0 | 1.2 / 1.0, 1.0 / 1.0), paired, the median pair the first,
+    # not the ratio of the two medians (1.35 / 1.15).
+    import torch
+
+    from benchmarks import flash_attention as bench
+
+    rounds = {"fwd/ours_torch": [1.1, 1.2, 2.2, 2.0, 1.0, 1.0], "fwd/sdpa_cudnn": [1.0, 1.5, 2.0, 1.8, 1.2, 1.0],
+              "fwd/sdpa_flash": [1.7] * 6}
     for name in list(rounds):
         rounds[name.replace("fwd/", "fwd+bwd/")] = rounds[name]
     monkeypatch.setattr(bench, "event_rounds",
@@ -262,8 +319,8 @@ def test_flash_ours_vs_best_sdpa_is_taken_within_rounds(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "to", lambda t, *args, **kwargs: t)  # the inputs stay on the CPU
     row = bench.run_shape(64, 16, False, "bfloat16", batch=1, with_jax=False)
     assert row["fwd: best sdpa"] == "sdpa_cudnn"
-    assert row["fwd: ours_torch vs best sdpa"] == pytest.approx(1.0 / 1.1)
-    assert row["ms"]["fwd/sdpa_cudnn"] == 1.5 and row["rounds_ms"]["fwd/ours_torch"] == [1.1, 1.2, 2.2]
+    assert row["fwd: ours_torch vs best sdpa"] == pytest.approx(math.sqrt(1.0 / 1.1 * 1.5 / 1.2))
+    assert row["ms"]["fwd/sdpa_cudnn"] == pytest.approx(1.35) and row["rounds_ms"]["fwd/ours_torch"][:3] == [1.1, 1.2, 2.2]
     assert "fwd: ours_torch clock / best sdpa clock" not in row  # no clock samples: no ratio
     assert set(row["seconds"]) == {"torch events", "host costs"}  # what the row's parts took
     assert all(0 <= t < 60 for t in row["seconds"].values())
@@ -271,14 +328,14 @@ def test_flash_ours_vs_best_sdpa_is_taken_within_rounds(monkeypatch):
 
 def test_flash_row_reports_the_clocks_each_method_met_within_rounds(monkeypatch):
     # Each sample's span is stamped with the clock a fake GpuLog reports for it; the row gives
-    # the clocks per round and the median of ours' over the best backend's (1500/1600, 1700/1700,
-    # 1900/1800): 1.0, not a ratio of medians.
+    # the clocks per round and ours' over the best backend's within rounds (0.8, 1.25 | 1.2, 1.2),
+    # paired as times are: 1.1, not the ratio of medians (1800 / 1550).
     import torch
 
     from benchmarks import flash_attention as bench
 
-    mhz = {"ours_torch": [1500, 1700, 1900], "sdpa_cudnn": [1600, 1700, 1800], "sdpa_flash": [1980] * 3}
-    ms = {"ours_torch": [1.0, 1.0, 1.0], "sdpa_cudnn": [1.1, 1.1, 1.1], "sdpa_flash": [2.0, 2.0, 2.0]}
+    mhz = {"ours_torch": [1600, 2000, 1800, 1800], "sdpa_cudnn": [2000, 1600, 1500, 1500], "sdpa_flash": [1980] * 4}
+    ms = {"ours_torch": [1.0] * 4, "sdpa_cudnn": [1.1] * 4, "sdpa_flash": [2.0] * 4}
 
     def event_rounds(calls, errors, spans, warmup_ms):
         for name in calls:
@@ -301,11 +358,11 @@ def test_flash_row_reports_the_clocks_each_method_met_within_rounds(monkeypatch)
     monkeypatch.setattr(bench, "host_costs", lambda *args: {})
     monkeypatch.setattr(torch.Tensor, "to", lambda t, *args, **kwargs: t)
     row = bench.run_shape(64, 16, False, "bfloat16", batch=1, with_jax=False)
-    assert [c["sm_mhz"] for c in row["rounds_clocks"]["fwd/ours_torch"]] == [1500, 1700, 1900]
-    assert row["fwd: ours_torch clock / best sdpa clock"] == pytest.approx(1.0)
-    assert row["fwd+bwd: ours_torch clock / best sdpa clock"] == pytest.approx(1.0)
-    assert bench._versus(row) == ("fwd vs sdpa_cudnn 1.100 (clock ratio 1.000), "
-                                  "fwd+bwd vs sdpa_cudnn 1.100 (clock ratio 1.000)")
+    assert [c["sm_mhz"] for c in row["rounds_clocks"]["fwd/ours_torch"]] == [1600, 2000, 1800, 1800]
+    assert row["fwd: ours_torch clock / best sdpa clock"] == pytest.approx(1.1)
+    assert row["fwd+bwd: ours_torch clock / best sdpa clock"] == pytest.approx(1.1)
+    assert bench._versus(row) == ("fwd vs sdpa_cudnn 1.100 (clock ratio 1.100), "
+                                  "fwd+bwd vs sdpa_cudnn 1.100 (clock ratio 1.100)")
 
 
 def test_event_rounds_stamp_each_sample_in_the_order_they_ran():
@@ -326,11 +383,12 @@ def test_event_rounds_stamp_each_sample_in_the_order_they_ran():
     assert spans["b"][1][1] <= spans["a"][1][0] and spans["a"][2][1] <= spans["b"][2][0]
 
 
-def test_clock_ratio_is_the_median_within_rounds_and_none_without_samples():
-    clocks = {"x": [{"sm_mhz": 1500}, {"sm_mhz": 1800}, {"sm_mhz": 1600}],
-              "y": [{"sm_mhz": 1500}, {"sm_mhz": 1500}, {"sm_mhz": 2000}]}
-    assert clock_ratio(clocks, "x", "y") == pytest.approx(1.0)  # 1.0, 1.2, 0.8
-    assert clock_ratio({"x": clocks["x"], "y": [{}, {"sm_mhz": 1}, {"sm_mhz": 1}]}, "x", "y") is None
+def test_clock_ratio_is_paired_within_rounds_and_none_without_samples():
+    clocks = {"x": [{"sm_mhz": 1500}, {"sm_mhz": 1800}, {"sm_mhz": 1600}, {"sm_mhz": 1500}],
+              "y": [{"sm_mhz": 1500}, {"sm_mhz": 1500}, {"sm_mhz": 2000}, {"sm_mhz": 1500}]}
+    # rounds 1.0, 1.2 | 0.8, 1.0: the median of the pairs' geometric means
+    assert clock_ratio(clocks, "x", "y") == pytest.approx((math.sqrt(1.2) + math.sqrt(0.8)) / 2)
+    assert clock_ratio({"x": clocks["x"], "y": [{}, {"sm_mhz": 1}, {"sm_mhz": 1}, {"sm_mhz": 1}]}, "x", "y") is None
     assert clock_ratio(clocks, "x", "missing") is None
 
 
