@@ -52,6 +52,12 @@ SEQS = (1024, 2048, 4096, 8192, 16384)
 # forward ratio moved 0.98-1.05 between repeats. After 200 ms each method runs at the clock of its
 # own power draw and repeats agree within 2% (scripts/probe_bench_order.py, benchmarks/README.md).
 EVENT_WARMUP_MS = 200
+# SDPA's backends timed beside ours, and those of the seq-65,536 rows (--long): there the
+# memory-efficient one, 3.5-4x slower than cuDNN in every row, took 4-6 s a sample (one 0.8 s
+# call of do_bench's five to size a sample, and more); the two long rows' host costs, microseconds
+# against calls of 30-240 ms, took 87 s more (session 59).
+SDPA_BACKENDS = ("flash", "cudnn", "efficient")
+LONG_SDPA_BACKENDS = ("flash", "cudnn")
 # Configs --sweep times for our kernels (tests/test_aot_flash_attention.py compiles them for sm_90).
 SWEEP_FWD = [FwdParams(blocksize_m=bm, blocksize_n=bn, num_warps=w, num_stages=s)
              for bm, bn, w, s in ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 4, 3),
@@ -91,7 +97,7 @@ def _torch_step(fn, q, k, v, dout):
 
 
 def bench_torch_impls(q, k, v, dout, causal, fwd_params=None, bwd_params=None,
-                      only_ours=False, warmup_ms=EVENT_WARMUP_MS) -> tuple[dict, dict, dict, dict]:
+                      sdpa=SDPA_BACKENDS, warmup_ms=EVENT_WARMUP_MS) -> tuple[dict, dict, dict, dict]:
     """Ours and SDPA's backends from torch, timed by CUDA events side by side (``event_rounds``,
     each sample after ``warmup_ms`` of untimed calls).
     Returns (median ms by "phase/method", errors, the rounds' samples, and the clocks each sample
@@ -102,10 +108,9 @@ def bench_torch_impls(q, k, v, dout, causal, fwd_params=None, bwd_params=None,
     ours = lambda a, b, c: ejkernel_torch.flash_attention(a, b, c, causal=causal, fwd_params=fwd_params,  # noqa: E731
                                                           bwd_params=bwd_params)
     impls = {"ours_torch": (ours, (q, k, v), dout)}
-    if not only_ours:
-        heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
-        for name in ("flash", "cudnn", "efficient"):
-            impls[f"sdpa_{name}"] = (_sdpa(name, causal), heads_first[:3], heads_first[3])
+    heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)] if sdpa else []
+    for name in sdpa:
+        impls[f"sdpa_{name}"] = (_sdpa(name, causal), heads_first[:3], heads_first[3])
     errors, spans = {}, {}
     with GpuLog() as log:
         rounds = event_rounds({f"{phase}/{name}": _torch_call(fn, args, cot, phase)
@@ -259,7 +264,7 @@ def _timed(seconds: dict, part: str):
 
 
 def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=True, jax_wait=None,
-              warmup_ms=EVENT_WARMUP_MS) -> dict:
+              warmup_ms=EVENT_WARMUP_MS, sdpa=SDPA_BACKENDS, with_host=True) -> dict:
     import torch
 
     batch = batch or max(1, TOKENS // seq)
@@ -268,9 +273,11 @@ def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=Tr
     q, k, v, dout = (torch.from_numpy(a).to("cuda", getattr(torch, dtype)) for a in arrays)
     seconds = {}  # where a row's device time goes: a whole run with jax takes most of a session's device time
     with _timed(seconds, "torch events"):
-        times, errors, rounds, clocks = bench_torch_impls(q, k, v, dout, causal, warmup_ms=warmup_ms)
-    with _timed(seconds, "host costs"):
-        side_ratios = host_costs(q, k, v, dout, causal, times)
+        times, errors, rounds, clocks = bench_torch_impls(q, k, v, dout, causal, sdpa=sdpa, warmup_ms=warmup_ms)
+    side_ratios = {}
+    if with_host:
+        with _timed(seconds, "host costs"):
+            side_ratios = host_costs(q, k, v, dout, causal, times)
     if with_jax:
         with _timed(seconds, "wall clock, with jax"):
             wall, ratios, wall_errors = bench_side_by_side(q, k, v, dout, arrays, dtype, causal, times, jax_wait)
@@ -282,10 +289,9 @@ def run_shape(seq, head_dim, causal, dtype, sweep=False, batch=None, with_jax=Tr
            "tflops": {n: flops(batch, heads, seq, head_dim, causal, n.split("/")[0]) / (ms * 1e-3) / 1e12
                       for n, ms in times.items()}}
     for phase in ("fwd", "fwd+bwd"):
-        sdpa = {n: times[f"{phase}/{n}"] for n in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
-                if f"{phase}/{n}" in times}
-        if sdpa and f"{phase}/ours_torch" in times:
-            best = min(sdpa, key=sdpa.get)  # by its median; the ratio is taken within each round
+        sdpa_ms = {f"sdpa_{n}": times[f"{phase}/sdpa_{n}"] for n in SDPA_BACKENDS if f"{phase}/sdpa_{n}" in times}
+        if sdpa_ms and f"{phase}/ours_torch" in times:
+            best = min(sdpa_ms, key=sdpa_ms.get)  # by its median; the ratio is taken within each round
             row[f"{phase}: ours_torch vs best sdpa"] = median_ratio(rounds, f"{phase}/{best}", f"{phase}/ours_torch")
             row[f"{phase}: best sdpa"] = best
             clock = clock_ratio(clocks, f"{phase}/ours_torch", f"{phase}/{best}")
@@ -304,10 +310,10 @@ def _label(p) -> str:
 def sweep_configs(q, k, v, dout, causal) -> dict:
     out = {"fwd": {}, "fwd+bwd": {}}
     for p in SWEEP_FWD:
-        t, e, *_ = bench_torch_impls(q, k, v, dout, causal, fwd_params=p, only_ours=True)
+        t, e, *_ = bench_torch_impls(q, k, v, dout, causal, fwd_params=p, sdpa=())
         out["fwd"][_label(p)] = t.get("fwd/ours_torch") or e.get("fwd/ours_torch")
     for p in SWEEP_BWD:
-        t, e, *_ = bench_torch_impls(q, k, v, dout, causal, bwd_params=p, only_ours=True)
+        t, e, *_ = bench_torch_impls(q, k, v, dout, causal, bwd_params=p, sdpa=())
         out["fwd+bwd"][_label(p)] = t.get("fwd+bwd/ours_torch") or e.get("fwd+bwd/ours_torch")
     return out
 
@@ -476,7 +482,7 @@ def _extras(args) -> dict:
         long_rows = []
         for causal in (False, True):
             long_rows.append(run_shape(65536, 128, causal, args.dtypes[0], batch=1, with_jax=False,
-                                       warmup_ms=args.warmup_ms))
+                                       warmup_ms=args.warmup_ms, sdpa=LONG_SDPA_BACKENDS, with_host=False))
             print("seq 65536:", {n: round(v) for n, v in long_rows[-1]["tflops"].items()}, flush=True)
         extras["seq_65536"] = long_rows
     if args.overhead:
@@ -494,10 +500,11 @@ def _write(args, rows: list[dict], extras: dict) -> None:
                          f"interleaved rounds of {200 // EVENT_ROUNDS} ms, each after {extras['event_warmup_ms']} "
                          "ms of untimed calls (event_warmup_ms), after one dropped round, reversed "
                          "(rounds_ms; rounds_clocks: the SM clock each sample met, by nvidia-smi), each one's ms the "
-                         "median of its rounds, ours vs best sdpa the median of the per-round ratios; jax and "
+                         "median of its rounds, ours vs best sdpa the median over pairs of rounds (one of each order) of "
+                         "the geometric mean of their two ratios; jax and "
                          "*_wall: median of pipelined batches of >= 25 ms (20-200 calls), jax's waited for as "
-                         "jax_wait says (block: jax.block_until_ready; spin: polled), the wall-clock methods in 9 "
-                         "interleaved rounds, jax/torch ratios the median of per-round ratios; *_program: a forward "
+                         "jax_wait says (block: jax.block_until_ready; spin: polled), the wall-clock methods in 8 "
+                         "interleaved rounds, jax/torch ratios paired as ours vs sdpa; *_program: a forward "
                          "batch as one jitted program of chained calls, in the same rounds; TFLOP/s on 4*B*H*S^2*D "
                          "(x0.5 causal, x3.5 fwd+bwd)",
                "ratios": ratio_spreads(rows), "failed": _failures(rows), "results": rows, **extras}

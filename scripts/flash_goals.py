@@ -84,21 +84,26 @@ def goals(rows: dict, long_rows: list[dict]) -> dict[str, list[str]]:
     return misses
 
 
+def _spread(values: list[float]) -> dict | None:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
+
+
 def _text(spread: dict | None) -> str:
     return f"median {spread['median']:.3f}, {spread['min']:.3f}-{spread['max']:.3f}" if spread else "none"
 
 
 def summary(rows: dict) -> list[str]:
-    """The run's medians, the first round's bias and the seconds its parts took."""
+    """The run's medians, the first round's bias, the rounds' order effect and the seconds its
+    parts took."""
     spreads = ratio_spreads(list(rows.values()))
-    bias = []
+    bias, order = [], []
     for row in rows.values():
         rounds = row.get("rounds_ms", {})  # older runs did not record their rounds
         ours, sdpa = rounds.get("fwd/ours_torch", []), rounds.get("fwd/sdpa_cudnn", [])
         ratios = [s / o for o, s in zip(ours, sdpa)]
         if len(ratios) > 1:
             bias.append(ratios[0] / statistics.median(ratios[1:]))
-    bias_spread = {"median": statistics.median(bias), "min": min(bias), "max": max(bias)} if bias else None
+            order.append(statistics.median(ratios[0::2]) / statistics.median(ratios[1::2]))
     seconds = {}
     for row in rows.values():
         for part, t in row.get("seconds", {}).items():
@@ -107,7 +112,9 @@ def summary(rows: dict) -> list[str]:
             f"forward+backward vs best SDPA: {_text(spreads.get(FWD_BWD))}",
             f"jax / torch, forward: {_text(spreads.get(JAX['fwd']))}; in one program: {_text(spreads.get(PROGRAM))}; "
             f"forward+backward: {_text(spreads.get(JAX['fwd+bwd']))}",
-            f"first round over the later rounds' median (ours vs cuDNN, forward): {_text(bias_spread)}",
+            f"first round over the later rounds' median (ours vs cuDNN, forward): {_text(_spread(bias))}",
+            f"rounds in the given order over reversed ones (ours vs cuDNN, forward; even over odd rounds' "
+            f"medians): {_text(_spread(order))}",
             "seconds: " + (", ".join(f"{part} {t:.0f}" for part, t in seconds.items()) or "not recorded")]
 
 

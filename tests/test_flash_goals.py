@@ -15,7 +15,7 @@ def _row(dtype, head_dim, seq, causal, fwd=1.05, fwd_bwd=0.95, jax=1.0):
     return {"dtype": dtype, "head_dim": head_dim, "seq": seq, "causal": causal,
             flash_goals.FWD: fwd, flash_goals.FWD_BWD: fwd_bwd,
             flash_goals.JAX["fwd"]: jax, flash_goals.JAX["fwd+bwd"]: jax, flash_goals.PROGRAM: jax,
-            "rounds_ms": {"fwd/ours_torch": [1.0, 1.0, 1.0], "fwd/sdpa_cudnn": [1.2, 1.1, 1.1]},
+            "rounds_ms": {"fwd/ours_torch": [1.0] * 4, "fwd/sdpa_cudnn": [1.2, 1.1, 1.1, 1.0]},
             "seconds": {"torch events": 2.0}, "tflops": {"fwd/ours_torch": 500.4}}
 
 
@@ -87,8 +87,9 @@ def test_summary_and_table(tmp_path):
     rows, _ = flash_goals.load([_write(tmp_path, "a.json", _grid())])
     lines = flash_goals.summary(rows)
     assert lines[0] == "forward vs best SDPA: median 1.050, 1.050-1.050"
-    assert lines[3].endswith("median 1.091, 1.091-1.091")  # (1.2 / 1.0) over the median of 1.1, 1.1
-    assert lines[4] == "seconds: torch events 80"
+    assert lines[3].endswith("median 1.091, 1.091-1.091")  # (1.2 / 1.0) over the median of 1.1, 1.1, 1.0
+    assert lines[4].endswith("median 1.095, 1.095-1.095")  # even rounds' median 1.15 over odd ones' 1.05
+    assert lines[5] == "seconds: torch events 80"
     table = flash_goals.table(rows)
     assert len(table) == 2 + 10
     assert table[2] == "| 64 | 1024 | 500 / 500 | " + " | ".join(["1.05 / 1.05"] * 2 + ["0.95 / 0.95"] * 2
@@ -100,4 +101,4 @@ def test_summary_reads_runs_that_did_not_record_rounds_or_seconds(tmp_path):
     for row in rows:
         del row["rounds_ms"], row["seconds"]
     lines = flash_goals.summary(flash_goals.load([_write(tmp_path, "a.json", rows)])[0])
-    assert lines[3].endswith(": none") and lines[4] == "seconds: not recorded"
+    assert lines[3].endswith(": none") and lines[4].endswith(": none") and lines[5] == "seconds: not recorded"
