@@ -150,6 +150,11 @@ def median_ratio(samples: dict[str, list[float]], numerator: str, denominator: s
     return paired_median([a / b for a, b in zip(samples[numerator], samples[denominator])])
 
 
+def spread(values: list[float]) -> dict | None:
+    """Median, min and max of ``values``; None when there are none."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
+
+
 def paired_median(per_round: list[float]) -> float:
     """The median over pairs of rounds (0 and 1, 2 and 3, ...: ``interleaved``'s two orders) of
     the geometric mean of a pair's two values. The order moved ours vs cuDNN by up to 13% on an

@@ -37,7 +37,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import numpy as np
 
 from benchmarks.common import (EVENT_ROUNDS, GpuLog, calls_per_batch, clock_ratio, device_name, event_rounds,
-                               host_ms, interleaved, median_ratio, pin_configs, program_batch, spin_until_ready,
+                               host_ms, interleaved, median_ratio, pin_configs, program_batch, spin_until_ready, spread,
                                try_time, value_and_pullback, wall_batch, write_bar_svg, write_json)
 from triton_kernels.params import BwdParams, FwdParams
 
@@ -391,7 +391,7 @@ def ratio_spreads(rows: list[dict]) -> dict:
     ratios = {}
     for key in sorted({k for r in rows for k, v in r.items() if ": " in k and isinstance(v, float)}):
         values = [r[key] for r in rows if key in r]
-        ratios[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        ratios[key] = spread(values)
     return ratios
 
 

@@ -33,7 +33,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.3")
 import numpy as np
 
 from benchmarks.common import (EVENT_ROUNDS, bench_jax, bench_torch, device_name, event_rounds, median_ratio,
-                               pin_configs, try_time, value_and_pullback, write_bar_svg, write_json)
+                               pin_configs, spread, try_time, value_and_pullback, write_bar_svg, write_json)
 from triton_kernels.params import FwdParams
 
 # (experts g, tokens m, k, n): MoE layers from the ranges, largest balanced ones first.
@@ -321,7 +321,7 @@ def _write(args, device: str, rows: list[dict], configs: dict) -> None:
     ratios = {}
     for key in {k for r in rows for k in r if " vs " in k}:
         values = [r[key] for r in rows if key in r]
-        ratios[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        ratios[key] = spread(values)
     write_json(out, {"device": device, "torch": torch.__version__, "jax": jax.__version__, **configs,
                      "method": f"torch: triton.testing.do_bench median (events, L2 flushed), every method but "
                                f"torch_loop in {EVENT_ROUNDS} interleaved rounds of {200 // EVENT_ROUNDS} ms "

@@ -27,6 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks.common import spread  # noqa: E402
 from benchmarks.flash_attention import DTYPES, HEAD_DIMS, SEQS, ratio_spreads  # noqa: E402
 
 FWD, FWD_BWD = "fwd: ours_torch vs best sdpa", "fwd+bwd: ours_torch vs best sdpa"
@@ -84,10 +85,6 @@ def goals(rows: dict, long_rows: list[dict]) -> dict[str, list[str]]:
     return misses
 
 
-def _spread(values: list[float]) -> dict | None:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
-
-
 def _text(spread: dict | None) -> str:
     return f"median {spread['median']:.3f}, {spread['min']:.3f}-{spread['max']:.3f}" if spread else "none"
 
@@ -112,9 +109,9 @@ def summary(rows: dict) -> list[str]:
             f"forward+backward vs best SDPA: {_text(spreads.get(FWD_BWD))}",
             f"jax / torch, forward: {_text(spreads.get(JAX['fwd']))}; in one program: {_text(spreads.get(PROGRAM))}; "
             f"forward+backward: {_text(spreads.get(JAX['fwd+bwd']))}",
-            f"first round over the later rounds' median (ours vs cuDNN, forward): {_text(_spread(bias))}",
+            f"first round over the later rounds' median (ours vs cuDNN, forward): {_text(spread(bias))}",
             f"rounds in the given order over reversed ones (ours vs cuDNN, forward; even over odd rounds' "
-            f"medians): {_text(_spread(order))}",
+            f"medians): {_text(spread(order))}",
             "seconds: " + (", ".join(f"{part} {t:.0f}" for part, t in seconds.items()) or "not recorded")]
 
 
